@@ -1,0 +1,23 @@
+"""jaxoffload: train CNNs whose activations do not fit in GPU memory."""
+
+__version__ = "0.1.0"
+
+from jaxoffload import linen as linen
+from jaxoffload.report import MemoryReport as MemoryReport
+from jaxoffload.report import OffloadDroppedError as OffloadDroppedError
+from jaxoffload.report import OffloadWarning as OffloadWarning
+from jaxoffload.report import memory_report as memory_report
+from jaxoffload.transform import Residual as Residual
+from jaxoffload.transform import offload as offload
+from jaxoffload.transform import saved_residuals as saved_residuals
+
+__all__ = [
+    "MemoryReport",
+    "OffloadDroppedError",
+    "OffloadWarning",
+    "Residual",
+    "linen",
+    "memory_report",
+    "offload",
+    "saved_residuals",
+]

@@ -1,0 +1,86 @@
+"""VGG networks (Simonyan and Zisserman, 2014) in Flax linen, NHWC."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from jaxoffload import layers
+from jaxoffload.models.common import check_strategies, wrap_block
+
+__all__ = ["VGG", "ConvBlock", "VGG11", "VGG13", "VGG16", "VGG19", "num_conv_blocks"]
+
+# Channel counts of the 3x3 convolutions; "M" is a 2x2 max-pool.
+VGG11 = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
+VGG13 = (64, 64, "M", 128, 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
+VGG16 = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
+VGG19 = (64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M",
+         512, 512, 512, 512, "M")  # fmt: skip
+
+
+class ConvBlock(nn.Module):
+    """3x3 convolution and ReLU, followed by a 2x2 max-pool if ``pool``.
+
+    The pool belongs to the block before it, so that a block's strategy also
+    covers the pool's residuals. ``lean_pool`` picks
+    :func:`jaxoffload.layers.max_pool` over ``flax.linen.max_pool``: same
+    values and gradients, without the int32 index tensors that XLA:GPU makes
+    for the latter's backward pass.
+    """
+
+    features: int
+    pool: bool = False
+    dtype: Any = jnp.float32
+    lean_pool: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(self.features, (3, 3), padding="SAME", dtype=self.dtype)(x)
+        x = nn.relu(x)
+        if self.pool:
+            max_pool = layers.max_pool if self.lean_pool else nn.max_pool
+            x = max_pool(x, (2, 2), strides=(2, 2))
+        return x
+
+
+def num_conv_blocks(config: Sequence[int | str]) -> int:
+    """How many convolution blocks a VGG configuration has."""
+    return sum(1 for v in config if v != "M")
+
+
+class VGG(nn.Module):
+    """VGG with the ImageNet classifier (no dropout: the benchmarks are deterministic).
+
+    Attributes:
+      config: channel counts and "M" pools, e.g. ``VGG19``.
+      num_classes: classifier outputs.
+      dtype: compute dtype; parameters are float32.
+      block_strategies: one entry of ``BLOCK_STRATEGIES`` per conv block, or
+        empty for all ``"none"``.
+      classifier_width: width of the two hidden dense layers.
+      lean_pool: use :func:`jaxoffload.layers.max_pool` (see ``ConvBlock``).
+    """
+
+    config: Sequence[int | str] = VGG19
+    num_classes: int = 1000
+    dtype: Any = jnp.float32
+    block_strategies: Sequence[str] = ()
+    classifier_width: int = 4096
+    lean_pool: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        strategies = check_strategies(self.block_strategies, num_conv_blocks(self.config))
+        convs = [v for v in self.config if v != "M"]
+        pools = [i + 1 < len(self.config) and self.config[i + 1] == "M"
+                 for i, v in enumerate(self.config) if v != "M"]  # fmt: skip
+        for n, (features, pool, strategy) in enumerate(zip(convs, pools, strategies)):
+            block = wrap_block(ConvBlock, strategy)
+            x = block(features, pool, self.dtype, self.lean_pool, name=f"block{n}")(x)
+        x = x.reshape((x.shape[0], -1))
+        x = nn.relu(nn.Dense(self.classifier_width, dtype=self.dtype, name="fc0")(x))
+        x = nn.relu(nn.Dense(self.classifier_width, dtype=self.dtype, name="fc1")(x))
+        return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)

@@ -1,0 +1,267 @@
+"""Proof that an offload happened: what the compiled program keeps where."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+__all__ = ["MemoryReport", "OffloadDroppedError", "OffloadWarning", "analyze", "memory_report"]
+
+# XLA writes the host memory space as S(5) in a layout: bf16[8,128]{1,0:S(5)}.
+_ARRAY = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]\{[^}]*\}")
+_HOST_SPACE = "S(5)"
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+([\w\-]+)\(")
+_HOST_KINDS = ("pinned_host", "unpinned_host")
+# Instructions whose result is another instruction's buffer, or an argument.
+_ALIASES = ("get-tuple-element", "tuple", "bitcast", "opt-barrier", "copy-done", "parameter")
+_BYTES = {"pred": 1, "s4": 1, "u4": 1}  # sub-byte types are stored a byte each
+
+
+class OffloadWarning(UserWarning):
+    """A requested host placement had no effect."""
+
+
+class OffloadDroppedError(RuntimeError):
+    """The compiler removed every requested host transfer."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """What one compiled program keeps in device and host memory.
+
+    Attributes:
+      platform: the backend, e.g. ``"gpu"`` or ``"cpu"``.
+      temp_bytes: device temporaries, from ``memory_analysis()``.
+      host_temp_bytes: host temporaries, from ``memory_analysis()``.
+      argument_bytes: device arguments, from ``memory_analysis()``.
+      output_bytes: device outputs, from ``memory_analysis()``.
+      requested_transfers: ``device_put``s to host memory in the traced program.
+      requested_bytes: the bytes those ``device_put``s move.
+      host_buffers: buffers the compiled program creates in host memory
+        (``S(5)``): the destinations of device-to-host copies and any other
+        instruction writing there (aliases and arguments are not counted).
+      host_buffer_bytes: their total size.
+      device_to_host: compiled copies from device to host memory.
+      device_to_host_bytes: the bytes they move.
+      host_to_device: compiled copies from host to device memory.
+      host_to_device_bytes: the bytes they move.
+    """
+
+    platform: str
+    temp_bytes: int
+    host_temp_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    requested_transfers: int
+    requested_bytes: int
+    host_buffers: int
+    host_buffer_bytes: int
+    device_to_host: int
+    device_to_host_bytes: int
+    host_to_device: int
+    host_to_device_bytes: int
+
+    @property
+    def requested(self) -> bool:
+        """Whether the traced program asked for host placement."""
+        return self.requested_transfers > 0
+
+    @property
+    def moved(self) -> bool:
+        """Whether the compiled program really moves data to the host."""
+        return self.device_to_host > 0
+
+    @property
+    def dropped(self) -> bool:
+        """Host placement was requested and the compiler kept no transfer of it."""
+        return self.requested and not self.moved and self.platform != "cpu"
+
+    def summary(self) -> str:
+        """One paragraph a person can read."""
+        lines = [
+            f"platform {self.platform}: device temp {_gib(self.temp_bytes)}, "
+            f"host temp {_gib(self.host_temp_bytes)}",
+            f"requested: {self.requested_transfers} transfers to host, {_gib(self.requested_bytes)}",
+            f"compiled: {self.device_to_host} device->host copies ({_gib(self.device_to_host_bytes)}), "
+            f"{self.host_to_device} host->device copies ({_gib(self.host_to_device_bytes)}), "
+            f"{self.host_buffers} host buffers ({_gib(self.host_buffer_bytes)})",
+        ]
+        if self.platform == "cpu" and self.requested:
+            lines.append(
+                "note: host placement has no effect on CPU: XLA:CPU keeps every buffer in one memory."
+            )
+        elif self.dropped:
+            lines.append("note: the compiler dropped every requested transfer; nothing moved.")
+        return "\n".join(lines)
+
+
+def memory_report(jitted: Any, *args: Any, on_dropped: str = "warn", **kwargs: Any) -> MemoryReport:
+    """Compiles ``jitted`` for ``args`` and reports where its memory goes.
+
+    XLA:GPU silently deletes host round trips it judges useless, so a requested
+    offload can compile to nothing. This reads the compiled program, not the
+    request, and says so when the two disagree.
+
+    Args:
+      jitted: a function wrapped in :func:`jax.jit` (or anything with
+        ``.trace``, ``.lower`` and ``.compile``).
+      *args: its arguments, as arrays or :class:`jax.ShapeDtypeStruct`.
+      on_dropped: what to do when host placement was requested but nothing
+        moves: ``"warn"`` (an :class:`OffloadWarning`), ``"raise"`` (an
+        :class:`OffloadDroppedError`; on CPU, where no placement ever has an
+        effect, a warning still) or ``"ignore"``.
+      **kwargs: its keyword arguments.
+
+    Returns:
+      A :class:`MemoryReport`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxoffload import memory_report
+      >>> r = memory_report(jax.jit(lambda x: x * 2), jnp.ones(4))
+      >>> (r.requested, r.moved)
+      (False, False)
+    """
+    if not hasattr(jitted, "trace"):
+        raise TypeError(
+            f"memory_report expects a jax.jit-wrapped function, got {jitted!r}; "
+            "wrap it first: memory_report(jax.jit(f), *args)."
+        )
+    traced = jitted.trace(*args, **kwargs)
+    return analyze(traced, traced.lower().compile(), on_dropped=on_dropped)
+
+
+def analyze(traced: Any, compiled: Any, *, on_dropped: str = "warn") -> MemoryReport:
+    """:func:`memory_report` for a program already traced and compiled.
+
+    Args:
+      traced: the result of ``jitted.trace(*args)``.
+      compiled: the result of ``traced.lower().compile()``; it can then be
+        called without compiling again.
+      on_dropped: as in :func:`memory_report`.
+
+    Returns:
+      A :class:`MemoryReport`.
+    """
+    if on_dropped not in ("warn", "raise", "ignore"):
+        raise ValueError(f"on_dropped must be 'warn', 'raise' or 'ignore', got {on_dropped!r}.")
+    analysis = compiled.memory_analysis()
+    requested = [
+        _aval_bytes(eqn.outvars[0].aval)
+        for eqn in _equations(traced.jaxpr.jaxpr)
+        if eqn.primitive.name == "device_put" and any(map(_is_host, eqn.params["devices"]))
+    ]
+    report = MemoryReport(
+        platform=jax.default_backend(),
+        temp_bytes=int(analysis.temp_size_in_bytes),
+        host_temp_bytes=int(analysis.host_temp_size_in_bytes),
+        argument_bytes=int(analysis.argument_size_in_bytes),
+        output_bytes=int(analysis.output_size_in_bytes),
+        requested_transfers=len(requested),
+        requested_bytes=sum(requested),
+        **_read_hlo(compiled.as_text()),
+    )
+    _complain(report, on_dropped)
+    return report
+
+
+def _complain(report: MemoryReport, on_dropped: str) -> None:
+    if on_dropped == "ignore" or not report.requested or report.moved:
+        return
+    if report.platform == "cpu":
+        warnings.warn(
+            f"{report.requested_transfers} host transfers were requested, but host placement "
+            "has no effect on CPU: XLA:CPU keeps every buffer in one memory. "
+            "Measure memory savings on a GPU.",
+            OffloadWarning,
+            stacklevel=3,
+        )
+        return
+    message = (
+        f"{report.requested_transfers} host transfers ({_gib(report.requested_bytes)}) were "
+        f"requested, but the compiled program for {report.platform} moves nothing to host "
+        "memory: XLA dropped them. Residuals stay on the device."
+    )
+    if on_dropped == "raise":
+        raise OffloadDroppedError(message)
+    warnings.warn(message, OffloadWarning, stacklevel=3)
+
+
+def _equations(jaxpr) -> Iterator[Any]:
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            yield from _equations(sub)
+
+
+def _is_host(destination: Any) -> bool:
+    if destination == jax.memory.Space.Host:
+        return True
+    return getattr(destination, "memory_kind", None) in _HOST_KINDS
+
+
+def _aval_bytes(aval) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def _read_hlo(text: str) -> dict[str, int]:
+    """Counts host buffers and host transfers in optimized HLO text."""
+    counts = dict.fromkeys(
+        (
+            "host_buffers",
+            "host_buffer_bytes",
+            "device_to_host",
+            "device_to_host_bytes",
+            "host_to_device",
+            "host_to_device_bytes",
+        ),
+        0,
+    )
+    for line in text.splitlines():
+        match = _INSTRUCTION.match(line)
+        if not match or _HOST_SPACE not in line:
+            continue
+        result, opcode = match.groups()
+        if opcode in ("copy-start", "copy"):
+            # copy-start's result is (destination, source, context); a copy's
+            # result is followed by its operand.
+            dst, src, *_ = _ARRAY.finditer(result if opcode == "copy-start" else line)
+            if _in_host(dst) and not _in_host(src):
+                counts["device_to_host"] += 1
+                counts["device_to_host_bytes"] += _array_bytes(dst)
+                counts["host_buffers"] += 1
+                counts["host_buffer_bytes"] += _array_bytes(dst)
+            elif _in_host(src) and not _in_host(dst):
+                counts["host_to_device"] += 1
+                counts["host_to_device_bytes"] += _array_bytes(dst)
+        elif opcode not in _ALIASES:
+            host = [a for a in _ARRAY.finditer(result) if _in_host(a)]
+            counts["host_buffers"] += len(host)
+            counts["host_buffer_bytes"] += sum(map(_array_bytes, host))
+    return counts
+
+
+def _in_host(array: re.Match) -> bool:
+    return _HOST_SPACE in array.group(0)
+
+
+def _array_bytes(array: re.Match) -> int:
+    dtype, dims = array.group(1), array.group(2)
+    size = int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
+    return size * _BYTES.get(dtype, _itemsize(dtype))
+
+
+def _itemsize(hlo_dtype: str) -> int:
+    bits = re.search(r"(\d+)", hlo_dtype)
+    return max(1, int(bits.group(1)) // 8) if bits else 1
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"

@@ -1,0 +1,24 @@
+"""Test set-up: four CPU devices for sharding tests, and the ``gpu`` marker."""
+
+import os
+
+# Must be set before jax initialises its backends.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a GPU; skipped elsewhere")
+
+
+def pytest_collection_modifyitems(config, items):
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(
+        reason=f"needs a GPU; this machine's backend is {jax.default_backend()}"
+    )
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

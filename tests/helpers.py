@@ -1,0 +1,37 @@
+"""Shared helpers for the CPU tests."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def rel_err(a, b) -> float:
+    """Relative L2 error of two pytrees of arrays, in float64."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb) and all(np.shape(x) == np.shape(y) for x, y in zip(la, lb))
+    num = sum(
+        np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2) for x, y in zip(la, lb)
+    )
+    den = sum(np.sum(np.asarray(y, np.float64) ** 2) for y in lb)
+    return float(np.sqrt(num / max(den, 1e-300)))
+
+
+def host_device_puts(jaxpr) -> int:
+    """How many device_put equations in ``jaxpr`` (and its sub-jaxprs) target host memory."""
+    from jax.extend import core
+
+    def walk(j):
+        for eqn in j.eqns:
+            if (
+                eqn.primitive.name == "device_put"
+                and jax.memory.Space.Host in eqn.params["devices"]
+            ):
+                yield eqn
+            for sub in core.jaxprs_in_params(eqn.params):
+                yield from walk(sub)
+
+    return sum(1 for _ in walk(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr))
+
+
+def normal(key: int, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(key), shape, dtype)

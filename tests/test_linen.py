@@ -1,0 +1,176 @@
+"""jaxoffload.linen.offload: nn.remat's shape, Flax's variables, and plain gradients."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import host_device_puts, normal, rel_err
+
+import jaxoffload
+
+
+class Block(nn.Module):
+    """Conv, BatchNorm, ReLU and dropout: parameters, state and an RNG stream."""
+
+    features: int = 8
+    rate: float = 0.25
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Conv(self.features, (3, 3), use_bias=False)(x)
+        x = nn.BatchNorm(use_running_average=not train)(x)
+        x = nn.relu(x)
+        return nn.Dropout(self.rate, deterministic=not train)(x)
+
+
+class Net(nn.Module):
+    """Two blocks through a transform given as a class decorator."""
+
+    transform: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        block = self.transform(Block) if self.transform else Block
+        for n in range(2):
+            x = block(name=f"block{n}")(x)
+        return nn.Dense(3)(x.mean((1, 2)))
+
+
+class MethodNet(nn.Module):
+    """The transform used on a method inside the class body."""
+
+    def setup(self):
+        self.block = Block(rate=0.0)
+        self.head = nn.Dense(3)
+
+    def _body(self, x):
+        return self.block(x)
+
+    body = jaxoffload.linen.offload(_body)
+
+    def __call__(self, x):
+        return self.head(self.body(x).mean((1, 2)))
+
+
+TRANSFORMS = {
+    "plain": None,
+    "remat": nn.remat,
+    "offload": jaxoffload.linen.offload,
+    "offload_partial": functools.partial(jaxoffload.linen.offload, min_bytes=256),
+}
+
+
+def _train_loss(model):
+    def loss(params, state, x, rng):
+        y, new_state = model.apply(
+            {"params": params, **state}, x, rngs={"dropout": rng}, mutable=["batch_stats"]
+        )
+        return jnp.sum(jnp.sin(y)), new_state
+
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    x = normal(0, (4, 10, 10, 3))
+    variables = Net().init({"params": jax.random.key(1), "dropout": jax.random.key(2)}, x)
+    return x, variables
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_variable_tree_is_unchanged(setup, name):
+    x, variables = setup
+    model = Net(TRANSFORMS[name])
+    got = model.init({"params": jax.random.key(1), "dropout": jax.random.key(2)}, x)
+    assert jax.tree.structure(got) == jax.tree.structure(variables)
+    assert rel_err(got, variables) == 0.0  # the same initial values, too
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_gradients_batch_stats_and_dropout_match_plain(setup, name):
+    x, variables = setup
+    params = variables["params"]
+    state = {"batch_stats": variables["batch_stats"]}
+    rng = jax.random.key(3)
+    (loss, new_state), grads = _train_loss(Net(TRANSFORMS[name]))(params, state, x, rng)
+    (ref_loss, ref_state), ref_grads = _train_loss(Net())(params, state, x, rng)
+    assert rel_err(loss, ref_loss) <= 1e-6
+    assert rel_err(grads, ref_grads) <= 1e-6
+    # BatchNorm's running statistics update exactly as the plain model's.
+    assert rel_err(new_state, ref_state) <= 1e-6
+    assert rel_err(new_state, state) > 0  # they did move
+
+
+def test_offloaded_model_places_activations_on_host(setup):
+    x, variables = setup
+    params, state = variables["params"], {"batch_stats": variables["batch_stats"]}
+    loss = _train_loss(Net(jaxoffload.linen.offload))
+    jaxpr = jax.make_jaxpr(loss)(params, state, x, jax.random.key(3))
+    assert host_device_puts(jaxpr) > 0
+    assert (
+        host_device_puts(jax.make_jaxpr(_train_loss(Net()))(params, state, x, jax.random.key(3)))
+        == 0
+    )
+
+
+def test_parameters_stay_on_device():
+    x = normal(0, (2, 6, 6, 3))
+    block = jaxoffload.linen.offload(Block)(rate=0.0)
+    variables = block.init(jax.random.key(0), x)
+
+    def loss(params):
+        y, _ = block.apply({**variables, "params": params}, x, mutable=["batch_stats"])
+        return y.sum()
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(variables["params"])
+    host_shapes = [
+        eqn.outvars[0].aval.shape
+        for eqn in jaxpr.eqns
+        if eqn.primitive.name == "device_put" and jax.memory.Space.Host in eqn.params["devices"]
+    ]
+    assert host_shapes and (3, 3, 3, 8) not in host_shapes  # the kernel is never copied
+
+
+def test_method_form(setup):
+    x, _ = setup
+    model = MethodNet()
+    variables = model.init(jax.random.key(0), x)
+
+    class Plain(MethodNet):
+        body = MethodNet._body
+
+    def loss(module):
+        def loss(params):
+            y, _ = module.apply({**variables, "params": params}, x, mutable=["batch_stats"])
+            return jnp.sum(y)
+
+        return loss
+
+    grads = jax.jit(jax.grad(loss(model)))(variables["params"])
+    ref = jax.jit(jax.grad(loss(Plain())))(variables["params"])
+    assert rel_err(grads, ref) <= 1e-6
+    assert host_device_puts(jax.make_jaxpr(jax.grad(loss(model)))(variables["params"])) > 0
+
+
+def test_partial_of_a_class(setup):
+    x, variables = setup
+    Offloaded = jaxoffload.linen.offload(functools.partial(Block, features=8))
+    block = Offloaded(name="block0")
+    got = block.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+    ref = Block(features=8).init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+    assert rel_err(got, ref) == 0.0
+
+
+def test_static_argnums_count_self():
+    # `train` (position 2, counting self) must be static: it is a Python bool.
+    Offloaded = jaxoffload.linen.offload(Block, static_argnums=(2,))
+    x = normal(0, (2, 6, 6, 3))
+    variables = Offloaded().init(
+        {"params": jax.random.key(0), "dropout": jax.random.key(1)}, x, True
+    )
+    y = Offloaded().apply(variables, x, False)
+    assert y.shape == (2, 6, 6, 8)
+    with pytest.raises(ValueError, match="counts `self` as 0"):
+        jaxoffload.linen.offload(Block, static_argnums=0)

@@ -1,0 +1,69 @@
+"""Reference VGGs: parameter counts, and one variable tree for every block strategy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import normal, rel_err
+
+from jaxoffload import models
+from jaxoffload.models.vgg import num_conv_blocks
+
+
+def _count(model, image_size=224):
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((1, image_size, image_size, 3)))
+    return sum(int(np.prod(p.shape)) for p in jax.tree.leaves(shapes))
+
+
+def test_vgg19_has_the_imagenet_parameter_count():
+    assert _count(models.VGG(models.VGG19)) == 143_667_240
+
+
+@pytest.mark.parametrize(
+    ("config", "count"), [("VGG11", 132_863_336), ("VGG13", 133_047_848), ("VGG16", 138_357_544)]
+)
+def test_other_vggs_have_the_imagenet_parameter_counts(config, count):
+    assert _count(models.VGG(getattr(models, config))) == count
+
+
+def test_strategies_share_variables_and_gradients():
+    config, x = models.VGG11, normal(0, (2, 32, 32, 3))
+    n = num_conv_blocks(config)
+    variants = {
+        "none": (),
+        "remat": models.first_k("remat", n, n),
+        "offload": models.first_k("offload", n, n),
+        "mixed": ("offload", "remat") * (n // 2),
+    }
+    results = {}
+    for name, strategies in variants.items():
+        model = models.VGG(config, num_classes=10, classifier_width=32, block_strategies=strategies)
+        variables = model.init(jax.random.key(1), x)
+        loss = lambda p: jnp.sum(jnp.sin(model.apply(p, x)))  # noqa: E731, B023
+        results[name] = variables, jax.jit(jax.grad(loss))(variables)
+    ref_vars, ref_grads = results["none"]
+    for name, (variables, grads) in results.items():
+        assert jax.tree.structure(variables) == jax.tree.structure(ref_vars), name
+        assert rel_err(variables, ref_vars) == 0.0, name
+        assert rel_err(grads, ref_grads) <= 1e-6, name
+
+
+def test_lean_and_flax_pools_agree():
+    x = normal(0, (2, 32, 32, 3))
+    lean = models.VGG(models.VGG11, num_classes=10, classifier_width=32)
+    flax_pool = models.VGG(models.VGG11, num_classes=10, classifier_width=32, lean_pool=False)
+    variables = lean.init(jax.random.key(1), x)
+    grad = lambda m: jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(m.apply(p, x)))))(variables)  # noqa: E731
+    assert rel_err(grad(lean), grad(flax_pool)) <= 1e-6
+
+
+def test_bad_strategies_are_named():
+    x = jnp.ones((1, 32, 32, 3))
+    with pytest.raises(ValueError, match="has 2 entries, but the model has 8 blocks"):
+        models.VGG(models.VGG11, block_strategies=("none", "none")).init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match="Unknown block strategy 'swap'"):
+        models.VGG(models.VGG11, block_strategies=("swap",) * 8).init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match="between 0 and 8"):
+        models.first_k("offload", 9, 8)
+    with pytest.raises(ValueError, match="Unknown block strategy"):
+        models.wrap_block(models.ConvBlock, "swap")

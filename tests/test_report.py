@@ -1,0 +1,106 @@
+"""memory_report: reading what a compiled program keeps where, and saying when nothing moved."""
+
+import pathlib
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import normal
+from jax.ad_checkpoint import checkpoint_name
+
+import jaxoffload
+from jaxoffload import report as report_lib
+
+DATA = pathlib.Path(__file__).parent / "data"
+
+
+def _grad(layer):
+    return jax.jit(jax.grad(lambda w, x: layer(w, x).sum(), argnums=1))
+
+
+def _tanh(w, x):
+    return jnp.tanh(x @ w)
+
+
+def test_plain_program_requests_nothing():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning when nothing was asked for
+        r = jaxoffload.memory_report(_grad(_tanh), normal(0, (16, 16)), normal(1, (4, 16)))
+    assert (r.requested, r.moved, r.dropped) == (False, False, False)
+    assert r.requested_transfers == 0 and r.argument_bytes == 4 * (16 * 16 + 4 * 16)
+
+
+def test_cpu_says_host_placement_has_no_effect():
+    f = jaxoffload.offload(_tanh, device_argnums=0)
+    args = normal(0, (16, 16)), normal(1, (4, 16))
+    n_moved = sum(r.placement == "pinned_host" for r in jaxoffload.saved_residuals(f, *args))
+    with pytest.warns(jaxoffload.OffloadWarning, match="no effect on CPU"):
+        r = jaxoffload.memory_report(_grad(f), *args)
+    assert r.platform == "cpu"
+    assert r.requested_transfers == n_moved and r.requested_bytes == n_moved * 4 * 4 * 16
+    # XLA:CPU compiles the placement away: nothing moves, and that is not a "drop".
+    assert not r.moved and not r.dropped
+    assert "no effect on CPU" in r.summary()
+    # Even on_dropped="raise" only warns on CPU: there is nothing to fix.
+    with pytest.warns(jaxoffload.OffloadWarning):
+        jaxoffload.memory_report(_grad(f), *args, on_dropped="raise")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jaxoffload.memory_report(_grad(f), *args, on_dropped="ignore")
+
+
+def test_jax_offload_policy_is_seen_as_a_request():
+    policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=["y"],
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+
+    def layer(w, x):
+        return jnp.sin(checkpoint_name(x @ w, "y"))
+
+    r = jaxoffload.memory_report(
+        _grad(jax.checkpoint(layer, policy=policy)), normal(0, (8, 8)), normal(1, (4, 8)),
+        on_dropped="ignore",
+    )  # fmt: skip
+    assert r.requested_transfers == 1
+
+
+def _gpu_report(**counts):
+    fields = dict.fromkeys(jaxoffload.MemoryReport.__dataclass_fields__, 0)
+    return jaxoffload.MemoryReport(**{**fields, "platform": "gpu", **counts})
+
+
+def test_a_dropped_offload_warns_or_raises_on_gpu():
+    dropped = _gpu_report(requested_transfers=3, requested_bytes=3 << 20)
+    assert dropped.dropped and "dropped" in dropped.summary()
+    with pytest.warns(jaxoffload.OffloadWarning, match="XLA dropped them"):
+        report_lib._complain(dropped, "warn")
+    with pytest.raises(jaxoffload.OffloadDroppedError, match="3 host transfers"):
+        report_lib._complain(dropped, "raise")
+    kept = _gpu_report(requested_transfers=3, device_to_host=3, host_to_device=3)
+    assert not kept.dropped
+    report_lib._complain(kept, "raise")  # nothing to complain about
+
+
+def test_reads_host_copies_from_h200_hlo():
+    # Lines of the program compiled on an H200 for benchmarks/offload_sweep.py (k=16).
+    counts = report_lib._read_hlo((DATA / "h200_offload_excerpt.hlo.txt").read_text())
+    image = 128 * 224 * 224 * 3 * 2
+    assert counts == {
+        "device_to_host": 1,
+        "device_to_host_bytes": image,
+        "host_buffers": 1,  # the copy's destination; the tuple and GTE alias it
+        "host_buffer_bytes": image,
+        "host_to_device": 1,
+        "host_to_device_bytes": 128 * 14 * 14 * 512 * 2,
+    }
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="jax.jit-wrapped"):
+        jaxoffload.memory_report(_tanh, normal(0, (2, 2)), normal(0, (2, 2)))
+    with pytest.raises(ValueError, match="on_dropped"):
+        jaxoffload.memory_report(_grad(_tanh), normal(0, (2, 2)), normal(0, (2, 2)), on_dropped="x")

@@ -1,0 +1,229 @@
+"""jaxoffload.offload as a function transform: values, gradients and placement."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import host_device_puts, normal, rel_err
+from jax.ad_checkpoint import checkpoint_name
+
+import jaxoffload
+from jaxoffload import offload, saved_residuals
+
+# ---- the layers: each is f(params, x) -> y --------------------------------------------
+
+
+class ResidualBlock(nn.Module):
+    """A ResNet basic block: conv-BN-ReLU-conv-BN plus the shortcut, then ReLU."""
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.Conv(x.shape[-1], (3, 3), use_bias=False)(x)
+        y = nn.relu(nn.BatchNorm(use_running_average=False)(y))
+        y = nn.Conv(x.shape[-1], (3, 3), use_bias=False)(y)
+        y = nn.BatchNorm(use_running_average=False)(y)
+        return nn.relu(x + y)
+
+
+class ConvBNReLU(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        y = nn.Conv(8, (3, 3), strides=(2, 2), use_bias=False)(x)
+        return nn.relu(nn.BatchNorm(use_running_average=False)(y))
+
+
+LAYERS = {
+    "dense": (nn.Dense(16), (8, 24)),
+    "conv": (nn.Conv(8, (3, 3), padding="SAME"), (2, 9, 9, 3)),
+    "conv_bn_relu": (ConvBNReLU(), (2, 9, 9, 3)),
+    "residual_block": (ResidualBlock(), (2, 8, 8, 6)),
+}
+
+
+def _layer(name):
+    module, shape = LAYERS[name]
+    x = normal(0, shape)
+    variables = module.init(jax.random.key(1), x)
+    params = variables["params"]
+    state = {k: v for k, v in variables.items() if k != "params"}
+
+    def f(params, x):
+        # Batch statistics are computed from the batch; the updated state is an
+        # output, as in a training step.
+        return module.apply({"params": params, **state}, x, mutable=list(state))
+
+    return f, params, x
+
+
+TRANSFORMS = {
+    "identity": lambda f: f,
+    "checkpoint": jax.checkpoint,
+    "offload": offload,
+    "offload_device_params": offload(device_argnums=0),
+    "offload_min_bytes": offload(min_bytes=1024),
+}
+
+
+def _loss(f):
+    def loss(params, x):
+        y, _ = f(params, x)
+        return jnp.sum(jnp.sin(y))
+
+    return loss
+
+
+@pytest.mark.parametrize("transform", sorted(TRANSFORMS))
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_gradients_match_plain(layer, transform):
+    f, params, x = _layer(layer)
+    g = TRANSFORMS[transform](f)
+    grad = lambda fn: jax.jit(jax.value_and_grad(_loss(fn), argnums=(0, 1)))  # noqa: E731
+    (value, grads), (ref_value, ref_grads) = grad(g)(params, x), grad(f)(params, x)
+    assert rel_err(value, ref_value) <= 1e-6
+    assert rel_err(grads, ref_grads) <= 1e-6
+    # Non-differentiated outputs (BatchNorm's new statistics) match too.
+    assert rel_err(jax.jit(g)(params, x), jax.jit(f)(params, x)) <= 1e-6
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_forward_places_residuals_in_host_memory(layer):
+    f, params, x = _layer(layer)
+    g = offload(f, device_argnums=0)
+    moved = [r for r in saved_residuals(g, params, x) if r.placement == "pinned_host"]
+    assert moved, "every layer here has activations to move"
+    jaxpr = jax.make_jaxpr(jax.grad(_loss(g), argnums=(0, 1)))(params, x)
+    assert host_device_puts(jaxpr) == len(moved)
+    # The values stored for the backward pass are typed as host memory.
+    assert str(jaxpr).count("<host>") >= len(moved)
+    # and the plain function places nothing.
+    assert host_device_puts(jax.make_jaxpr(jax.grad(_loss(f), argnums=(0, 1)))(params, x)) == 0
+
+
+def test_which_residuals_move_follows_the_rules():
+    w, x = normal(0, (32, 32)), normal(1, (4, 32))
+    f = lambda w, x: jnp.tanh(x @ w)  # noqa: E731
+    everything = saved_residuals(offload(f), w, x)
+    assert {r.placement for r in everything} == {"pinned_host"}
+    kept = saved_residuals(offload(f, device_argnums=0), w, x)
+    assert [(r.shape, r.placement, r.reason) for r in kept if r.placement == "device"] == [
+        ((32, 32), "device", "argument in device_argnums")
+    ]
+    small = saved_residuals(offload(f, min_bytes=4 * 32 * 32), w, x)
+    assert all(r.placement == "device" for r in small if r.nbytes < 4 * 32 * 32)
+    assert [r.shape for r in small if r.placement == "pinned_host"] == [(32, 32)]
+
+
+def test_names_select_residuals_and_recompute_the_rest():
+    def f(x):
+        a = checkpoint_name(jnp.sin(x), "a")
+        b = jnp.cos(a) * 3.0
+        return jnp.tanh(b) * x
+
+    x = normal(0, (64,))
+    g = offload(f, names=["a"])
+    residuals = saved_residuals(g, x)
+    # Only the input and the named value are stored; everything else is recomputed.
+    assert len(residuals) == 2 and all(r.placement == "pinned_host" for r in residuals)
+    ref = jax.grad(lambda x: f(x).sum())(x)
+    assert rel_err(jax.jit(jax.grad(lambda x: g(x).sum()))(x), ref) <= 1e-6
+
+
+def test_bare_and_configured_decorators():
+    @offload
+    def bare(x):
+        return jnp.sin(x) ** 2
+
+    @offload(min_bytes=0)
+    def configured(x):
+        return jnp.sin(x) ** 2
+
+    x = normal(0, (16,))
+    ref = jax.grad(lambda x: jnp.sum(jnp.sin(x) ** 2))(x)
+    for f in (bare, configured):
+        assert f.__name__ in ("bare", "configured")
+        assert rel_err(jax.grad(lambda x, f=f: f(x).sum())(x), ref) <= 1e-6
+
+
+def test_pytrees_integers_static_and_keyword_arguments():
+    @offload(static_argnums=2)
+    def f(tree, n, activation, *, scale):
+        y = activation(tree["a"] @ tree["b"]) * n
+        return {"y": y * scale, "count": n + 1}, (y.sum(), n)
+
+    tree = {"a": normal(0, (4, 8)), "b": normal(1, (8, 3))}
+    n, scale = jnp.int32(3), normal(2, ())
+
+    def loss(f):
+        def loss(tree, n, scale):
+            out, (s, m) = f(tree, n, jnp.tanh, scale=scale)
+            return jnp.sum(out["y"]) + s * m
+
+        return loss
+
+    plain = f.__jaxoffload__[0]
+    grads = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2), allow_int=True))(tree, n, scale)
+    ref = jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2), allow_int=True))(tree, n, scale)
+    assert rel_err((grads[0], grads[2]), (ref[0], ref[2])) <= 1e-6
+    assert grads[1].dtype == jax.dtypes.float0  # integers get float0 cotangents
+    out, _ = f(tree, n, jnp.tanh, scale=scale)
+    assert int(out["count"]) == 4
+
+
+def test_vjp_and_value_and_grad_agree():
+    f = lambda w, x: jnp.tanh(x @ w)  # noqa: E731
+    g = offload(f, device_argnums=0)
+    w, x = normal(0, (8, 8)), normal(1, (3, 8))
+    ct = normal(2, (3, 8))
+    y, vjp = jax.vjp(g, w, x)
+    y_ref, vjp_ref = jax.vjp(f, w, x)
+    assert rel_err(y, y_ref) <= 1e-6 and rel_err(vjp(ct), vjp_ref(ct)) <= 1e-6
+
+
+def test_unused_residuals_are_not_moved():
+    # jax.vjp keeps values its backward pass never reads (here: relu's input
+    # next to its mask). Moving those would cost two transfers for nothing.
+    f = lambda x: jax.nn.relu(x) * 2.0  # noqa: E731
+    x = normal(0, (128,))
+    residuals = saved_residuals(offload(f), x)
+    assert [r.dtype for r in residuals if r.shape == (128,)] == [np.dtype(bool)]
+
+
+def test_offload_composes_with_checkpoint_and_vmap():
+    f = offload(lambda x: jnp.sin(x) * x)
+    x = normal(0, (4, 8))
+    ref = jax.grad(lambda x: jnp.sum(jnp.sin(x) * x))(x)
+    assert rel_err(jax.grad(lambda x: jax.checkpoint(f)(x).sum())(x), ref) <= 1e-6
+    assert rel_err(jax.vmap(jax.grad(lambda r: f(r).sum()))(x), ref) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"names": "a"}, TypeError, "sequence of strings"),
+        ({"names": [1]}, TypeError, "must be strings"),
+        ({"min_bytes": -1}, ValueError, "non-negative"),
+        ({"min_bytes": 1.5}, ValueError, "non-negative"),
+        ({"device_argnums": "0"}, TypeError, "must be ints"),
+        ({"static_argnums": [None]}, TypeError, "must be ints"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        offload(lambda x: x, **kwargs)
+
+
+def test_bad_calls_are_explained():
+    with pytest.raises(TypeError, match="expects a callable"):
+        offload(3)
+    with pytest.raises(ValueError, match="static_argnums=\\(3,\\)"):
+        offload(lambda x: x, static_argnums=3)(jnp.ones(2))
+    with pytest.raises(ValueError, match="device_argnums=\\(5,\\)"):
+        offload(lambda x: x, device_argnums=5)(jnp.ones(2))
+    with pytest.raises(TypeError, match="made by jaxoffload.offload"):
+        saved_residuals(lambda x: x, jnp.ones(2))
+
+
+def test_public_surface():
+    for name in jaxoffload.__all__:
+        assert hasattr(jaxoffload, name), name
