@@ -10,20 +10,47 @@ from jaxoffload import models
 from jaxoffload.models.vgg import num_conv_blocks
 
 
-def _count(model, image_size=224):
-    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.ones((1, image_size, image_size, 3)))
-    return sum(int(np.prod(p.shape)) for p in jax.tree.leaves(shapes))
-
-
-def test_vgg19_has_the_imagenet_parameter_count():
-    assert _count(models.VGG(models.VGG19)) == 143_667_240
-
-
 @pytest.mark.parametrize(
-    ("config", "count"), [("VGG11", 132_863_336), ("VGG13", 133_047_848), ("VGG16", 138_357_544)]
+    ("name", "count"),
+    [
+        ("vgg11", 132_863_336),
+        ("vgg13", 133_047_848),
+        ("vgg16", 138_357_544),
+        ("vgg19", 143_667_240),
+        ("vgg19_bn", 143_678_248),
+        ("resnet18", 11_689_512),
+        ("resnet34", 21_797_672),
+        ("resnet50", 25_557_032),
+        ("resnet101", 44_549_160),
+        ("resnet152", 60_192_808),
+    ],
 )
-def test_other_vggs_have_the_imagenet_parameter_counts(config, count):
-    assert _count(models.VGG(getattr(models, config))) == count
+def test_imagenet_parameter_counts(name, count):
+    # The torchvision references; BatchNorm statistics are not parameters.
+    model = models.create(name)
+    shapes = jax.eval_shape(
+        lambda x: model.init(jax.random.key(0), x, True), jnp.ones((1, 224, 224, 3))
+    )
+    assert sum(int(np.prod(p.shape)) for p in jax.tree.leaves(shapes["params"])) == count
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet50", "vgg11_bn"])
+def test_every_strategy_gives_the_plain_gradient(name):
+    x = normal(0, (2, 32, 32, 3))
+    reference = None
+    for strategy in models.BLOCK_STRATEGIES:
+        model = models.create(name, strategy=strategy, num_classes=10)
+        variables = model.init(jax.random.key(1), x, True)
+
+        def loss(params, model=model, variables=variables):
+            y, _ = model.apply({**variables, "params": params}, x, True, mutable=["batch_stats"])
+            return jnp.sum(jnp.sin(y))
+
+        grads = jax.jit(jax.grad(loss))(variables["params"])
+        if reference is None:
+            reference = variables, grads
+        assert jax.tree.structure(variables) == jax.tree.structure(reference[0]), strategy
+        assert rel_err(grads, reference[1]) <= 1e-6, strategy
 
 
 def test_strategies_share_variables_and_gradients():
@@ -67,3 +94,5 @@ def test_bad_strategies_are_named():
         models.first_k("offload", 9, 8)
     with pytest.raises(ValueError, match="Unknown block strategy"):
         models.wrap_block(models.ConvBlock, "swap")
+    with pytest.raises(ValueError, match="Unknown model 'vgg20'"):
+        models.create("vgg20")

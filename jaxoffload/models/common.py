@@ -2,41 +2,63 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import flax.linen as nn
+import jax
 
 from jaxoffload import linen as offload_linen
 
-__all__ = ["BLOCK_STRATEGIES", "wrap_block", "first_k"]
+__all__ = ["BLOCK_STRATEGIES", "CONV_NAME", "check_strategies", "first_k", "wrap_block"]
+
+# Blocks name their convolution outputs so that jax's own offload policy can find them.
+CONV_NAME = "conv"
 
 # How a block keeps what its backward pass needs:
-# "none" stores its residuals on the device, as plain Flax does;
-# "remat" stores nothing and recomputes them (nn.remat);
-# "offload" moves them to pinned host memory (jaxoffload.linen.offload).
-BLOCK_STRATEGIES: dict[str, Callable[[type[nn.Module]], type[nn.Module]]] = {
-    "none": lambda block: block,
-    "remat": nn.remat,
-    "offload": offload_linen.offload,
+BLOCK_STRATEGIES = {
+    "none": "store the residuals on the device, as plain Flax does",
+    "remat": "store nothing and recompute (nn.remat)",
+    "remat-dots": "store conv and matmul outputs, recompute the rest (nn.remat, dots_saveable)",
+    "jax-offload": "jax's save_and_offload_only_these_names on the named conv outputs",
+    "offload": "move the residuals to pinned host memory (jaxoffload.linen.offload)",
 }
 
 
-def wrap_block(block: type[nn.Module], strategy: str) -> type[nn.Module]:
+def wrap_block(
+    block: type[nn.Module], strategy: str, static_argnums: Sequence[int] = ()
+) -> type[nn.Module]:
     """Returns ``block`` transformed by the named strategy.
 
     Args:
       block: a Module class.
-      strategy: one of ``BLOCK_STRATEGIES``.
+      strategy: a key of ``BLOCK_STRATEGIES``.
+      static_argnums: non-array arguments of ``block.__call__``, counting
+        ``self`` as 0, as in ``nn.remat``.
 
     Returns:
       A Module class with the same variables as ``block``.
     """
-    try:
-        return BLOCK_STRATEGIES[strategy](block)
-    except KeyError:
-        raise ValueError(
-            f"Unknown block strategy {strategy!r}; choose one of {sorted(BLOCK_STRATEGIES)}."
-        ) from None
+    static_argnums = tuple(static_argnums)
+    if strategy == "none":
+        return block
+    if strategy == "remat":
+        return nn.remat(block, static_argnums=static_argnums)
+    if strategy == "remat-dots":
+        policy = jax.checkpoint_policies.dots_saveable
+        return nn.remat(block, static_argnums=static_argnums, policy=policy)
+    if strategy == "jax-offload":
+        policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=[CONV_NAME],
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+        return nn.remat(block, static_argnums=static_argnums, policy=policy)
+    if strategy == "offload":
+        return offload_linen.offload(block, static_argnums=static_argnums)
+    raise ValueError(
+        f"Unknown block strategy {strategy!r}; choose one of {sorted(BLOCK_STRATEGIES)}."
+    )
 
 
 def first_k(strategy: str, k: int, num_blocks: int) -> tuple[str, ...]:

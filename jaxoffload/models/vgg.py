@@ -7,9 +7,10 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxoffload import layers
-from jaxoffload.models.common import check_strategies, wrap_block
+from jaxoffload.models.common import CONV_NAME, check_strategies, wrap_block
 
 __all__ = ["VGG", "ConvBlock", "VGG11", "VGG13", "VGG16", "VGG19", "num_conv_blocks"]
 
@@ -22,7 +23,7 @@ VGG19 = (64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512
 
 
 class ConvBlock(nn.Module):
-    """3x3 convolution and ReLU, followed by a 2x2 max-pool if ``pool``.
+    """3x3 convolution, BatchNorm if ``norm``, ReLU, and a 2x2 max-pool if ``pool``.
 
     The pool belongs to the block before it, so that a block's strategy also
     covers the pool's residuals. ``lean_pool`` picks
@@ -35,10 +36,14 @@ class ConvBlock(nn.Module):
     pool: bool = False
     dtype: Any = jnp.float32
     lean_pool: bool = True
+    norm: bool = False
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, train: bool = True):
         x = nn.Conv(self.features, (3, 3), padding="SAME", dtype=self.dtype)(x)
+        x = checkpoint_name(x, CONV_NAME)
+        if self.norm:
+            x = nn.BatchNorm(use_running_average=not train, momentum=0.9, dtype=self.dtype)(x)
         x = nn.relu(x)
         if self.pool:
             max_pool = layers.max_pool if self.lean_pool else nn.max_pool
@@ -62,6 +67,7 @@ class VGG(nn.Module):
         empty for all ``"none"``.
       classifier_width: width of the two hidden dense layers.
       lean_pool: use :func:`jaxoffload.layers.max_pool` (see ``ConvBlock``).
+      norm: BatchNorm after every convolution (the ``vgg*_bn`` models).
     """
 
     config: Sequence[int | str] = VGG19
@@ -70,16 +76,19 @@ class VGG(nn.Module):
     block_strategies: Sequence[str] = ()
     classifier_width: int = 4096
     lean_pool: bool = True
+    norm: bool = False
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, train: bool = True):
         strategies = check_strategies(self.block_strategies, num_conv_blocks(self.config))
         convs = [v for v in self.config if v != "M"]
         pools = [i + 1 < len(self.config) and self.config[i + 1] == "M"
                  for i, v in enumerate(self.config) if v != "M"]  # fmt: skip
         for n, (features, pool, strategy) in enumerate(zip(convs, pools, strategies)):
-            block = wrap_block(ConvBlock, strategy)
-            x = block(features, pool, self.dtype, self.lean_pool, name=f"block{n}")(x)
+            block = wrap_block(ConvBlock, strategy, static_argnums=(2,))
+            x = block(features, pool, self.dtype, self.lean_pool, self.norm, name=f"block{n}")(
+                x, train
+            )
         x = x.reshape((x.shape[0], -1))
         x = nn.relu(nn.Dense(self.classifier_width, dtype=self.dtype, name="fc0")(x))
         x = nn.relu(nn.Dense(self.classifier_width, dtype=self.dtype, name="fc1")(x))

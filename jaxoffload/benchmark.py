@@ -1,0 +1,343 @@
+"""Measure a training step's memory and time, each configuration in a fresh process.
+
+``peak_bytes_in_use`` never goes down inside a process, so every measured
+configuration runs in a child process of its own (:func:`measure_in_subprocess`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxoffload import models
+from jaxoffload.report import analyze
+
+__all__ = [
+    "OutOfMemory",
+    "Workload",
+    "find_max_batch",
+    "measure",
+    "measure_all",
+    "measure_in_subprocess",
+    "train_step",
+]
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One training configuration to measure.
+
+    Attributes:
+      model: a name in ``jaxoffload.models.MODEL_NAMES``.
+      batch: images per step.
+      image_size: height and width of the square input.
+      dtype: compute dtype, ``"float32"`` or ``"bfloat16"``.
+      strategy: a key of ``jaxoffload.models.BLOCK_STRATEGIES``.
+      blocks: how many blocks, from the input end, use ``strategy``; the rest use
+        ``"none"``. ``None`` means all of them.
+      num_classes: classifier outputs.
+    """
+
+    model: str
+    batch: int
+    image_size: int
+    dtype: str
+    strategy: str
+    blocks: int | None = None
+    num_classes: int = 1000
+
+    def __post_init__(self):
+        if self.model not in models.MODEL_NAMES:
+            raise ValueError(
+                f"Unknown model {self.model!r}; choose one of {', '.join(models.MODEL_NAMES)}."
+            )
+        if self.strategy not in models.BLOCK_STRATEGIES:
+            raise ValueError(
+                f"Unknown strategy {self.strategy!r}; choose one of "
+                f"{', '.join(models.BLOCK_STRATEGIES)}."
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
+        if self.batch < 1:
+            raise ValueError(f"batch must be at least 1, got {self.batch}.")
+        if self.image_size < 32:
+            raise ValueError(f"image_size must be at least 32, got {self.image_size}.")
+
+    @property
+    def strategies(self) -> tuple[str, ...]:
+        n = models.num_blocks(self.model)
+        return models.first_k(self.strategy, n if self.blocks is None else self.blocks, n)
+
+    @property
+    def offloaded_blocks(self) -> int:
+        return sum(s == "offload" for s in self.strategies)
+
+
+def train_step(workload: Workload):
+    """The jitted, state-donating training step of a workload, its state and batch.
+
+    Returns:
+      ``(step, state, batch, loss_fn)``: ``step(state, batch) -> (state, loss)``
+      with ``state = (params, model_state, opt_state)``, and
+      ``loss_fn(params, model_state, batch) -> (loss, model_state)``.
+    """
+    dtype = jnp.dtype(workload.dtype)
+    model = models.create(
+        workload.model, strategy=workload.strategies, dtype=dtype, num_classes=workload.num_classes
+    )
+    key = jax.random.key(0)
+    shape = (workload.batch, workload.image_size, workload.image_size, 3)
+    x = jax.random.normal(key, shape, dtype)
+    labels = jax.random.randint(key, (workload.batch,), 0, workload.num_classes)
+    # Eager init dispatches hundreds of small ops: jit makes it one program.
+    variables = jax.jit(model.init, static_argnums=2)(jax.random.key(1), x[:1], True)
+    params = variables.pop("params")
+    tx = optax.sgd(1e-3, momentum=0.9)
+
+    def loss_fn(params, model_state, batch):
+        x, labels = batch
+        logits, new_state = model.apply(
+            {"params": params, **model_state}, x, True, mutable=list(model_state)
+        )
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+        return loss.mean(), new_state
+
+    def step(state, batch):
+        params, model_state, opt_state = state
+        (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, model_state, batch
+        )
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), model_state, opt_state), loss
+
+    state = (params, dict(variables), tx.init(params))
+    return jax.jit(step, donate_argnums=0), state, (x, labels), loss_fn
+
+
+def measure(
+    workload: Workload, *, steps: int = 10, warmup: int = 2, reference: str | None = None
+) -> dict[str, Any]:
+    """Compiles and runs a workload in this process; returns one record.
+
+    Call it in a fresh process (see :func:`measure_in_subprocess`): the runtime
+    peak covers everything the process did before.
+
+    Args:
+      workload: what to measure.
+      steps: timed steps; the record holds their median.
+      warmup: untimed steps first.
+      reference: a ``.npz`` path. If the file exists, the record's
+        ``grad_rel_err`` compares this workload's gradient at the initial
+        parameters with the one stored there; if not, this workload's gradient
+        is stored there (measure the ``"none"`` strategy first). The gradient is
+        computed after the runtime peak is read.
+    """
+    step, state, batch, loss_fn = train_step(workload)
+    # Donation consumes the initial state; keep a host copy for the gradient check.
+    initial = jax.device_get(state[:2]) if reference else None
+    traced = step.trace(state, batch)
+    compiled = traced.lower().compile()
+    report = analyze(traced, compiled, on_dropped="warn")
+    for _ in range(warmup):
+        state, loss = compiled(state, batch)
+    loss.block_until_ready()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, loss = compiled(state, batch)
+        loss.block_until_ready()
+        times.append(time.perf_counter() - start)
+    device = jax.devices()[0]
+    peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
+    step_s = statistics.median(times)
+    del state
+    grad_rel_err = (
+        None if reference is None else _compare_gradients(loss_fn, initial, batch, reference)
+    )
+    import flax
+
+    import jaxoffload
+
+    return {
+        "model": workload.model,
+        "batch": workload.batch,
+        "image_size": workload.image_size,
+        "dtype": workload.dtype,
+        "strategy": workload.strategy,
+        "offloaded_blocks": workload.offloaded_blocks,
+        "framework": "jax",
+        "device": device.device_kind,
+        "platform": device.platform,
+        "jax_version": jax.__version__,
+        "flax_version": flax.__version__,
+        "jaxoffload_version": jaxoffload.__version__,
+        "compiled_temp_bytes": report.temp_bytes,
+        "compiled_host_temp_bytes": report.host_temp_bytes,
+        "compiled_argument_bytes": report.argument_bytes,
+        "requested_host_bytes": report.requested_bytes,
+        "host_buffers": report.host_buffers,
+        "device_to_host_copies": report.device_to_host,
+        "device_to_host_bytes": report.device_to_host_bytes,
+        "host_to_device_copies": report.host_to_device,
+        "host_to_device_bytes": report.host_to_device_bytes,
+        "peak_bytes_in_use": peak,
+        "step_time_ms": step_s * 1e3,
+        "step_times_ms": [t * 1e3 for t in times],
+        "images_per_s": workload.batch / step_s,
+        "final_loss": float(loss),
+        "grad_rel_err": grad_rel_err,
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def _compare_gradients(loss_fn, initial, batch, reference: str) -> float:
+    params, model_state = initial
+    grads = jax.jit(jax.grad(lambda p: loss_fn(p, model_state, batch)[0]))(params)
+    leaves = [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)]
+    if not os.path.exists(reference):
+        np.savez(reference, *leaves)
+        return 0.0
+    with np.load(reference) as stored:
+        ref = [stored[f"arr_{n}"] for n in range(len(stored.files))]
+    if [r.shape for r in ref] != [g.shape for g in leaves]:
+        raise ValueError(f"{reference} holds the gradient of another model.")
+    diff = sum(np.sum((g - r) ** 2) for g, r in zip(leaves, ref))
+    return float(np.sqrt(diff / sum(np.sum(r**2) for r in ref)))
+
+
+class OutOfMemory(RuntimeError):
+    """The workload did not fit in device memory."""
+
+
+def measure_in_subprocess(
+    workload: Workload,
+    *,
+    steps: int = 10,
+    reference: str | None = None,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """:func:`measure` in a fresh Python process.
+
+    Raises:
+      OutOfMemory: if the child ran out of device memory.
+      RuntimeError: if it failed otherwise; the message holds its last output.
+    """
+    options = {"steps": steps, "reference": reference}
+    return _child(["measure", json.dumps(dataclasses.asdict(workload)), json.dumps(options)], env)
+
+
+def measure_all(
+    workloads: list[Workload],
+    *,
+    steps: int = 10,
+    env: dict[str, str] | None = None,
+    on_start: Any = None,
+) -> list[dict[str, Any]]:
+    """Measures each workload in its own process, with gradients compared to the first.
+
+    The first workload must use the ``"none"`` strategy: it is the reference
+    for every ``grad_rel_err``. A workload that runs out of memory gives a
+    record with ``"out_of_memory": True``.
+
+    Args:
+      workloads: what to measure, the reference first.
+      steps: timed steps per workload.
+      env: extra environment variables for the child processes.
+      on_start: called with each workload before it starts (for progress).
+    """
+    if not workloads or workloads[0].strategy != "none":
+        raise ValueError("the first workload must use the 'none' strategy: it is the reference.")
+    records = []
+    with tempfile.TemporaryDirectory() as folder:
+        reference = os.path.join(folder, "reference_gradient.npz")
+        for w in workloads:
+            if on_start is not None:
+                on_start(w)
+            try:
+                records.append(measure_in_subprocess(w, steps=steps, reference=reference, env=env))
+            except OutOfMemory:
+                records.append(
+                    {
+                        **dataclasses.asdict(w),
+                        "offloaded_blocks": w.offloaded_blocks,
+                        "framework": "jax",
+                        "out_of_memory": True,
+                    }  # fmt: skip
+                )
+    return records
+
+
+def find_max_batch(
+    workload: Workload, *, env: dict[str, str] | None = None, limit: int = 4096
+) -> int:
+    """The largest batch, to within 1/16, with which ``workload`` trains without running out of memory.
+
+    Doubles the batch from ``workload.batch`` until a step runs out of memory
+    (or ``limit`` is passed), then bisects. Each try is one step in a fresh
+    process.
+
+    Returns:
+      The largest batch seen to fit; 0 if not even ``workload.batch`` fits.
+    """
+
+    def fits(batch: int) -> bool:
+        try:
+            measure_in_subprocess(dataclasses.replace(workload, batch=batch), steps=1, env=env)
+            return True
+        except OutOfMemory:
+            return False
+
+    fit, fail, batch = 0, None, workload.batch
+    while batch <= limit:
+        if not fits(batch):
+            fail = batch
+            break
+        fit, batch = batch, batch * 2
+    if fail is None:
+        return fit
+    while fail - fit > max(1, fit // 16):
+        middle = (fit + fail) // 2
+        fit, fail = (middle, fail) if fits(middle) else (fit, middle)
+    return fit
+
+
+def _child(argv: list[str], env: dict[str, str] | None) -> Any:
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxoffload.benchmark", *argv],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    if done.returncode == 0:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    if "RESOURCE_EXHAUSTED" in done.stderr or "Out of memory" in done.stderr:
+        raise OutOfMemory(done.stderr.strip().splitlines()[-1])
+    tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+    raise RuntimeError(f"the measuring process failed (exit code {done.returncode}):\n{tail}")
+
+
+def _main(argv: list[str]) -> None:
+    if argv[0] == "measure":
+        record = measure(Workload(**json.loads(argv[1])), **json.loads(argv[2]))
+        print(json.dumps(record), flush=True)
+    else:
+        raise SystemExit(f"unknown command {argv[0]!r}")
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

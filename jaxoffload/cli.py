@@ -1,0 +1,255 @@
+"""The ``jaxoffload`` command: ``jaxoffload bench`` compares memory strategies on a model.
+
+A thin layer over :mod:`jaxoffload.benchmark`: it parses arguments, runs each
+strategy in a fresh process, and writes a table, JSON records and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+from typing import Any
+
+from jaxoffload import models
+
+DEFAULT_STRATEGIES = ",".join(models.BLOCK_STRATEGIES)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxoffload", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    bench = commands.add_parser(
+        "bench",
+        help="measure memory and step time of each strategy on a model",
+        description="Measure each memory strategy's compiled temp, runtime peak, step time and "
+        "gradient error on one model, each in a fresh process. The defaults run on CPU.",
+    )
+    bench.add_argument(
+        "--model", default="resnet18", help=f"one of: {', '.join(models.MODEL_NAMES)}"
+    )
+    bench.add_argument("--batch", type=int, default=8)
+    bench.add_argument("--image-size", type=int, default=32)
+    bench.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    bench.add_argument("--steps", type=int, default=3, help="timed steps per strategy")
+    bench.add_argument(
+        "--strategies",
+        default=DEFAULT_STRATEGIES,
+        help=f"comma-separated, from: {DEFAULT_STRATEGIES}",
+    )
+    bench.add_argument("--out", default="bench-out", help="folder for records.json and pareto.png")
+    bench.add_argument(
+        "--max-batch",
+        action="store_true",
+        help="also find, per strategy, the largest batch that trains (GPU only)",
+    )
+    bench.add_argument(
+        "--memory-cap",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="emulate a GPU with this much memory (sets XLA_PYTHON_CLIENT_MEM_FRACTION)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        bench(args)
+    except BenchError as e:
+        parser.exit(2, f"jaxoffload bench: error: {e}\n")
+
+
+class BenchError(ValueError):
+    """A problem with the command's arguments or environment, said in words."""
+
+
+def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Runs ``jaxoffload bench``; returns the records it wrote."""
+    from jaxoffload import benchmark
+
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [s for s in strategies if s not in models.BLOCK_STRATEGIES]
+    if unknown or not strategies:
+        raise BenchError(
+            f"unknown strategies {unknown or strategies}; choose from {DEFAULT_STRATEGIES}"
+        )
+    if args.steps < 1:
+        raise BenchError(f"--steps must be at least 1, got {args.steps}")
+    try:
+        workloads = [
+            benchmark.Workload(args.model, args.batch, args.image_size, args.dtype, s)
+            for s in strategies
+        ]
+    except ValueError as e:
+        raise BenchError(str(e)) from None
+    platform = _platform()
+    env = {}
+    if args.memory_cap is not None or args.max_batch:
+        if platform != "gpu":
+            option = "--memory-cap" if args.memory_cap is not None else "--max-batch"
+            raise BenchError(
+                f"{option} needs a GPU: this machine's jax backend is {platform}, where device "
+                "memory is host memory and running out of it stops the machine, not the step"
+            )
+    if args.memory_cap is not None:
+        env = _memory_cap_env(args.memory_cap)
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = Console(stderr=True)
+    if platform == "cpu" and {"offload", "jax-offload"} & set(strategies):
+        console.print(
+            "[yellow]note:[/] on CPU, host placement has no effect: offload strategies move "
+            "nothing, so their memory equals 'none'. Measure memory on a GPU."
+        )
+    if "none" not in strategies:
+        console.print("note: adding the 'none' strategy: gradients are compared with it.")
+    # The plain model runs first: it is every other strategy's gradient reference.
+    workloads.sort(key=lambda w: w.strategy != "none")
+    if workloads[0].strategy != "none":
+        workloads.insert(0, dataclasses.replace(workloads[0], strategy="none"))
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("measuring", total=len(workloads) * (1 + args.max_batch))
+
+        def on_start(w):
+            progress.update(task, description=f"{w.strategy}: compile and {args.steps} steps")
+            if w is not workloads[0]:
+                progress.advance(task)
+
+        records = benchmark.measure_all(workloads, steps=args.steps, env=env, on_start=on_start)
+        progress.advance(task)
+        for w, r in zip(workloads, records):
+            r["memory_cap_gib"] = args.memory_cap
+            if args.max_batch:
+                progress.update(task, description=f"{w.strategy}: largest batch")
+                r["max_batch"] = benchmark.find_max_batch(w, env=env)
+                progress.advance(task)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "records.json").write_text(json.dumps(records, indent=1) + "\n")
+    Console().print(_table(records))
+    plotted = _plot(records, out / "pareto.png")
+    console.print(f"wrote {out / 'records.json'}" + (f" and {plotted}" if plotted else ""))
+    return records
+
+
+def _platform() -> str:
+    import jax
+
+    return jax.default_backend()
+
+
+def _memory_cap_env(gib: float) -> dict[str, str]:
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    # bytes_limit is what this process's allocator may take: the default
+    # fraction (0.75) of the device, unless the environment changed it.
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
+    total = stats.get("bytes_limit", 0) / fraction
+    if not total or gib * 2**30 > total:
+        raise BenchError(
+            f"--memory-cap {gib} GiB is more than this GPU has ({total / 2**30:.1f} GiB)"
+        )
+    if gib <= 0:
+        raise BenchError(f"--memory-cap must be positive, got {gib}")
+    return {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{gib * 2**30 / total:.6f}"}
+
+
+def _gib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**30:.3f}"
+
+
+def _table(records: list[dict[str, Any]]):
+    from rich.table import Table
+
+    first = records[0]
+    table = Table(
+        title=f"{first['model']}, batch {first['batch']}, {first['image_size']}², {first['dtype']}"
+    )
+    columns = ["strategy", "temp GiB", "host GiB", "peak GiB", "step ms", "images/s", "grad err"]
+    if any("max_batch" in r for r in records):
+        columns.append("max batch")
+    for c in columns:
+        table.add_column(c, justify="left" if c == "strategy" else "right")
+    for r in records:
+        if r.get("out_of_memory"):
+            table.add_row(r["strategy"], *["out of memory"] + [""] * (len(columns) - 2))
+            continue
+        err = r["grad_rel_err"]
+        row = [
+            r["strategy"],
+            _gib(r["compiled_temp_bytes"]),
+            _gib(r["compiled_host_temp_bytes"]),
+            _gib(r["peak_bytes_in_use"]),
+            f"{r['step_time_ms']:.1f}",
+            f"{r['images_per_s']:.1f}",
+            "-" if err is None else f"{err:.1e}",
+        ]
+        if "max_batch" in r:
+            row.append(str(r["max_batch"]))
+        table.add_row(*row)
+    return table
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both coordinates (lower is better).
+
+    Example:
+      >>> pareto_front([(1, 5), (2, 2), (3, 3), (4, 1)])
+      [0, 1, 3]
+    """
+    front = []
+    for i, (x, y) in enumerate(points):
+        dominated = any(
+            (u <= x and v <= y) and (u, v) != (x, y) for j, (u, v) in enumerate(points) if j != i
+        )
+        if not dominated:
+            front.append(i)
+    return sorted(front, key=lambda i: points[i])
+
+
+def _plot(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.Path | None:
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in records if not r.get("out_of_memory")]
+    # Without a runtime peak (CPU), the compiled temp is the memory reading.
+    key = (
+        "peak_bytes_in_use" if all(r["peak_bytes_in_use"] for r in done) else "compiled_temp_bytes"
+    )
+    points = [(r["step_time_ms"], r[key] / 2**30) for r in done]
+    fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
+    for r, (x, y) in zip(done, points):
+        ax.scatter(x, y, s=40, label=r["strategy"], zorder=3)
+    front = pareto_front(points)
+    ax.plot(*zip(*[points[i] for i in front]), "k--", lw=1, label="Pareto front")
+    first = done[0]
+    ax.set(
+        xlabel="step time (ms)",
+        ylabel=("runtime peak" if key == "peak_bytes_in_use" else "compiled device temp")
+        + " (GiB)",
+        title=f"{first['model']} b{first['batch']} {first['image_size']}² {first['dtype']}, "
+        f"{first['device']}",
+    )
+    ax.set_xlim(0, 1.15 * max(x for x, _ in points))
+    ax.set_ylim(0, 1.3 * max(y for _, y in points))
+    ax.legend(ncols=2, fontsize="small")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main(sys.argv[1:])

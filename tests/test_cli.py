@@ -1,0 +1,64 @@
+"""The jaxoffload command: arguments, errors, and what it writes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jaxoffload import cli
+
+REQUIRED = {
+    "model", "batch", "image_size", "dtype", "strategy", "framework", "device", "jax_version",
+    "compiled_temp_bytes", "compiled_host_temp_bytes", "peak_bytes_in_use", "step_time_ms",
+    "images_per_s", "grad_rel_err", "date",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "alexnet"], "Unknown model 'alexnet'; choose one of resnet18"),
+        (["--strategies", "none,swap"], "unknown strategies ['swap']"),
+        (["--batch", "0"], "batch must be at least 1"),
+        (["--image-size", "16"], "image_size must be at least 32"),
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--memory-cap", "12"], "--memory-cap needs a GPU"),
+        (["--max-batch"], "--max-batch needs a GPU"),
+    ],
+)
+def test_bad_arguments_exit_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["bench", *argv])
+    assert exit.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_dtype_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--dtype", "float16"])
+    assert "invalid choice: 'float16'" in capsys.readouterr().err
+
+
+def test_bench_writes_table_json_and_plot(tmp_path):
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxoffload", "bench", "--model=resnet18", "--batch=2",
+         "--steps=1", "--strategies=offload,remat", f"--out={out}"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    records = json.loads((out / "records.json").read_text())
+    # 'none' is added first: it is the gradient reference.
+    assert [r["strategy"] for r in records] == ["none", "offload", "remat"]
+    for r in records:
+        assert REQUIRED <= set(r), REQUIRED - set(r)
+        assert r["grad_rel_err"] <= 1e-6
+    assert records[1]["requested_host_bytes"] > 0 and records[1]["offloaded_blocks"] == 8
+    assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"
+    assert "remat" in done.stdout and "images/s" in done.stdout
+    assert "host placement has no effect" in done.stderr
+
+
+def test_pareto_front():
+    assert cli.pareto_front([(3, 1), (1, 3), (2, 2), (3, 3)]) == [1, 2, 0]
+    assert cli.pareto_front([(1, 1), (1, 1)]) == [0, 1]
