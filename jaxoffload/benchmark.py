@@ -32,6 +32,7 @@ __all__ = [
     "measure",
     "measure_all",
     "measure_in_subprocess",
+    "probe_device",
     "train_step",
 ]
 
@@ -331,8 +332,29 @@ def _child(argv: list[str], env: dict[str, str] | None) -> Any:
     raise RuntimeError(f"the measuring process failed (exit code {done.returncode}):\n{tail}")
 
 
+def probe_device(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The default device's platform, kind and memory limit, read in a fresh process.
+
+    The parent of the measuring processes must not start a GPU client itself:
+    the client would take its share of device memory away from every child.
+    """
+    return _child(["probe"], env)
+
+
+def _probe() -> dict[str, Any]:
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    return {
+        "platform": device.platform,
+        "device": device.device_kind,
+        "bytes_limit": stats.get("bytes_limit"),
+    }
+
+
 def _main(argv: list[str]) -> None:
-    if argv[0] == "measure":
+    if argv[0] == "probe":
+        print(json.dumps(_probe()), flush=True)
+    elif argv[0] == "measure":
         record = measure(Workload(**json.loads(argv[1])), **json.loads(argv[2]))
         print(json.dumps(record), flush=True)
     else:

@@ -88,7 +88,8 @@ def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
         ]
     except ValueError as e:
         raise BenchError(str(e)) from None
-    platform = _platform()
+    device = benchmark.probe_device()
+    platform = device["platform"]
     env = {}
     if args.memory_cap is not None or args.max_batch:
         if platform != "gpu":
@@ -98,7 +99,7 @@ def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "memory is host memory and running out of it stops the machine, not the step"
             )
     if args.memory_cap is not None:
-        env = _memory_cap_env(args.memory_cap)
+        env = _memory_cap_env(args.memory_cap, device["bytes_limit"])
 
     from rich.console import Console
     from rich.progress import Progress
@@ -140,26 +141,18 @@ def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     return records
 
 
-def _platform() -> str:
-    import jax
-
-    return jax.default_backend()
-
-
-def _memory_cap_env(gib: float) -> dict[str, str]:
-    import jax
-
-    stats = jax.devices()[0].memory_stats() or {}
-    # bytes_limit is what this process's allocator may take: the default
-    # fraction (0.75) of the device, unless the environment changed it.
+def _memory_cap_env(gib: float, bytes_limit: int | None) -> dict[str, str]:
+    """XLA_PYTHON_CLIENT_MEM_FRACTION that gives the children ``gib`` of device memory."""
+    if gib <= 0:
+        raise BenchError(f"--memory-cap must be positive, got {gib}")
+    # bytes_limit is what a child's allocator may take: the default fraction
+    # (0.75) of the device, unless the environment set another.
     fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
-    total = stats.get("bytes_limit", 0) / fraction
-    if not total or gib * 2**30 > total:
+    total = (bytes_limit or 0) / fraction
+    if gib * 2**30 > total:
         raise BenchError(
             f"--memory-cap {gib} GiB is more than this GPU has ({total / 2**30:.1f} GiB)"
         )
-    if gib <= 0:
-        raise BenchError(f"--memory-cap must be positive, got {gib}")
     return {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{gib * 2**30 / total:.6f}"}
 
 

@@ -120,6 +120,10 @@ def offload(
     overlapped with compute. ``tests/test_gpu.py`` checks on a GPU that the
     copies are kept and that device memory falls.
 
+    ``offload`` is built on :func:`jax.custom_vjp`, so it supports reverse-mode
+    differentiation (``grad``, ``vjp``, ``value_and_grad``), ``jit``, ``vmap``
+    and sharding, but not forward mode (``jvp``, ``linearize``, ``hessian``).
+
     Args:
       fun: the function to wrap. Its array arguments are differentiated as
         with :func:`jax.vjp`; integer arguments get ``float0`` cotangents.
@@ -260,10 +264,11 @@ def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: lis
         leaves, treedef = jax.tree.flatten(vjp_fun)
         kept_ids = {id(leaf) for n in keep for leaf in jax.tree.leaves(dynamic[n])}
         used = _used_residuals(treedef, leaves, out)
-        to_host, residuals = [], []
-        for leaf, is_used in zip(leaves, used):
+        to_host, residuals, dead = [], [], {}
+        for n, (leaf, is_used) in enumerate(zip(leaves, used)):
             placement, reason = _place(leaf, is_used, kept_ids, config.min_bytes)
             if placement is None:
+                dead[n] = (np.shape(leaf), leaf.dtype)
                 residuals.append(None)
                 continue
             if record is not None:
@@ -281,7 +286,7 @@ def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: lis
             out, host = _barrier((out, host))
         for n, value in zip(to_host, host):
             residuals[n] = value
-        saved.update(treedef=treedef, leaves=leaves, to_host=tuple(to_host))
+        saved.update(treedef=treedef, dead=dead, to_host=tuple(to_host))
         return out, residuals
 
     def run_bwd(residuals, cotangent):
@@ -293,9 +298,9 @@ def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: lis
             host, cotangent = _barrier_arrays(([residuals[n] for n in to_host], cotangent))
             for n, value in zip(to_host, host):
                 residuals[n] = jax.device_put(value, _DEVICE)
-        for n, leaf in enumerate(saved["leaves"]):
-            if residuals[n] is None:  # dead in the backward pass: never saved
-                residuals[n] = jax.numpy.zeros(leaf.shape, leaf.dtype)
+        for n, (shape, dtype) in saved["dead"].items():
+            # Never read by the backward pass, so never saved: a placeholder.
+            residuals[n] = jax.numpy.zeros(shape, dtype)
         vjp_fun = jax.tree.unflatten(saved["treedef"], residuals)
         cotangents = vjp_fun(cotangent)
         # The input cotangent leaves with the parameter cotangents. XLA would

@@ -62,3 +62,24 @@ def test_bench_writes_table_json_and_plot(tmp_path):
 def test_pareto_front():
     assert cli.pareto_front([(3, 1), (1, 3), (2, 2), (3, 3)]) == [1, 2, 0]
     assert cli.pareto_front([(1, 1), (1, 1)]) == [0, 1]
+
+
+def test_memory_cap_fraction():
+    # A child's allocator gets 75% of a 100 GiB device by default: 75 GiB.
+    env = cli._memory_cap_env(12.5, 75 * 2**30)
+    assert env == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.125000"}
+    with pytest.raises(cli.BenchError, match="more than this GPU has"):
+        cli._memory_cap_env(200, 75 * 2**30)
+    with pytest.raises(cli.BenchError, match="positive"):
+        cli._memory_cap_env(0, 75 * 2**30)
+
+
+def test_the_command_starts_no_device_client_itself(monkeypatch):
+    # On a GPU, a client in the parent would take memory from every measuring child.
+    import jax
+
+    calls = []
+    monkeypatch.setattr(jax, "devices", lambda *a: calls.append(a) or [])
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--memory-cap", "8"])  # refused on CPU, after probing in a child
+    assert calls == []

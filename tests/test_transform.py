@@ -197,6 +197,12 @@ def test_offload_composes_with_checkpoint_and_vmap():
     assert rel_err(jax.vmap(jax.grad(lambda r: f(r).sum()))(x), ref) <= 1e-6
 
 
+def test_forward_mode_is_refused_clearly():
+    f = offload(jnp.sin)
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jvp(f, (jnp.ones(3),), (jnp.ones(3),))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
