@@ -10,7 +10,37 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-__all__ = ["max_pool"]
+__all__ = ["max_pool", "relu"]
+
+
+@jax.custom_vjp
+def relu(x: jax.Array) -> jax.Array:
+    """``jax.nn.relu`` whose backward pass reads its output instead of its input.
+
+    ``jax.nn.relu`` keeps a boolean mask of its input for the backward pass.
+    The output tells the same thing (``y > 0``), and the layer that follows
+    (a convolution, a pool) usually keeps the output anyway, so this rule adds
+    no residual of its own. The gradient at 0 is 0, as in ``jax.nn.relu``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxoffload.layers import relu
+      >>> jax.grad(lambda x: relu(x).sum())(jnp.array([-1.0, 0.0, 2.0]))
+      Array([0., 0., 1.], dtype=float32)
+    """
+    return jnp.maximum(x, jnp.zeros((), x.dtype))
+
+
+def _relu_fwd(x):
+    y = relu(x)
+    return y, y
+
+
+def _relu_bwd(y, g):
+    return (jnp.where(y > 0, g, jnp.zeros((), g.dtype)),)
+
+
+relu.defvjp(_relu_fwd, _relu_bwd)
 
 
 def max_pool(

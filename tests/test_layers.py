@@ -1,4 +1,4 @@
-"""jaxoffload.layers.max_pool: flax's values and gradients, without index tensors."""
+"""jaxoffload.layers: the values and gradients of jax and flax, from fewer residuals."""
 
 import flax.linen as nn
 import jax
@@ -8,7 +8,7 @@ from helpers import rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxoffload.layers import max_pool
+from jaxoffload.layers import max_pool, relu
 
 
 @settings(deadline=None, max_examples=25)
@@ -58,3 +58,45 @@ def test_overlapping_windows_fall_back_to_flax():
         np.testing.assert_array_equal(
             max_pool(x, (3, 3), **kwargs), nn.max_pool(x, (3, 3), **kwargs)
         )
+
+
+@settings(deadline=None, max_examples=20)
+@given(
+    shape=st.lists(st.integers(1, 7), min_size=1, max_size=4),
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_relu_matches_jax(shape, dtype, seed):
+    x = jax.random.normal(jax.random.key(seed), shape, dtype)
+    x = x.at[(0,) * len(shape)].set(0)  # the kink: both give gradient 0 there
+    ct = jax.random.normal(jax.random.key(seed + 1), shape, dtype)
+    assert rel_err(relu(x), jax.nn.relu(x)) == 0.0
+    ours = jax.grad(lambda x: jnp.sum(relu(x) * ct).astype(jnp.float32))(x)
+    ref = jax.grad(lambda x: jnp.sum(jax.nn.relu(x) * ct).astype(jnp.float32))(x)
+    assert rel_err(ours, ref) == 0.0
+
+
+def test_relu_keeps_no_mask_of_its_own():
+    # conv -> relu -> pool: jax.nn.relu adds a bool mask beside the pool's input;
+    # the lean relu's residual *is* the pool's input, so nothing is added.
+    import jaxoffload
+
+    w = jax.random.normal(jax.random.key(0), (3, 3, 2, 4))
+
+    def block(act):
+        def f(w, x):
+            y = jax.lax.conv_general_dilated(
+                x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+            )
+            return max_pool(act(y), (2, 2), (2, 2))
+
+        return jaxoffload.offload(f, device_argnums=0)
+
+    x = jax.random.normal(jax.random.key(1), (2, 6, 6, 2))
+    dtypes = lambda act: sorted(  # noqa: E731
+        str(r.dtype)
+        for r in jaxoffload.saved_residuals(block(act), w, x)
+        if r.placement == "pinned_host"
+    )
+    assert dtypes(jax.nn.relu) == ["bool", "float32", "float32"]
+    assert dtypes(relu) == ["float32", "float32"]
