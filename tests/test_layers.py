@@ -8,10 +8,10 @@ from helpers import rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxoffload.layers import max_pool, relu
+from jaxoffload.layers import max_pool, relu, relu_max_pool
 
 
-@settings(deadline=None, max_examples=25)
+@settings(deadline=None, max_examples=15)
 @given(
     batch=st.integers(1, 3),
     height=st.integers(2, 11),
@@ -100,3 +100,45 @@ def test_relu_keeps_no_mask_of_its_own():
     )
     assert dtypes(jax.nn.relu) == ["bool", "float32", "float32"]
     assert dtypes(relu) == ["float32", "float32"]
+
+
+@settings(deadline=None, max_examples=15)
+@given(
+    batch=st.integers(1, 3),
+    height=st.integers(2, 11),
+    width=st.integers(2, 11),
+    channels=st.integers(1, 4),
+    window=st.sampled_from([(2, 2), (3, 3), (2, 1), (1, 3)]),
+    seed=st.integers(0, 2**16),
+)
+def test_relu_max_pool_matches_flax(batch, height, width, channels, window, seed):
+    window = tuple(min(w, s) for w, s in zip(window, (height, width)))
+    x = jax.random.normal(jax.random.key(seed), (batch, height, width, channels))
+    ours = lambda x: relu_max_pool(x, window, window)  # noqa: E731
+    flax = lambda x: nn.max_pool(jax.nn.relu(x), window, strides=window)  # noqa: E731
+    assert rel_err(ours(x), flax(x)) == 0.0
+    ct = jax.random.normal(jax.random.key(seed + 1), flax(x).shape)
+    grad = lambda f: jax.jit(jax.grad(lambda x: jnp.sum(f(x) * ct)))(x)  # noqa: E731
+    assert rel_err(grad(ours), grad(flax)) <= 1e-6
+
+
+def test_relu_max_pool_keeps_only_a_byte_index_beside_its_output():
+    import jaxoffload
+
+    x = jax.random.normal(jax.random.key(0), (2, 8, 8, 4), jnp.bfloat16)
+    f = jaxoffload.offload(lambda x: relu_max_pool(x, (2, 2), (2, 2)))
+    residuals = sorted((str(r.dtype), r.shape) for r in jaxoffload.saved_residuals(f, x))
+    assert residuals == [("bfloat16", (2, 4, 4, 4)), ("int8", (2, 4, 4, 4))]
+    # A window with no positive value passes no gradient, as through jax.nn.relu.
+    negative = -jnp.ones((1, 2, 2, 1))
+    assert (
+        float(jnp.abs(jax.grad(lambda x: relu_max_pool(x, (2, 2), (2, 2)).sum())(negative)).sum())
+        == 0
+    )
+
+
+def test_relu_max_pool_falls_back_for_overlapping_windows():
+    x = jax.random.normal(jax.random.key(0), (1, 6, 6, 2))
+    np.testing.assert_array_equal(
+        relu_max_pool(x, (3, 3), (1, 1)), nn.max_pool(jax.nn.relu(x), (3, 3), strides=(1, 1))
+    )
