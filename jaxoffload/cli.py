@@ -218,6 +218,8 @@ def _plot(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.Path | N
     import matplotlib.pyplot as plt
 
     done = [r for r in records if not r.get("out_of_memory")]
+    if not done:
+        return None
     # Without a runtime peak (CPU), the compiled temp is the memory reading.
     key = (
         "peak_bytes_in_use" if all(r["peak_bytes_in_use"] for r in done) else "compiled_temp_bytes"

@@ -1,6 +1,7 @@
 """The jaxoffload command: arguments, errors, and what it writes."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -83,3 +84,28 @@ def test_the_command_starts_no_device_client_itself(monkeypatch):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--memory-cap", "8"])  # refused on CPU, after probing in a child
     assert calls == []
+
+
+def test_out_of_memory_records(monkeypatch, tmp_path):
+    # Simulate a reference that does not fit: the others get no gradient error.
+    from jaxoffload import benchmark
+
+    seen = []
+
+    def fake(workload, *, steps, reference, env):
+        seen.append(reference)
+        if workload.strategy == "none":
+            raise benchmark.OutOfMemory("RESOURCE_EXHAUSTED")
+        return {"strategy": workload.strategy, "grad_rel_err": None}
+
+    monkeypatch.setattr(benchmark, "measure_in_subprocess", fake)
+    workloads = [benchmark.Workload("resnet18", 2, 32, "float32", s) for s in ("none", "remat")]
+    records = benchmark.measure_all(workloads, steps=1)
+    assert records[0]["out_of_memory"] and records[0]["strategy"] == "none"
+    assert seen[0] is not None and seen[1] is None  # no stale reference for 'remat'
+    assert cli._plot([records[0]], tmp_path / "p.png") is None
+    from rich.console import Console
+
+    console = Console(width=120, record=True, file=open(os.devnull, "w"))
+    console.print(cli._table([records[0]]))
+    assert "out of memory" in console.export_text()
