@@ -291,11 +291,13 @@ def find_max_batch(
     """The largest batch, to within 1/16, with which ``workload`` trains without running out of memory.
 
     Doubles the batch from ``workload.batch`` until a step runs out of memory
-    (or ``limit`` is passed), then bisects. Each try is one step in a fresh
+    (or ``limit`` is passed), then bisects between the last batch that fitted
+    (0 at first) and the first that did not. Each try is one step in a fresh
     process.
 
     Returns:
-      The largest batch seen to fit; 0 if not even ``workload.batch`` fits.
+      The largest batch seen to fit, which may be below ``workload.batch``;
+      ``limit``'s last doubling if every try fitted; 0 if not even 1 fits.
     """
 
     def fits(batch: int) -> bool:

@@ -109,3 +109,25 @@ def test_out_of_memory_records(monkeypatch, tmp_path):
     console = Console(width=120, record=True, file=open(os.devnull, "w"))
     console.print(cli._table([records[0]]))
     assert "out of memory" in console.export_text()
+
+
+@pytest.mark.parametrize(
+    ("start", "fits_up_to", "expected"), [(8, 100, 100), (8, 5, 5), (8, 0, 0), (8, 10_000, 4096)]
+)
+def test_find_max_batch_doubles_then_bisects(monkeypatch, start, fits_up_to, expected):
+    from jaxoffload import benchmark
+
+    tried = []
+
+    def fake(workload, *, steps, env):
+        tried.append(workload.batch)
+        if workload.batch > fits_up_to:
+            raise benchmark.OutOfMemory("RESOURCE_EXHAUSTED")
+        return {}
+
+    monkeypatch.setattr(benchmark, "measure_in_subprocess", fake)
+    w = benchmark.Workload("resnet18", start, 32, "float32", "none")
+    found = benchmark.find_max_batch(w, limit=4096)
+    assert found == expected
+    assert found <= fits_up_to
+    assert len(tried) <= 2 * 10  # doubling, then bisection: logarithmic in the batch
