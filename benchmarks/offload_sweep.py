@@ -1,8 +1,8 @@
 """Offload the first k blocks of a model and measure device memory and step time.
 
 Each variant runs in its own process (``jaxoffload.benchmark``), so that
-``peak_bytes_in_use`` is that variant's alone. A last process compares every
-variant's gradients with the plain model's on the same batch.
+``peak_bytes_in_use`` is that variant's alone. After reading its peak, each
+process compares its gradient with the plain model's (k = 0) on the same batch.
 
     python benchmarks/offload_sweep.py --out benchmarks/results/vgg19_offload_sweep_h200.json
     python benchmarks/offload_sweep.py --model vgg11 --batch 2 --image-size 32   # CPU smoke run

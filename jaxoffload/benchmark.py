@@ -17,11 +17,13 @@ import tempfile
 import time
 from typing import Any
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+import jaxoffload
 from jaxoffload import models
 from jaxoffload.report import analyze
 
@@ -170,10 +172,6 @@ def measure(
     grad_rel_err = (
         None if reference is None else _compare_gradients(loss_fn, initial, batch, reference)
     )
-    import flax
-
-    import jaxoffload
-
     return {
         "model": workload.model,
         "batch": workload.batch,

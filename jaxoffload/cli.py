@@ -110,11 +110,10 @@ def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             "[yellow]note:[/] on CPU, host placement has no effect: offload strategies move "
             "nothing, so their memory equals 'none'. Measure memory on a GPU."
         )
-    if "none" not in strategies:
-        console.print("note: adding the 'none' strategy: gradients are compared with it.")
     # The plain model runs first: it is every other strategy's gradient reference.
     workloads.sort(key=lambda w: w.strategy != "none")
     if workloads[0].strategy != "none":
+        console.print("note: adding the 'none' strategy: gradients are compared with it.")
         workloads.insert(0, dataclasses.replace(workloads[0], strategy="none"))
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("measuring", total=len(workloads) * (1 + args.max_batch))

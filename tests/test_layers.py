@@ -11,18 +11,21 @@ from hypothesis import strategies as st
 from jaxoffload.layers import max_pool, relu, relu_max_pool
 
 
+@st.composite
+def pool_cases(draw):
+    """A random NHWC input, odd sizes included, a window that fits it, and a seed."""
+    shape = (draw(st.integers(1, 3)), draw(st.integers(2, 11)), draw(st.integers(2, 11)),
+             draw(st.integers(1, 4)))  # fmt: skip
+    window = draw(st.sampled_from([(2, 2), (3, 3), (2, 1), (1, 3), (3, 2)]))
+    window = tuple(min(w, s) for w, s in zip(window, shape[1:3]))
+    seed = draw(st.integers(0, 2**16))
+    return jax.random.normal(jax.random.key(seed), shape), window, seed
+
+
 @settings(deadline=None, max_examples=15)
-@given(
-    batch=st.integers(1, 3),
-    height=st.integers(2, 11),
-    width=st.integers(2, 11),
-    channels=st.integers(1, 4),
-    window=st.sampled_from([(2, 2), (3, 3), (2, 1), (1, 3), (3, 2)]),
-    seed=st.integers(0, 2**16),
-)
-def test_matches_flax_max_pool(batch, height, width, channels, window, seed):
-    window = tuple(min(w, s) for w, s in zip(window, (height, width)))
-    x = jax.random.normal(jax.random.key(seed), (batch, height, width, channels))
+@given(pool_cases())
+def test_matches_flax_max_pool(case):
+    x, window, seed = case
     ours = lambda x: max_pool(x, window, window)  # noqa: E731
     flax = lambda x: nn.max_pool(x, window, strides=window)  # noqa: E731
     assert rel_err(ours(x), flax(x)) == 0.0
@@ -103,17 +106,9 @@ def test_relu_keeps_no_mask_of_its_own():
 
 
 @settings(deadline=None, max_examples=15)
-@given(
-    batch=st.integers(1, 3),
-    height=st.integers(2, 11),
-    width=st.integers(2, 11),
-    channels=st.integers(1, 4),
-    window=st.sampled_from([(2, 2), (3, 3), (2, 1), (1, 3)]),
-    seed=st.integers(0, 2**16),
-)
-def test_relu_max_pool_matches_flax(batch, height, width, channels, window, seed):
-    window = tuple(min(w, s) for w, s in zip(window, (height, width)))
-    x = jax.random.normal(jax.random.key(seed), (batch, height, width, channels))
+@given(pool_cases())
+def test_relu_max_pool_matches_flax(case):
+    x, window, seed = case
     ours = lambda x: relu_max_pool(x, window, window)  # noqa: E731
     flax = lambda x: nn.max_pool(jax.nn.relu(x), window, strides=window)  # noqa: E731
     assert rel_err(ours(x), flax(x)) == 0.0
