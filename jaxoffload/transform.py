@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, overload
 
 import jax
 import numpy as np
 from jax.extend import core as jex_core
+
+from jaxoffload.report import OffloadWarning
 
 __all__ = ["Residual", "offload", "saved_residuals"]
 
@@ -98,6 +101,9 @@ def offload(
        on the device: those arrays live on the device anyway (parameters);
     2. residuals smaller than ``min_bytes`` stay on the device;
     3. every other residual moves to the host.
+
+    If a function has residuals but none of them moves, an
+    :class:`~jaxoffload.OffloadWarning` says so when it is differentiated.
 
     With ``names``, ``fun`` is first wrapped in ``jax.checkpoint`` with
     ``save_only_these_names(*names)``: the residuals are then the values named
@@ -276,6 +282,15 @@ def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: lis
             if placement == "pinned_host":
                 to_host.append(len(residuals))
             residuals.append(leaf)
+        kept = [n for n in range(len(leaves)) if n not in dead]
+        if kept and not to_host:
+            warnings.warn(
+                f"offload({getattr(fun, '__name__', fun)}): none of its {len(kept)} residuals "
+                "moves to the host (all are in device_argnums or under min_bytes); it behaves "
+                "like the plain function. saved_residuals() lists them.",
+                OffloadWarning,
+                stacklevel=2,
+            )
         with jax.named_scope("jaxoffload/to_host"):
             host = [jax.device_put(residuals[n], _HOST) for n in to_host]
             # Without a barrier between the move out and the move back, XLA

@@ -1,5 +1,7 @@
 """jaxoffload.offload as a function transform: values, gradients and placement."""
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -112,6 +114,17 @@ def test_which_residuals_move_follows_the_rules():
     small = saved_residuals(offload(f, min_bytes=4 * 32 * 32), w, x)
     assert all(r.placement == "device" for r in small if r.nbytes < 4 * 32 * 32)
     assert [r.shape for r in small if r.placement == "pinned_host"] == [(32, 32)]
+
+
+def test_offload_that_moves_nothing_says_so():
+    w, x = normal(0, (8, 8)), normal(1, (4, 8))
+    everything_small = offload(lambda w, x: jnp.tanh(x @ w), min_bytes=1 << 20)
+    with pytest.warns(jaxoffload.OffloadWarning, match=r"none of its \d+ residuals moves"):
+        jax.grad(lambda w, x: everything_small(w, x).sum())(w, x)
+    # Nothing to move is not worth a warning: a function without residuals.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.grad(lambda x: offload(lambda x: 2.0 * x)(x).sum())(x)
 
 
 def test_names_select_residuals_and_recompute_the_rest():
