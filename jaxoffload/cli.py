@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import shlex
 import sys
 from typing import Any
 
@@ -58,9 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     try:
-        bench(args)
+        bench(args, command=shlex.join(["jaxoffload", *argv]))
     except BenchError as e:
         parser.exit(2, f"jaxoffload bench: error: {e}\n")
 
@@ -69,8 +71,13 @@ class BenchError(ValueError):
     """A problem with the command's arguments or environment, said in words."""
 
 
-def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Runs ``jaxoffload bench``; returns the records it wrote."""
+def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str, Any]]:
+    """Runs ``jaxoffload bench``; returns the records it wrote.
+
+    Args:
+      args: the parsed command line.
+      command: the command as typed, stored in each record so it can be rerun.
+    """
     from jaxoffload import benchmark
 
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
@@ -127,6 +134,7 @@ def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
         progress.advance(task)
         for w, r in zip(workloads, records):
             r["memory_cap_gib"] = args.memory_cap
+            r["command"] = command
             if args.max_batch:
                 progress.update(task, description=f"{w.strategy}: largest batch")
                 r["max_batch"] = benchmark.find_max_batch(w, env=env)
