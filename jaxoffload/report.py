@@ -17,7 +17,7 @@ __all__ = ["MemoryReport", "OffloadDroppedError", "OffloadWarning", "analyze", "
 # XLA writes the host memory space as S(5) in a layout: bf16[8,128]{1,0:S(5)}.
 _ARRAY = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]\{[^}]*\}")
 _HOST_SPACE = "S(5)"
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+([\w\-]+)\(")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\(%?([\w.\-]*)")
 _HOST_KINDS = ("pinned_host", "unpinned_host")
 # Instructions whose result is another instruction's buffer, or an argument.
 _ALIASES = ("get-tuple-element", "tuple", "bitcast", "opt-barrier", "copy-done", "parameter")
@@ -224,15 +224,17 @@ def _read_hlo(text: str) -> dict[str, int]:
         ),
         0,
     )
-    for line in text.splitlines():
-        match = _INSTRUCTION.match(line)
-        if not match or _HOST_SPACE not in line:
-            continue
-        result, opcode = match.groups()
+    # Recent XLA prints operands by name only, so a copy's source type is
+    # looked up from the instruction that defines it.
+    instructions = [m.groups() for m in map(_INSTRUCTION.match, text.splitlines()) if m]
+    types = {name: result for name, result, _, _ in instructions}
+    for _, result, opcode, operand in instructions:
         if opcode in ("copy-start", "copy"):
-            # copy-start's result is (destination, source, context); a copy's
-            # result is followed by its operand.
-            dst, src, *_ = _ARRAY.finditer(result if opcode == "copy-start" else line)
+            # copy-start's result is (destination, source, context).
+            arrays = list(_ARRAY.finditer(result + " " + types.get(operand, "")))
+            if opcode == "copy" and len(arrays) != 2:
+                continue  # a tuple copy, or an operand not found: no single transfer
+            dst, src = arrays[:2]
             if _in_host(dst) and not _in_host(src):
                 counts["device_to_host"] += 1
                 counts["device_to_host_bytes"] += _array_bytes(dst)
@@ -241,7 +243,7 @@ def _read_hlo(text: str) -> dict[str, int]:
             elif _in_host(src) and not _in_host(dst):
                 counts["host_to_device"] += 1
                 counts["host_to_device_bytes"] += _array_bytes(dst)
-        elif opcode not in _ALIASES:
+        elif opcode not in _ALIASES and _HOST_SPACE in result:
             host = [a for a in _ARRAY.finditer(result) if _in_host(a)]
             counts["host_buffers"] += len(host)
             counts["host_buffer_bytes"] += sum(map(_array_bytes, host))

@@ -99,6 +99,26 @@ def test_reads_host_copies_from_h200_hlo():
     }
 
 
+def test_reads_synchronous_copies_whose_operands_are_printed_by_name():
+    # XLA prints operands without their types; the source type is looked up.
+    hlo = """
+  %p = bf16[2,4]{1,0} parameter(0)
+  %to_host = bf16[2,4]{1,0:S(5)} copy(%p), metadata={op_name="x"}
+  %back = bf16[2,4]{1,0} copy(%to_host)
+  %same = bf16[2,4]{1,0} copy(%back)
+  %pair = (f32[3]{0}, f32[3]{0}) copy(%tuple.1)
+"""
+    counts = report_lib._read_hlo(hlo)
+    assert counts == {
+        "device_to_host": 1,
+        "device_to_host_bytes": 16,
+        "host_buffers": 1,
+        "host_buffer_bytes": 16,
+        "host_to_device": 1,
+        "host_to_device_bytes": 16,
+    }
+
+
 def test_bad_arguments():
     with pytest.raises(TypeError, match="jax.jit-wrapped"):
         jaxoffload.memory_report(_tanh, normal(0, (2, 2)), normal(0, (2, 2)))
