@@ -251,7 +251,8 @@ def measure_all(
 
     The first workload must use the ``"none"`` strategy: it is the reference
     for every ``grad_rel_err``. A workload that runs out of memory gives a
-    record with ``"out_of_memory": True``.
+    record with ``"out_of_memory": True``; one whose process fails otherwise
+    gives a record with its ``"error"``.
 
     Args:
       workloads: what to measure, the reference first.
@@ -269,17 +270,22 @@ def measure_all(
                 on_start(w)
             try:
                 records.append(measure_in_subprocess(w, steps=steps, reference=reference, env=env))
+                continue
             except OutOfMemory:
-                if w is workloads[0]:
-                    reference = None  # no reference gradient: no errors to report
-                records.append(
-                    {
-                        **dataclasses.asdict(w),
-                        "offloaded_blocks": w.offloaded_blocks,
-                        "framework": "jax",
-                        "out_of_memory": True,
-                    }
-                )
+                failure = {"out_of_memory": True}
+            except RuntimeError as e:
+                # One broken strategy must not cost the others' measurements.
+                failure = {"error": str(e)}
+            if w is workloads[0]:
+                reference = None  # no reference gradient: no errors to report
+            records.append(
+                {
+                    **dataclasses.asdict(w),
+                    "offloaded_blocks": w.offloaded_blocks,
+                    "framework": "jax",
+                    **failure,
+                }
+            )
     return records
 
 

@@ -145,6 +145,10 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
     Console().print(_table(records))
     plotted = _plot(records, out / "pareto.png")
     console.print(f"wrote {out / 'records.json'}" + (f" and {plotted}" if plotted else ""))
+    failed = [r for r in records if "error" in r]
+    if failed:
+        details = "\n".join(f"{r['strategy']}: {r['error']}" for r in failed)
+        raise BenchError(f"{len(failed)} strategies failed (records.json has the rest):\n{details}")
     return records
 
 
@@ -180,8 +184,9 @@ def _table(records: list[dict[str, Any]]):
     for c in columns:
         table.add_column(c, justify="left" if c == "strategy" else "right")
     for r in records:
-        if r.get("out_of_memory"):
-            table.add_row(r["strategy"], *["out of memory"] + [""] * (len(columns) - 2))
+        if r.get("out_of_memory") or "error" in r:
+            failure = "out of memory" if r.get("out_of_memory") else "failed"
+            table.add_row(r["strategy"], *[failure] + [""] * (len(columns) - 2))
             continue
         err = r["grad_rel_err"]
         row = [
@@ -224,7 +229,7 @@ def _plot(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.Path | N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    done = [r for r in records if not r.get("out_of_memory")]
+    done = [r for r in records if "step_time_ms" in r]
     if not done:
         return None
     # Without a runtime peak (CPU), the compiled temp is the memory reading.

@@ -15,7 +15,8 @@ from jax.extend import core as jex_core
 __all__ = ["MemoryReport", "OffloadDroppedError", "OffloadWarning", "analyze", "memory_report"]
 
 # XLA writes the host memory space as S(5) in a layout: bf16[8,128]{1,0:S(5)}.
-_ARRAY = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]\{[^}]*\}")
+# A typed array; scalars print no layout unless they carry a memory space.
+_ARRAY = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\](?:\{[^}]*\})?")
 _HOST_SPACE = "S(5)"
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\(%?([\w.\-]*)")
 _HOST_KINDS = ("pinned_host", "unpinned_host")
@@ -232,7 +233,7 @@ def _read_hlo(text: str) -> dict[str, int]:
         if opcode in ("copy-start", "copy"):
             # copy-start's result is (destination, source, context).
             arrays = list(_ARRAY.finditer(result + " " + types.get(operand, "")))
-            if opcode == "copy" and len(arrays) != 2:
+            if len(arrays) < 2 or (opcode == "copy" and len(arrays) != 2):
                 continue  # a tuple copy, or an operand not found: no single transfer
             dst, src = arrays[:2]
             if _in_host(dst) and not _in_host(src):

@@ -111,6 +111,38 @@ def test_out_of_memory_records(monkeypatch, tmp_path):
     assert "out of memory" in console.export_text()
 
 
+def test_a_failing_strategy_is_recorded_and_the_others_still_run(monkeypatch, tmp_path, capsys):
+    from jaxoffload import benchmark
+
+    def fake(workload, *, steps, reference, env):
+        if workload.strategy == "remat":
+            raise RuntimeError("the measuring process failed (exit code 1): boom")
+        return {
+            "strategy": workload.strategy,
+            "grad_rel_err": 0.0,
+            "step_time_ms": 1.0,
+            "compiled_temp_bytes": 1,
+            "compiled_host_temp_bytes": 0,
+            "peak_bytes_in_use": None,
+            "images_per_s": 2.0,
+            "model": "resnet18",
+            "batch": 2,
+            "image_size": 32,
+            "dtype": "float32",
+            "device": "cpu",
+        }
+
+    monkeypatch.setattr(benchmark, "measure_in_subprocess", fake)
+    monkeypatch.setattr(benchmark, "probe_device", lambda env=None: {"platform": "cpu"})
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--strategies", "none,remat,offload", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "1 strategies failed" in capsys.readouterr().err
+    records = json.loads((tmp_path / "records.json").read_text())
+    assert [r["strategy"] for r in records] == ["none", "remat", "offload"]
+    assert "boom" in records[1]["error"] and records[2]["step_time_ms"] == 1.0
+
+
 @pytest.mark.parametrize(
     ("start", "fits_up_to", "expected"), [(8, 100, 100), (8, 5, 5), (8, 0, 0), (8, 10_000, 4096)]
 )

@@ -107,13 +107,15 @@ def test_reads_synchronous_copies_whose_operands_are_printed_by_name():
   %back = bf16[2,4]{1,0} copy(%to_host)
   %same = bf16[2,4]{1,0} copy(%back)
   %pair = (f32[3]{0}, f32[3]{0}) copy(%tuple.1)
+  %s = f32[] parameter(1)
+  %s_start = (f32[]{:S(5)}, f32[], u32[]) copy-start(%s)
 """
     counts = report_lib._read_hlo(hlo)
     assert counts == {
-        "device_to_host": 1,
-        "device_to_host_bytes": 16,
-        "host_buffers": 1,
-        "host_buffer_bytes": 16,
+        "device_to_host": 2,
+        "device_to_host_bytes": 20,
+        "host_buffers": 2,
+        "host_buffer_bytes": 20,
         "host_to_device": 1,
         "host_to_device_bytes": 16,
     }
