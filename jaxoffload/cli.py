@@ -143,7 +143,7 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
     out.mkdir(parents=True, exist_ok=True)
     (out / "records.json").write_text(json.dumps(records, indent=1) + "\n")
     Console().print(_table(records))
-    plotted = _plot(records, out / "pareto.png")
+    plotted = plot_records(records, out / "pareto.png")
     console.print(f"wrote {out / 'records.json'}" + (f" and {plotted}" if plotted else ""))
     failed = [r for r in records if "error" in r]
     if failed:
@@ -221,13 +221,21 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     return sorted(front, key=lambda i: points[i])
 
 
-def _plot(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.Path | None:
+def plot_records(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.Path | None:
+    """Plots memory against step time, one point per record, with the Pareto front.
+
+    Records of other frameworks (``framework`` other than ``"jax"``, such as
+    ``benchmarks/peers/torch_reference.py``'s) are drawn as squares and named
+    with their framework. Returns ``path``, or ``None`` if matplotlib is missing
+    or no record has a step time.
+    """
     try:
         import matplotlib
     except ImportError:
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     done = [r for r in records if "step_time_ms" in r]
     if not done:
@@ -237,12 +245,24 @@ def _plot(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.Path | N
         "peak_bytes_in_use" if all(r["peak_bytes_in_use"] for r in done) else "compiled_temp_bytes"
     )
     points = [(r["step_time_ms"], r[key] / 2**30) for r in done]
-    fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
+    fig, ax = plt.subplots(figsize=(6.5, 4.2), constrained_layout=True)
     for r, (x, y) in zip(done, points):
-        ax.scatter(x, y, s=40, label=r["strategy"], zorder=3)
+        jax_record = r.get("framework", "jax") == "jax"
+        label = r["strategy"] if jax_record else f"{r['framework']} {r['strategy']}"
+        ax.scatter(x, y, s=45, marker="o" if jax_record else "s", label=label, zorder=3)
     front = pareto_front(points)
     ax.plot(*zip(*[points[i] for i in front]), "k--", lw=1, label="Pareto front")
     first = done[0]
+    times = [x for x, _ in points]
+    if max(times) > 10 * min(times):  # offload and recompute differ by orders of magnitude
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        # Label 20, 50, 200, 500...: every minor tick would crowd the axis.
+        ax.xaxis.set_minor_formatter(
+            matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "25" else "")
+        )
+    else:
+        ax.set_xlim(0, 1.15 * max(times))
     ax.set(
         xlabel="step time (ms)",
         ylabel=("runtime peak" if key == "peak_bytes_in_use" else "compiled device temp")
@@ -250,7 +270,6 @@ def _plot(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.Path | N
         title=f"{first['model']} b{first['batch']} {first['image_size']}² {first['dtype']}, "
         f"{first['device']}",
     )
-    ax.set_xlim(0, 1.15 * max(x for x, _ in points))
     ax.set_ylim(0, 1.3 * max(y for _, y in points))
     ax.legend(ncols=2, fontsize="small")
     fig.savefig(path, dpi=120)

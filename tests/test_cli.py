@@ -103,7 +103,7 @@ def test_out_of_memory_records(monkeypatch, tmp_path):
     records = benchmark.measure_all(workloads, steps=1)
     assert records[0]["out_of_memory"] and records[0]["strategy"] == "none"
     assert seen[0] is not None and seen[1] is None  # no stale reference for 'remat'
-    assert cli._plot([records[0]], tmp_path / "p.png") is None
+    assert cli.plot_records([records[0]], tmp_path / "p.png") is None
     from rich.console import Console
 
     console = Console(width=120, record=True, file=open(os.devnull, "w"))

@@ -1,0 +1,32 @@
+"""Plot ``jaxoffload bench`` records together with the PyTorch peer's, on one memory/time plane.
+
+pip install -e ".[bench]"
+python benchmarks/plot_bench.py benchmarks/results/bench_vgg19_b128_h200.json \
+    benchmarks/results/torch_vgg19_b128_h200.json --out benchmarks/results/vgg19_b128_h200.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+from jaxoffload.cli import plot_records
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("records", type=pathlib.Path, nargs="+", help="JSON record files")
+    parser.add_argument("--out", type=pathlib.Path, required=True, help="PNG path")
+    args = parser.parse_args(argv)
+    records = [r for path in args.records for r in json.loads(path.read_text())]
+    models = {(r["model"], r["batch"], r.get("image_size")) for r in records}
+    if len(models) != 1:
+        parser.error(f"the files hold different workloads: {sorted(models)}")
+    if plot_records(records, args.out) is None:
+        parser.error("nothing to plot: no record has a step time, or matplotlib is missing")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
