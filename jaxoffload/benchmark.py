@@ -25,20 +25,28 @@ import optax
 
 import jaxoffload
 from jaxoffload import models
-from jaxoffload.report import analyze
+from jaxoffload.report import analyze, requested_host_transfers
 
 __all__ = [
+    "COMPUTE_TWIN",
     "OutOfMemory",
     "Workload",
     "find_max_batch",
     "measure",
+    "measure_link",
     "measure_all",
     "measure_in_subprocess",
     "probe_device",
+    "requested_host_bytes",
     "train_step",
 ]
 
 DTYPES = ("float32", "bfloat16")
+
+# For each strategy that moves residuals to the host, the strategy that runs the
+# same layers without moving anything: its times are the compute in the
+# transfer bound (see :func:`add_transfer_bounds`).
+COMPUTE_TWIN = {"offload": "none", "jax-offload": "none", "lean-offload": "lean"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +96,16 @@ class Workload:
 
     @property
     def offloaded_blocks(self) -> int:
-        return sum(s == "offload" for s in self.strategies)
+        return sum(s in ("offload", "lean-offload") for s in self.strategies)
 
 
-def train_step(workload: Workload):
+def train_step(workload: Workload, *, abstract: bool = False):
     """The jitted, state-donating training step of a workload, its state and batch.
+
+    Args:
+      workload: what to build.
+      abstract: return the state and batch as ``jax.ShapeDtypeStruct``s,
+        allocating nothing (for tracing at any size).
 
     Returns:
       ``(step, state, batch, loss_fn)``: ``step(state, batch) -> (state, loss)``
@@ -103,14 +116,16 @@ def train_step(workload: Workload):
     model = models.create(
         workload.model, strategy=workload.strategies, dtype=dtype, num_classes=workload.num_classes
     )
-    key = jax.random.key(0)
-    shape = (workload.batch, workload.image_size, workload.image_size, 3)
-    x = jax.random.normal(key, shape, dtype)
-    labels = jax.random.randint(key, (workload.batch,), 0, workload.num_classes)
-    # Eager init dispatches hundreds of small ops: jit makes it one program.
-    variables = jax.jit(model.init, static_argnums=2)(jax.random.key(1), x[:1], True)
-    params = variables.pop("params")
     tx = optax.sgd(1e-3, momentum=0.9)
+
+    def init():
+        key = jax.random.key(0)
+        shape = (workload.batch, workload.image_size, workload.image_size, 3)
+        x = jax.random.normal(key, shape, dtype)
+        labels = jax.random.randint(key, (workload.batch,), 0, workload.num_classes)
+        variables = model.init(jax.random.key(1), x[:1], True)
+        params = variables.pop("params")
+        return (params, dict(variables), tx.init(params)), (x, labels)
 
     def loss_fn(params, model_state, batch):
         x, labels = batch
@@ -128,12 +143,31 @@ def train_step(workload: Workload):
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), model_state, opt_state), loss
 
-    state = (params, dict(variables), tx.init(params))
-    return jax.jit(step, donate_argnums=0), state, (x, labels), loss_fn
+    # Eager init dispatches hundreds of small ops: jit makes it one program.
+    state, batch = jax.eval_shape(init) if abstract else jax.jit(init)()
+    return jax.jit(step, donate_argnums=0), state, batch, loss_fn
+
+
+def requested_host_bytes(workload: Workload) -> int:
+    """The bytes a workload's training step asks to move to host memory, from its jaxpr alone.
+
+    Traces the step with abstract values: no device memory and no compilation,
+    so it runs anywhere, at any size. On an H200 the compiled programs of the
+    reference models moved these bytes to within a few kilobytes
+    (``device_to_host_bytes``).
+    """
+    step, state, batch, _ = train_step(workload, abstract=True)
+    return sum(requested_host_transfers(step.trace(state, batch).jaxpr))
 
 
 def measure(
-    workload: Workload, *, steps: int = 10, warmup: int = 2, reference: str | None = None
+    workload: Workload,
+    *,
+    steps: int = 10,
+    warmup: int = 2,
+    reference: str | None = None,
+    time_forward: bool = False,
+    probe_link: bool = False,
 ) -> dict[str, Any]:
     """Compiles and runs a workload in this process; returns one record.
 
@@ -149,6 +183,10 @@ def measure(
         parameters with the one stored there; if not, this workload's gradient
         is stored there (measure the ``"none"`` strategy first). The gradient is
         computed after the runtime peak is read.
+      time_forward: also time the forward pass alone (``forward_ms``), after
+        the runtime peak is read.
+      probe_link: also measure the host link (``d2h_gbps``, ``h2d_gbps``, see
+        :func:`measure_link`), after the runtime peak is read.
     """
     step, state, batch, loss_fn = train_step(workload)
     # Donation consumes the initial state; keep a host copy for the gradient check.
@@ -168,7 +206,13 @@ def measure(
     device = jax.devices()[0]
     peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
     step_s = statistics.median(times)
+    extra = {}
+    if time_forward:
+        forward = jax.jit(lambda params, model_state, batch: loss_fn(params, model_state, batch)[0])
+        extra["forward_ms"] = _median_ms(forward, state[0], state[1], batch, runs=steps)
     del state
+    if probe_link:
+        extra.update(measure_link())
     grad_rel_err = (
         None if reference is None else _compare_gradients(loss_fn, initial, batch, reference)
     )
@@ -201,7 +245,70 @@ def measure(
         "final_loss": float(loss),
         "grad_rel_err": grad_rel_err,
         "date": datetime.date.today().isoformat(),
+        **extra,
     }
+
+
+def _median_ms(fn, *args, runs: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def measure_link(nbytes: int = 2**30, runs: int = 3) -> dict[str, float]:
+    """The host link's bandwidth: ``jax.device_put`` between device and pinned host memory.
+
+    Args:
+      nbytes: size of the array moved each way.
+      runs: timed moves each way; the median counts.
+
+    Returns:
+      ``{"d2h_gbps": ..., "h2d_gbps": ...}``, in 10⁹ bytes per second.
+    """
+    device = jax.devices()[0]
+    on_host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    x = jax.device_put(jnp.ones(nbytes // 4, jnp.float32), on_device)
+    host = jax.device_put(x, on_host).block_until_ready()
+    d2h = _median_ms(lambda: jax.device_put(x, on_host), runs=runs)
+    h2d = _median_ms(lambda: jax.device_put(host, on_device), runs=runs)
+    return {"d2h_gbps": x.nbytes / d2h / 1e6, "h2d_gbps": x.nbytes / h2d / 1e6}
+
+
+def add_transfer_bounds(records: list[dict[str, Any]]) -> None:
+    """Adds the per-phase lower bound on step time to each offloading record, in place.
+
+    ``bound_ms = max(fwd_compute_ms, offloaded_bytes / d2h) + max(bwd_compute_ms,
+    fetched bytes / h2d)``: no schedule can beat it, because each phase must
+    both compute and move its bytes. The compute times are those of the
+    record's :data:`COMPUTE_TWIN` in the same run (``forward_ms``, and the
+    rest of its step, optimizer update included), the bandwidths those that
+    the record's own process measured, and the bytes those of its compiled
+    program's host copies. Records without a twin in ``records``, or without
+    link figures, are left as they are.
+    """
+    done = {r["strategy"]: r for r in records if "step_time_ms" in r}
+    for r in records:
+        twin = done.get(COMPUTE_TWIN.get(r["strategy"], ""))
+        if twin is None or "forward_ms" not in twin or "d2h_gbps" not in r:
+            continue
+        fwd = twin["forward_ms"]
+        bwd = twin["step_time_ms"] - fwd
+        out_ms = r["device_to_host_bytes"] / (r["d2h_gbps"] * 1e6)
+        back_ms = r["host_to_device_bytes"] / (r["h2d_gbps"] * 1e6)
+        bound = max(fwd, out_ms) + max(bwd, back_ms)
+        r.update(
+            offloaded_bytes=r["device_to_host_bytes"],
+            compute_twin=twin["strategy"],
+            fwd_compute_ms=fwd,
+            bwd_compute_ms=bwd,
+            bound_ms=bound,
+            bound_ratio=r["step_time_ms"] / bound,
+        )
 
 
 def _compare_gradients(loss_fn, initial, batch, reference: str) -> float:
@@ -229,14 +336,17 @@ def measure_in_subprocess(
     steps: int = 10,
     reference: str | None = None,
     env: dict[str, str] | None = None,
+    **options: Any,
 ) -> dict[str, Any]:
     """:func:`measure` in a fresh Python process.
+
+    ``options`` are :func:`measure`'s other keyword arguments.
 
     Raises:
       OutOfMemory: if the child ran out of device memory.
       RuntimeError: if it failed otherwise; the message holds its last output.
     """
-    options = {"steps": steps, "reference": reference}
+    options = {"steps": steps, "reference": reference, **options}
     return _child(["measure", json.dumps(dataclasses.asdict(workload)), json.dumps(options)], env)
 
 
@@ -252,7 +362,9 @@ def measure_all(
     The first workload must use the ``"none"`` strategy: it is the reference
     for every ``grad_rel_err``. A workload that runs out of memory gives a
     record with ``"out_of_memory": True``; one whose process fails otherwise
-    gives a record with its ``"error"``.
+    gives a record with its ``"error"``. Records of strategies that move
+    residuals to the host get the transfer bound (:func:`add_transfer_bounds`)
+    when their :data:`COMPUTE_TWIN` is among the workloads.
 
     Args:
       workloads: what to measure, the reference first.
@@ -269,7 +381,16 @@ def measure_all(
             if on_start is not None:
                 on_start(w)
             try:
-                records.append(measure_in_subprocess(w, steps=steps, reference=reference, env=env))
+                records.append(
+                    measure_in_subprocess(
+                        w,
+                        steps=steps,
+                        reference=reference,
+                        env=env,
+                        time_forward=w.strategy in COMPUTE_TWIN.values(),
+                        probe_link=w.strategy in COMPUTE_TWIN,
+                    )
+                )
                 continue
             except OutOfMemory:
                 failure = {"out_of_memory": True}
@@ -286,6 +407,7 @@ def measure_all(
                     **failure,
                 }
             )
+    add_transfer_bounds(records)
     return records
 
 

@@ -112,7 +112,7 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
     from rich.progress import Progress
 
     console = Console(stderr=True)
-    if platform == "cpu" and {"offload", "jax-offload"} & set(strategies):
+    if platform == "cpu" and set(benchmark.COMPUTE_TWIN) & set(strategies):
         console.print(
             "[yellow]note:[/] on CPU, host placement has no effect: offload strategies move "
             "nothing, so their memory equals 'none'. Measure memory on a GPU."
@@ -142,7 +142,10 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "records.json").write_text(json.dumps(records, indent=1) + "\n")
-    Console().print(_table(records))
+    out_console = Console()
+    if not out_console.is_terminal:  # a file or a pipe: no width to fit, so do not squeeze
+        out_console = Console(width=120)
+    out_console.print(_table(records))
     plotted = plot_records(records, out / "pareto.png")
     console.print(f"wrote {out / 'records.json'}" + (f" and {plotted}" if plotted else ""))
     failed = [r for r in records if "error" in r]
@@ -179,6 +182,8 @@ def _table(records: list[dict[str, Any]]):
         title=f"{first['model']}, batch {first['batch']}, {first['image_size']}², {first['dtype']}"
     )
     columns = ["strategy", "temp GiB", "host GiB", "peak GiB", "step ms", "images/s", "grad err"]
+    if any("bound_ratio" in r for r in records):
+        columns.append("× bound")
     if any("max_batch" in r for r in records):
         columns.append("max batch")
     for c in columns:
@@ -198,6 +203,8 @@ def _table(records: list[dict[str, Any]]):
             f"{r['images_per_s']:.1f}",
             "-" if err is None else f"{err:.1e}",
         ]
+        if "× bound" in columns:
+            row.append(f"{r['bound_ratio']:.2f}" if "bound_ratio" in r else "-")
         if "max_batch" in r:
             row.append(str(r["max_batch"]))
         table.add_row(*row)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-__all__ = ["max_pool", "relu", "relu_max_pool"]
+__all__ = ["BatchNorm", "batch_norm", "max_pool", "relu", "relu_max_pool"]
 
 
 @jax.custom_vjp
@@ -203,3 +204,141 @@ def _spread(shape, window, offset) -> list[tuple[int, int, int]]:
         pooled = size // k
         config.append((o, size - o - (pooled - 1) * k - 1, k - 1))
     return config + [(0, 0, 0)]
+
+
+def batch_norm(
+    x: jax.Array,
+    scale: jax.Array,
+    bias: jax.Array,
+    *,
+    epsilon: float = 1e-5,
+    relu: bool = False,
+    dtype: Any = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Training-mode batch normalisation over all axes but the last, optionally fused with a ReLU.
+
+    Differentiating ``flax.linen.BatchNorm`` keeps several float32 copies of
+    its input (centred, normalised) even when the input is bf16, and a ReLU
+    after it keeps a mask. This rule keeps only its input, in the input's
+    dtype, and the per-channel mean and inverse standard deviation; the
+    backward pass recomputes the normalised values and the ReLU mask, which
+    is elementwise work that XLA fuses into the reductions it needs anyway.
+
+    The statistics are flax's: float32, ``var = mean(x²) - mean(x)²``
+    clipped at 0 (``use_fast_variance=True``).
+
+    Args:
+      x: ``(..., features)``.
+      scale: ``(features,)``.
+      bias: ``(features,)``.
+      epsilon: added to the variance.
+      relu: apply ``max(y, 0)`` to the output.
+      dtype: the output's dtype; ``None`` means ``x``'s.
+
+    Returns:
+      ``(y, mean, var)``: the output, and the float32 batch statistics (for
+      running averages).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxoffload.layers import batch_norm
+      >>> y, mean, var = batch_norm(jnp.array([[1.0], [3.0]]), jnp.ones(1), jnp.zeros(1))
+      >>> y[:, 0], mean, var
+      (Array([-0.999995,  0.999995], dtype=float32), Array([2.], dtype=float32), Array([1.], dtype=float32))
+    """
+    dtype = jnp.dtype(x.dtype if dtype is None else dtype)
+    return _batch_norm(x, scale, bias, epsilon, relu, dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _batch_norm(x, scale, bias, epsilon, relu, dtype):
+    y, mean, var, _ = _batch_norm_forward(x, scale, bias, epsilon, relu, dtype)
+    return y, mean, var
+
+
+def _batch_norm_forward(x, scale, bias, epsilon, relu, dtype):
+    axes = tuple(range(x.ndim - 1))
+    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    mean = x32.mean(axes)
+    var = jnp.maximum(0.0, (x32 * x32).mean(axes) - mean * mean)
+    inv_std = jax.lax.rsqrt(var + epsilon)
+    y = (x32 - mean) * (inv_std * scale) + bias
+    if relu:
+        y = jnp.maximum(y, 0.0)
+    return y.astype(dtype), mean, var, inv_std
+
+
+def _batch_norm_fwd(x, scale, bias, epsilon, relu, dtype):
+    y, mean, var, inv_std = _batch_norm_forward(x, scale, bias, epsilon, relu, dtype)
+    return (y, mean, var), (x, mean, inv_std, scale, bias)
+
+
+def _batch_norm_bwd(epsilon, relu, dtype, residuals, cotangents):
+    x, mean, inv_std, scale, bias = residuals
+    g, g_mean, g_var = cotangents
+    axes = tuple(range(x.ndim - 1))
+    count = x.size // x.shape[-1]
+    centred = x.astype(mean.dtype) - mean
+    normalised = centred * inv_std
+    g = g.astype(mean.dtype)
+    if relu:
+        # The forward pass's expression, so that the mask matches it bit for bit.
+        g = jnp.where(centred * (inv_std * scale) + bias > 0, g, 0.0)
+    g_bias = g.sum(axes)
+    g_scale = (g * normalised).sum(axes)
+    g_x = (scale * inv_std) * (g - (g_bias + normalised * g_scale) / count)
+    # The statistics are outputs too; their cotangents are zero in a loss,
+    # but a user may differentiate them.
+    g_x = g_x + (g_mean + 2.0 * g_var * centred) / count
+    return g_x.astype(x.dtype), g_scale.astype(scale.dtype), g_bias.astype(bias.dtype)
+
+
+_batch_norm.defvjp(_batch_norm_fwd, _batch_norm_bwd)
+
+
+class BatchNorm(nn.Module):
+    """``flax.linen.BatchNorm`` over the last axis, with :func:`batch_norm`'s lean backward pass.
+
+    A drop-in replacement: the same variables (``params``: ``scale``,
+    ``bias``; ``batch_stats``: ``mean``, ``var``), the same statistics and the
+    same outputs. ``relu=True`` fuses the ReLU that usually follows, so that
+    its mask is not stored either. Cross-device statistics (``axis_name``)
+    are not supported; under ``jax.sharding`` the compiler reduces across
+    devices by itself.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxoffload.layers import BatchNorm
+      >>> x = jnp.arange(8.0).reshape(4, 2)
+      >>> variables = BatchNorm(use_running_average=False).init(jax.random.key(0), x)
+      >>> jax.tree.map(jnp.shape, variables)
+      {'batch_stats': {'mean': (2,), 'var': (2,)}, 'params': {'bias': (2,), 'scale': (2,)}}
+    """
+
+    use_running_average: bool | None = None
+    momentum: float = 0.99
+    epsilon: float = 1e-5
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    relu: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array, use_running_average: bool | None = None) -> jax.Array:
+        use_running_average = nn.merge_param(
+            "use_running_average", self.use_running_average, use_running_average
+        )
+        features = x.shape[-1]
+        ra_mean = self.variable("batch_stats", "mean", lambda: jnp.zeros((features,), jnp.float32))
+        ra_var = self.variable("batch_stats", "var", lambda: jnp.ones((features,), jnp.float32))
+        scale = self.param("scale", nn.initializers.ones, (features,), self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros, (features,), self.param_dtype)
+        dtype = self.dtype or jnp.result_type(x, scale, bias)
+        if use_running_average:
+            inv_std = jax.lax.rsqrt(ra_var.value + self.epsilon)
+            y = ((x - ra_mean.value) * (inv_std * scale) + bias).astype(dtype)
+            return relu(y) if self.relu else y
+        y, mean, var = batch_norm(x, scale, bias, epsilon=self.epsilon, relu=self.relu, dtype=dtype)
+        if not self.is_initializing():
+            ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean
+            ra_var.value = self.momentum * ra_var.value + (1 - self.momentum) * var
+        return y

@@ -154,11 +154,7 @@ def analyze(traced: Any, compiled: Any, *, on_dropped: str = "warn") -> MemoryRe
     if on_dropped not in ("warn", "raise", "ignore"):
         raise ValueError(f"on_dropped must be 'warn', 'raise' or 'ignore', got {on_dropped!r}.")
     analysis = compiled.memory_analysis()
-    requested = [
-        _aval_bytes(eqn.outvars[0].aval)
-        for eqn in _equations(traced.jaxpr.jaxpr)
-        if eqn.primitive.name == "device_put" and any(map(_is_host, eqn.params["devices"]))
-    ]
+    requested = requested_host_transfers(traced.jaxpr)
     report = MemoryReport(
         platform=jax.default_backend(),
         temp_bytes=int(analysis.temp_size_in_bytes),
@@ -171,6 +167,25 @@ def analyze(traced: Any, compiled: Any, *, on_dropped: str = "warn") -> MemoryRe
     )
     _complain(report, on_dropped)
     return report
+
+
+def requested_host_transfers(jaxpr: Any) -> list[int]:
+    """The bytes of each ``device_put`` to host memory in a (closed) jaxpr, nested ones included.
+
+    What a program *asks* to move, the same on every backend; what the compiled
+    program moves is in :func:`memory_report`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxoffload
+      >>> f = jaxoffload.offload(lambda x: jnp.sin(x))
+      >>> requested_host_transfers(jax.make_jaxpr(jax.grad(lambda x: f(x).sum()))(jnp.ones(8)))
+      [32]
+    """
+    return [
+        _aval_bytes(eqn.outvars[0].aval)
+        for eqn in _equations(getattr(jaxpr, "jaxpr", jaxpr))
+        if eqn.primitive.name == "device_put" and any(map(_is_host, eqn.params["devices"]))
+    ]
 
 
 def _complain(report: MemoryReport, on_dropped: str) -> None:

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+import jaxoffload
 from jaxoffload import cli
 
 REQUIRED = {
@@ -55,6 +56,11 @@ def test_bench_writes_table_json_and_plot(tmp_path):
         assert REQUIRED <= set(r), REQUIRED - set(r)
         assert r["grad_rel_err"] <= 1e-6
     assert records[1]["requested_host_bytes"] > 0 and records[1]["offloaded_blocks"] == 8
+    # The offload record carries the transfer bound, from 'none''s forward time
+    # and its own link figures (on CPU no bytes move, so compute alone bounds it).
+    assert records[1]["fwd_compute_ms"] == records[0]["forward_ms"] > 0
+    assert records[1]["d2h_gbps"] > 0 and records[1]["bound_ms"] > 0
+    assert "× bound" in done.stdout
     assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"
     assert "remat" in done.stdout and "images/s" in done.stdout
     assert "host placement has no effect" in done.stderr
@@ -92,7 +98,7 @@ def test_out_of_memory_records(monkeypatch, tmp_path):
 
     seen = []
 
-    def fake(workload, *, steps, reference, env):
+    def fake(workload, *, steps, reference, env, **options):
         seen.append(reference)
         if workload.strategy == "none":
             raise benchmark.OutOfMemory("RESOURCE_EXHAUSTED")
@@ -114,7 +120,7 @@ def test_out_of_memory_records(monkeypatch, tmp_path):
 def test_a_failing_strategy_is_recorded_and_the_others_still_run(monkeypatch, tmp_path, capsys):
     from jaxoffload import benchmark
 
-    def fake(workload, *, steps, reference, env):
+    def fake(workload, *, steps, reference, env, **options):
         if workload.strategy == "remat":
             raise RuntimeError("the measuring process failed (exit code 1): boom")
         return {
@@ -163,3 +169,44 @@ def test_find_max_batch_doubles_then_bisects(monkeypatch, start, fits_up_to, exp
     assert found == expected
     assert found <= fits_up_to
     assert len(tried) <= 2 * 10  # doubling, then bisection: logarithmic in the batch
+
+
+def test_transfer_bound_uses_the_twins_compute_and_the_records_own_link():
+    from jaxoffload import benchmark
+
+    records = [
+        {"strategy": "none", "step_time_ms": 30.0, "forward_ms": 10.0},
+        {"strategy": "remat", "step_time_ms": 40.0},
+        {"strategy": "offload", "step_time_ms": 300.0, "d2h_gbps": 50.0, "h2d_gbps": 25.0,
+         "device_to_host_bytes": 5 * 10**9, "host_to_device_bytes": 10**8},
+        {"strategy": "jax-offload", "out_of_memory": True},
+    ]  # fmt: skip
+    benchmark.add_transfer_bounds(records)
+    offload = records[2]
+    # forward: max(10 ms, 5 GB / 50 GB/s = 100 ms); backward: max(20 ms, 0.1 GB / 25 GB/s = 4 ms).
+    assert offload["bound_ms"] == pytest.approx(120.0)
+    assert offload["bound_ratio"] == pytest.approx(2.5)
+    assert (offload["fwd_compute_ms"], offload["bwd_compute_ms"]) == (10.0, 20.0)
+    assert offload["offloaded_bytes"] == 5 * 10**9 and offload["compute_twin"] == "none"
+    assert "bound_ms" not in records[1] and "bound_ms" not in records[3]
+
+
+def test_measure_link_moves_bytes_both_ways():
+    from jaxoffload import benchmark
+
+    link = benchmark.measure_link(nbytes=2**20, runs=1)
+    assert set(link) == {"d2h_gbps", "h2d_gbps"} and min(link.values()) > 0
+
+
+def test_requested_host_bytes_match_the_traced_step_and_allocate_nothing():
+    from jaxoffload import benchmark
+
+    workload = benchmark.Workload("vgg11", 2, 32, "float32", "offload")
+    step, state, batch, _ = benchmark.train_step(workload)
+    report = jaxoffload.memory_report(step, state, batch, on_dropped="ignore")
+    assert benchmark.requested_host_bytes(workload) == report.requested_bytes > 0
+    # At ImageNet size it only traces: no state is allocated.
+    big = benchmark.Workload("vgg19", 128, 224, "bfloat16", "lean-offload")
+    assert benchmark.requested_host_bytes(big) > 2 * 10**9
+    none = benchmark.Workload("vgg11", 2, 32, "float32", "none")
+    assert benchmark.requested_host_bytes(none) == 0

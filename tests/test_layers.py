@@ -5,10 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from helpers import rel_err
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from jaxoffload.layers import max_pool, relu, relu_max_pool
+import jaxoffload
+from jaxoffload.layers import BatchNorm, batch_norm, max_pool, relu, relu_max_pool
 
 
 @st.composite
@@ -137,3 +138,115 @@ def test_relu_max_pool_falls_back_for_overlapping_windows():
     np.testing.assert_array_equal(
         relu_max_pool(x, (3, 3), (1, 1)), nn.max_pool(jax.nn.relu(x), (3, 3), strides=(1, 1))
     )
+
+
+@st.composite
+def norm_cases(draw):
+    """NHWC shapes, odd sizes included, with at least 3 values per channel.
+
+    With 2 values per channel the input gradient is zero in exact arithmetic,
+    so both implementations return rounding noise and no relative error means anything.
+    """
+    shape = (draw(st.integers(1, 4)), draw(st.integers(1, 9)), draw(st.integers(1, 9)),
+             draw(st.integers(1, 8)))  # fmt: skip
+    assume(shape[0] * shape[1] * shape[2] >= 3)
+    return shape, draw(st.booleans()), draw(st.integers(0, 2**16))
+
+
+@settings(deadline=None, max_examples=25)
+@given(norm_cases())
+def test_batch_norm_matches_flax(case):
+    shape, fused_relu, seed = case
+    keys = jax.random.split(jax.random.key(seed), 4)
+    x = 3 * jax.random.normal(keys[0], shape) + 1
+    params = {
+        "scale": jax.random.normal(keys[1], shape[-1:]),
+        "bias": jnp.linspace(-1, 1, shape[-1]),
+    }
+    ct = jax.random.normal(keys[2], shape)
+    flax_norm = nn.BatchNorm(use_running_average=False, momentum=0.9)
+    lean_norm = BatchNorm(use_running_average=False, momentum=0.9, relu=fused_relu)
+    stats = flax_norm.init(keys[3], x)["batch_stats"]
+    assert jax.tree.structure(lean_norm.init(keys[3], x)) == jax.tree.structure(
+        {"batch_stats": stats, "params": params}
+    )
+
+    def run(module, activation):
+        def loss(params, x):
+            y, new = module.apply(
+                {"params": params, "batch_stats": stats}, x, mutable=["batch_stats"]
+            )
+            y = activation(y)
+            return jnp.sum(y * ct), (y, new)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+
+    (ref_grads, (ref_y, ref_stats)) = run(flax_norm, jax.nn.relu if fused_relu else (lambda y: y))
+    (grads, (y, new_stats)) = run(lean_norm, lambda y: y)
+    assert rel_err(y, ref_y) == 0.0
+    assert rel_err(new_stats, ref_stats) == 0.0
+    assert rel_err(grads, ref_grads) <= 1e-6
+
+
+def test_batch_norm_in_eval_mode_matches_flax():
+    x = jax.random.normal(jax.random.key(0), (2, 3, 3, 4))
+    variables = nn.BatchNorm(use_running_average=True).init(jax.random.key(1), x)
+    variables = jax.tree.map(lambda v: v + 0.5, variables)
+    ref = jax.nn.relu(nn.BatchNorm(use_running_average=True).apply(variables, x))
+    assert rel_err(BatchNorm(use_running_average=True, relu=True).apply(variables, x), ref) <= 1e-7
+
+
+def test_batch_norm_statistics_have_gradients():
+    # mean and var are outputs too; a user may differentiate them.
+    x = jax.random.normal(jax.random.key(0), (5, 3))
+
+    def stats(f):
+        def g(x):
+            mean, var = f(x)
+            return jnp.sum(jnp.sin(mean)) + jnp.sum(jnp.cos(var))
+
+        return jax.grad(g)(x)
+
+    ours = stats(lambda x: batch_norm(x, jnp.ones(3), jnp.zeros(3))[1:])
+    ref = stats(lambda x: (x.mean(0), (x * x).mean(0) - x.mean(0) ** 2))
+    assert rel_err(ours, ref) <= 1e-6
+
+
+def test_batch_norm_keeps_its_input_in_its_own_dtype_and_nothing_else_large():
+    x = jnp.ones((4, 8, 8, 16), jnp.bfloat16)
+    f = jaxoffload.offload(lambda x, s, b: batch_norm(x, s, b, relu=True)[0], device_argnums=(1, 2))
+    large = [(str(r.dtype), r.shape) for r in jaxoffload.saved_residuals(f, x, jnp.ones(16), jnp.zeros(16))
+             if r.nbytes > 16 * 4]  # fmt: skip
+    assert large == [("bfloat16", x.shape)]
+    # flax's BatchNorm followed by a ReLU keeps float32 copies and a mask.
+    module = nn.BatchNorm(use_running_average=False, dtype=jnp.bfloat16)
+    variables = module.init(jax.random.key(0), x)
+    plain = jaxoffload.offload(
+        lambda v, x: jax.nn.relu(module.apply(v, x, mutable=["batch_stats"])[0]), device_argnums=0
+    )
+    plain_bytes = sum(r.nbytes for r in jaxoffload.saved_residuals(plain, variables, x)
+                      if r.placement == "pinned_host")  # fmt: skip
+    assert plain_bytes >= 3 * x.nbytes
+
+
+@settings(deadline=None, max_examples=15)
+@given(
+    size=st.integers(3, 9),
+    stride=st.sampled_from([1, 2]),
+    padding=st.sampled_from(["SAME", "VALID", 1]),
+    seed=st.integers(0, 2**16),
+)
+def test_convolution_already_keeps_only_its_input_and_kernel(size, stride, padding, seed):
+    # No custom rule is needed for a convolution: jax's own keeps exactly these.
+    conv = nn.Conv(4, (3, 3), strides=stride, padding=padding, use_bias=False)
+    x = jax.random.normal(jax.random.key(seed), (2, size, size + 1, 3))
+    variables = conv.init(jax.random.key(1), x)
+    residuals = jaxoffload.saved_residuals(jaxoffload.offload(conv.apply), variables, x)
+    assert sorted(r.shape for r in residuals) == [(2, size, size + 1, 3), (3, 3, 3, 4)]
+
+
+def test_average_pooling_keeps_nothing_but_a_scalar():
+    # Its gradient is linear in the cotangent: no custom rule is needed either.
+    x = jax.random.normal(jax.random.key(0), (2, 7, 7, 3))
+    f = jaxoffload.offload(lambda x: nn.avg_pool(x, (2, 2), strides=(2, 2), padding="SAME"))
+    assert [r.shape for r in jaxoffload.saved_residuals(f, x)] == [()]

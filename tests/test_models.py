@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from helpers import normal, rel_err
 
+import jaxoffload
 from jaxoffload import models
 from jaxoffload.models.vgg import num_conv_blocks
 
@@ -34,12 +35,19 @@ def test_imagenet_parameter_counts(name, count):
     assert sum(int(np.prod(p.shape)) for p in jax.tree.leaves(shapes["params"])) == count
 
 
-@pytest.mark.parametrize("name", ["resnet18", "resnet50", "vgg11_bn"])
+@pytest.mark.parametrize("name", ["resnet18", "resnet50", "vgg11", "vgg11_bn"])
 def test_every_strategy_gives_the_plain_gradient(name):
-    x = normal(0, (2, 32, 32, 3))
+    # float64: at initialisation a deep BatchNorm network amplifies float32
+    # rounding differences between equivalent formulas to about 1e-5.
+    with jax.enable_x64(True):
+        _check_every_strategy_gives_the_plain_gradient(name)
+
+
+def _check_every_strategy_gives_the_plain_gradient(name):
+    x = normal(0, (2, 32, 32, 3), jnp.float64)
     reference = None
     for strategy in models.BLOCK_STRATEGIES:
-        model = models.create(name, strategy=strategy, num_classes=10)
+        model = models.create(name, strategy=strategy, num_classes=10, dtype=jnp.float64)
         variables = model.init(jax.random.key(1), x, True)
 
         def loss(params, model=model, variables=variables):
@@ -50,7 +58,7 @@ def test_every_strategy_gives_the_plain_gradient(name):
         if reference is None:
             reference = variables, grads
         assert jax.tree.structure(variables) == jax.tree.structure(reference[0]), strategy
-        assert rel_err(grads, reference[1]) <= 1e-6, strategy
+        assert rel_err(grads, reference[1]) <= 1e-9, strategy
 
 
 def test_strategies_share_variables_and_gradients():
@@ -96,3 +104,48 @@ def test_bad_strategies_are_named():
         models.wrap_block(models.ConvBlock, "swap")
     with pytest.raises(ValueError, match="Unknown model 'vgg20'"):
         models.create("vgg20")
+
+
+@pytest.mark.parametrize("name", ["vgg11", "resnet18"])
+def test_lean_blocks_mix_with_the_others(name):
+    # A lean block leaves its ReLU to its reader: a lean or plain block, or the head.
+    n = models.num_blocks(name)
+    mixed = ("lean", "none", "lean-offload", "lean", "remat", "lean", "none", "lean")[:n]
+    x = normal(0, (2, 32, 32, 3), jnp.float64)
+    with jax.enable_x64(True):
+        grads = {}
+        for strategies in (("none",) * n, mixed):
+            model = models.create(name, strategy=strategies, num_classes=10, dtype=jnp.float64)
+            variables = model.init(jax.random.key(1), x, True)
+
+            def loss(params, model=model, variables=variables):
+                y, _ = model.apply(
+                    {**variables, "params": params}, x, True, mutable=["batch_stats"]
+                )
+                return jnp.sum(jnp.sin(y))
+
+            grads[strategies] = jax.jit(jax.grad(loss))(variables["params"])
+        plain, lean = grads.values()
+        assert rel_err(lean, plain) <= 1e-9
+
+
+@pytest.mark.parametrize(("name", "at_most"), [("vgg11", 0.6), ("resnet50", 0.45)])
+def test_lean_offload_asks_to_move_fewer_bytes(name, at_most):
+    # The bytes the jaxpr asks to move: the same on every backend (a GPU test
+    # checks that the compiled program moves what is asked).
+    # The batch and size make activations, not the bf16 copies of the weights, dominate.
+    x = normal(0, (8, 128, 128, 3), jnp.bfloat16)
+    requested = {}
+    for strategy in ("offload", "lean-offload"):
+        model = models.create(name, strategy=strategy, num_classes=10, dtype=jnp.bfloat16)
+        variables = model.init(jax.random.key(1), x, True)
+
+        def loss(params, model=model, variables=variables):
+            y, _ = model.apply({**variables, "params": params}, x, True, mutable=["batch_stats"])
+            return jnp.sum(y)
+
+        report = jaxoffload.memory_report(
+            jax.jit(jax.grad(loss)), variables["params"], on_dropped="ignore"
+        )
+        requested[strategy] = report.requested_bytes
+    assert 0 < requested["lean-offload"] <= at_most * requested["offload"], requested

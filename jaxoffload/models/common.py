@@ -9,7 +9,14 @@ import jax
 
 from jaxoffload import linen as offload_linen
 
-__all__ = ["BLOCK_STRATEGIES", "CONV_NAME", "check_strategies", "first_k", "wrap_block"]
+__all__ = [
+    "BLOCK_STRATEGIES",
+    "CONV_NAME",
+    "check_strategies",
+    "first_k",
+    "uses_lean_layers",
+    "wrap_block",
+]
 
 # Blocks name their convolution outputs so that jax's own offload policy can find them.
 CONV_NAME = "conv"
@@ -17,10 +24,12 @@ CONV_NAME = "conv"
 # How a block keeps what its backward pass needs:
 BLOCK_STRATEGIES = {
     "none": "store the residuals on the device, as plain Flax does",
+    "lean": "store only what the backward pass needs, on the device (jaxoffload.layers)",
     "remat": "store nothing and recompute (nn.remat)",
     "remat-dots": "store conv and matmul outputs, recompute the rest (nn.remat, dots_saveable)",
     "jax-offload": "jax's save_and_offload_only_these_names on the named conv outputs",
     "offload": "move the residuals to pinned host memory (jaxoffload.linen.offload)",
+    "lean-offload": "the 'lean' layers, with their residuals in pinned host memory",
 }
 
 
@@ -39,7 +48,7 @@ def wrap_block(
       A Module class with the same variables as ``block``.
     """
     static_argnums = tuple(static_argnums)
-    if strategy == "none":
+    if strategy in ("none", "lean"):  # "lean" changes the block's layers: uses_lean_layers
         return block
     if strategy == "remat":
         return nn.remat(block, static_argnums=static_argnums)
@@ -54,11 +63,16 @@ def wrap_block(
             offload_dst="pinned_host",
         )
         return nn.remat(block, static_argnums=static_argnums, policy=policy)
-    if strategy == "offload":
+    if strategy in ("offload", "lean-offload"):
         return offload_linen.offload(block, static_argnums=static_argnums)
     raise ValueError(
         f"Unknown block strategy {strategy!r}; choose one of {sorted(BLOCK_STRATEGIES)}."
     )
+
+
+def uses_lean_layers(strategy: str) -> bool:
+    """Whether a block under ``strategy`` uses :mod:`jaxoffload.layers`' lean rules."""
+    return strategy in ("lean", "lean-offload")
 
 
 def first_k(strategy: str, k: int, num_blocks: int) -> tuple[str, ...]:

@@ -10,7 +10,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxoffload.models.common import CONV_NAME, check_strategies, wrap_block
+from jaxoffload import layers
+from jaxoffload.models.common import CONV_NAME, check_strategies, uses_lean_layers, wrap_block
 
 __all__ = ["BasicBlock", "BottleneckBlock", "ResNet", "RESNETS"]
 
@@ -24,54 +25,85 @@ RESNETS = {
 }
 
 
-def _layers(dtype: Any, train: bool):
+def _layers(dtype: Any, train: bool, lean: bool = False):
+    """``(conv, norm, norm_relu, relu)``: flax's layers, or jaxoffload's lean ones if ``lean``.
+
+    Both kinds give the same variable names (``BatchNorm_0``, ...), so a
+    model's variables do not depend on which its blocks use.
+    """
     conv = functools.partial(nn.Conv, use_bias=False, dtype=dtype)
-    norm = functools.partial(
-        nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5, dtype=dtype
-    )
-    return conv, norm
+    options = {"use_running_average": not train, "momentum": 0.9, "epsilon": 1e-5, "dtype": dtype}
+    if lean:
+        norm = functools.partial(layers.BatchNorm, **options)
+        return conv, norm, lambda y: norm(relu=True)(y), layers.relu
+    norm = functools.partial(nn.BatchNorm, **options)
+    return conv, norm, lambda y: nn.relu(norm()(y)), nn.relu
+
+
+def _take_input(x, lean: bool, relu_input: bool):
+    if relu_input and not lean:
+        raise ValueError("only lean blocks take relu_input")
+    return layers.relu(x) if relu_input else x
 
 
 class BasicBlock(nn.Module):
-    """Two 3x3 convolutions with BatchNorm, and the shortcut (ResNet-18 and -34)."""
+    """Two 3x3 convolutions with BatchNorm, and the shortcut (ResNet-18 and -34).
+
+    ``lean``: as in :class:`BottleneckBlock`.
+    """
 
     features: int
     strides: int = 1
     dtype: Any = jnp.float32
+    lean: bool = False
+    relu_input: bool = False
 
     @nn.compact
     def __call__(self, x, train: bool = True):
-        conv, norm = _layers(self.dtype, train)
+        conv, norm, norm_relu, relu = _layers(self.dtype, train, self.lean)
+        x = _take_input(x, self.lean, self.relu_input)
         s = (self.strides, self.strides)
         y = checkpoint_name(conv(self.features, (3, 3), s, padding=1)(x), CONV_NAME)
-        y = nn.relu(norm()(y))
+        y = norm_relu(y)
         y = checkpoint_name(conv(self.features, (3, 3), padding=1)(y), CONV_NAME)
         y = norm()(y)
         if x.shape != y.shape:
             x = norm()(conv(self.features, (1, 1), s)(x))
-        return nn.relu(x + y)
+        return x + y if self.lean else relu(x + y)
 
 
 class BottleneckBlock(nn.Module):
-    """1x1, 3x3 (strided) and 1x1 convolutions with BatchNorm, and the shortcut."""
+    """1x1, 3x3 (strided) and 1x1 convolutions with BatchNorm, and the shortcut.
+
+    ``lean`` uses :class:`jaxoffload.layers.BatchNorm` (fused with the ReLU
+    that follows) and :func:`jaxoffload.layers.relu`, and moves the final
+    ReLU to the start of the next block: a lean block applies it to its input
+    if ``relu_input``, and returns the sum before the ReLU. The ReLU's output
+    is then its own mask, the first conv's input and the shortcut, one
+    residual in one block. Residuals are each conv's input and output, in the
+    compute dtype.
+    """
 
     features: int
     strides: int = 1
     dtype: Any = jnp.float32
+    lean: bool = False
+    relu_input: bool = False
 
     @nn.compact
     def __call__(self, x, train: bool = True):
-        conv, norm = _layers(self.dtype, train)
+        conv, norm, norm_relu, relu = _layers(self.dtype, train, self.lean)
+        x = _take_input(x, self.lean, self.relu_input)
         s = (self.strides, self.strides)
         y = checkpoint_name(conv(self.features, (1, 1))(x), CONV_NAME)
-        y = nn.relu(norm()(y))
+        y = norm_relu(y)
         y = checkpoint_name(conv(self.features, (3, 3), s, padding=1)(y), CONV_NAME)
-        y = nn.relu(norm()(y))
+        y = norm_relu(y)
         y = checkpoint_name(conv(self.features * 4, (1, 1))(y), CONV_NAME)
         y = norm()(y)
         if x.shape != y.shape:
             x = norm()(conv(self.features * 4, (1, 1), s)(x))
-        return nn.relu(x + y)
+        return x + y if self.lean else relu(x + y)
 
 
 class ResNet(nn.Module):
@@ -98,16 +130,23 @@ class ResNet(nn.Module):
             raise ValueError(f"block must be 'basic' or 'bottleneck', got {self.block!r}.")
         strategies = iter(check_strategies(self.block_strategies, sum(self.stage_sizes)))
         kind = BasicBlock if self.block == "basic" else BottleneckBlock
-        conv, norm = _layers(self.dtype, train)
+        conv, norm, _, _ = _layers(self.dtype, train)
         x = conv(64, (7, 7), (2, 2), padding=3, name="stem_conv")(x)
         x = nn.relu(norm(name="stem_norm")(x))
         x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
-        n = 0
+        n, owed = 0, False  # owed: a lean block left its final ReLU to its reader
         for stage, size in enumerate(self.stage_sizes):
             for i in range(size):
-                block = wrap_block(kind, next(strategies), static_argnums=(2,))
+                strategy = next(strategies)
+                lean = uses_lean_layers(strategy)
+                if owed and not lean:
+                    x, owed = layers.relu(x), False
+                block = wrap_block(kind, strategy, static_argnums=(2,))
                 strides = 2 if stage > 0 and i == 0 else 1
-                x = block(64 * 2**stage, strides, self.dtype, name=f"block{n}")(x, train)
-                n += 1
+                x = block(64 * 2**stage, strides, self.dtype, lean, owed, name=f"block{n}")(
+                    x, train
+                )
+                n, owed = n + 1, lean
+        x = layers.relu(x) if owed else x
         x = jnp.mean(x, axis=(1, 2))
         return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)

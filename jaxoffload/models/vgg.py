@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxoffload import layers
-from jaxoffload.models.common import CONV_NAME, check_strategies, wrap_block
+from jaxoffload.models.common import CONV_NAME, check_strategies, uses_lean_layers, wrap_block
 
 __all__ = ["VGG", "ConvBlock", "VGG11", "VGG13", "VGG16", "VGG19", "num_conv_blocks"]
 
@@ -30,6 +30,14 @@ class ConvBlock(nn.Module):
     :func:`jaxoffload.layers.max_pool` over ``flax.linen.max_pool``: same
     values and gradients, without the int32 index tensors that XLA:GPU makes
     for the latter's backward pass.
+
+    ``lean`` blocks use :mod:`jaxoffload.layers` and move the ReLU (and pool)
+    to the start of the *next* block: a lean block applies ``incoming`` (the
+    activation the block before it owes) to its input, and returns its
+    convolution's (or BatchNorm's) output. The ReLU's output is then both its
+    own mask and the convolution's input, one residual in one block, so a
+    per-block offload moves each tensor once. A lean block keeps that tensor,
+    a one-byte pool index, and with ``norm`` its BatchNorm's input.
     """
 
     features: int
@@ -37,11 +45,23 @@ class ConvBlock(nn.Module):
     dtype: Any = jnp.float32
     lean_pool: bool = True
     norm: bool = False
+    lean: bool = False
+    incoming: str = ""
 
     @nn.compact
     def __call__(self, x, train: bool = True):
+        if self.lean:
+            x = activate(x, self.incoming)
+        elif self.incoming:
+            raise ValueError("only lean blocks take an incoming activation")
         x = nn.Conv(self.features, (3, 3), padding="SAME", dtype=self.dtype)(x)
         x = checkpoint_name(x, CONV_NAME)
+        if self.lean:
+            if self.norm:
+                x = layers.BatchNorm(use_running_average=not train, momentum=0.9, dtype=self.dtype)(
+                    x
+                )
+            return x
         if self.norm:
             x = nn.BatchNorm(use_running_average=not train, momentum=0.9, dtype=self.dtype)(x)
         x = nn.relu(x)
@@ -49,6 +69,17 @@ class ConvBlock(nn.Module):
             max_pool = layers.max_pool if self.lean_pool else nn.max_pool
             x = max_pool(x, (2, 2), strides=(2, 2))
         return x
+
+
+def activate(x, activation: str):
+    """Applies a lean block's deferred activation: ``""``, ``"relu"`` or ``"relu_pool"``."""
+    if activation == "relu_pool":
+        return layers.relu_max_pool(x, (2, 2), strides=(2, 2))
+    if activation == "relu":
+        return layers.relu(x)
+    if activation:
+        raise ValueError(f"unknown activation {activation!r}")
+    return x
 
 
 def num_conv_blocks(config: Sequence[int | str]) -> int:
@@ -84,11 +115,17 @@ class VGG(nn.Module):
         convs = [v for v in self.config if v != "M"]
         pools = [i + 1 < len(self.config) and self.config[i + 1] == "M"
                  for i, v in enumerate(self.config) if v != "M"]  # fmt: skip
+        owed = ""  # the activation a lean block left for whoever reads its output
         for n, (features, pool, strategy) in enumerate(zip(convs, pools, strategies)):
+            lean = uses_lean_layers(strategy)
+            if owed and not lean:
+                x, owed = activate(x, owed), ""
             block = wrap_block(ConvBlock, strategy, static_argnums=(2,))
-            x = block(features, pool, self.dtype, self.lean_pool, self.norm, name=f"block{n}")(
-                x, train
-            )
+            x = block(
+                features, pool, self.dtype, self.lean_pool, self.norm, lean, owed, name=f"block{n}"
+            )(x, train)
+            owed = ("relu_pool" if pool else "relu") if lean else ""
+        x = activate(x, owed)
         x = x.reshape((x.shape[0], -1))
         x = nn.relu(nn.Dense(self.classifier_width, dtype=self.dtype, name="fc0")(x))
         x = nn.relu(nn.Dense(self.classifier_width, dtype=self.dtype, name="fc1")(x))
