@@ -153,7 +153,7 @@ def norm_cases(draw):
     return shape, draw(st.booleans()), draw(st.integers(0, 2**16))
 
 
-@settings(deadline=None, max_examples=25)
+@settings(deadline=None, max_examples=15)
 @given(norm_cases())
 def test_batch_norm_matches_flax(case):
     shape, fused_relu, seed = case
