@@ -93,3 +93,22 @@ def test_committed_bench_and_peer_records_reproduce_the_findings_order():
             torch_runs["save_on_cpu"]["peak_bytes_in_use"]
             < torch_runs["plain"]["peak_bytes_in_use"]
         )
+
+
+def test_plot_of_the_committed_scoreboard_with_its_peer(tmp_path):
+    out = tmp_path / "vgg19.png"
+    results = ROOT / "benchmarks" / "results"
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "plot_bench.py"),
+         str(results / "bench_vgg19_b128_h200.json"), str(results / "torch_vgg19_b128_h200.json"),
+         f"--out={out}"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    mixed = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "plot_bench.py"),
+         str(results / "bench_vgg19_b128_h200.json"),
+         str(results / "torch_resnet50_b256_h200.json"), f"--out={out}"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert mixed.returncode == 2 and "different workloads" in mixed.stderr
