@@ -96,7 +96,7 @@ class Workload:
 
     @property
     def offloaded_blocks(self) -> int:
-        return sum(s in ("offload", "lean-offload") for s in self.strategies)
+        return sum(s in models.OFFLOAD_STRATEGIES for s in self.strategies)
 
 
 def train_step(workload: Workload, *, abstract: bool = False):
@@ -213,7 +213,12 @@ def measure(
     del state
     if probe_link:
         # On CPU the "link" is a memcpy: a smaller array tells as much, sooner.
-        extra.update(measure_link(2**30 if device.platform == "gpu" else 2**26))
+        # Under a memory cap, the probe must fit in what the step left free.
+        nbytes = 2**30 if device.platform == "gpu" else 2**26
+        stats = device.memory_stats() or {}
+        if "bytes_limit" in stats:
+            nbytes = min(nbytes, (stats["bytes_limit"] - stats["bytes_in_use"]) // 4)
+        extra.update(measure_link(nbytes))
     grad_rel_err = (
         None if reference is None else _compare_gradients(loss_fn, initial, batch, reference)
     )

@@ -8,6 +8,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxoffload.models.common import BLOCK_STRATEGIES as BLOCK_STRATEGIES
+from jaxoffload.models.common import LEAN_STRATEGIES as LEAN_STRATEGIES
+from jaxoffload.models.common import OFFLOAD_STRATEGIES as OFFLOAD_STRATEGIES
 from jaxoffload.models.common import first_k as first_k
 from jaxoffload.models.common import wrap_block as wrap_block
 from jaxoffload.models.resnet import RESNETS
@@ -30,7 +32,9 @@ MODEL_NAMES = tuple(
 
 __all__ = [
     "BLOCK_STRATEGIES",
+    "LEAN_STRATEGIES",
     "MODEL_NAMES",
+    "OFFLOAD_STRATEGIES",
     "VGG",
     "VGG11",
     "VGG13",

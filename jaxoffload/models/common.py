@@ -14,6 +14,8 @@ __all__ = [
     "CONV_NAME",
     "check_strategies",
     "first_k",
+    "LEAN_STRATEGIES",
+    "OFFLOAD_STRATEGIES",
     "uses_lean_layers",
     "wrap_block",
 ]
@@ -31,6 +33,10 @@ BLOCK_STRATEGIES = {
     "offload": "move the residuals to pinned host memory (jaxoffload.linen.offload)",
     "lean-offload": "the 'lean' layers, with their residuals in pinned host memory",
 }
+# Blocks under these use jaxoffload.layers' lean rules (see uses_lean_layers).
+LEAN_STRATEGIES = ("lean", "lean-offload")
+# Blocks under these are wrapped in jaxoffload.linen.offload.
+OFFLOAD_STRATEGIES = ("offload", "lean-offload")
 
 
 def wrap_block(
@@ -48,6 +54,8 @@ def wrap_block(
       A Module class with the same variables as ``block``.
     """
     static_argnums = tuple(static_argnums)
+    if strategy in OFFLOAD_STRATEGIES:
+        return offload_linen.offload(block, static_argnums=static_argnums)
     if strategy in ("none", "lean"):  # "lean" changes the block's layers: uses_lean_layers
         return block
     if strategy == "remat":
@@ -63,8 +71,6 @@ def wrap_block(
             offload_dst="pinned_host",
         )
         return nn.remat(block, static_argnums=static_argnums, policy=policy)
-    if strategy in ("offload", "lean-offload"):
-        return offload_linen.offload(block, static_argnums=static_argnums)
     raise ValueError(
         f"Unknown block strategy {strategy!r}; choose one of {sorted(BLOCK_STRATEGIES)}."
     )
@@ -72,7 +78,7 @@ def wrap_block(
 
 def uses_lean_layers(strategy: str) -> bool:
     """Whether a block under ``strategy`` uses :mod:`jaxoffload.layers`' lean rules."""
-    return strategy in ("lean", "lean-offload")
+    return strategy in LEAN_STRATEGIES
 
 
 def first_k(strategy: str, k: int, num_blocks: int) -> tuple[str, ...]:
