@@ -40,40 +40,11 @@ def _layers(dtype: Any, train: bool, lean: bool = False):
     return conv, norm, lambda y: nn.relu(norm()(y)), nn.relu
 
 
-def _take_input(x, lean: bool, relu_input: bool):
-    if relu_input and not lean:
-        raise ValueError("only lean blocks take relu_input")
-    return layers.relu(x) if relu_input else x
+class _ResidualBlock(nn.Module):
+    """What both block kinds share: the fields, the shortcut and the final ReLU.
 
-
-class BasicBlock(nn.Module):
-    """Two 3x3 convolutions with BatchNorm, and the shortcut (ResNet-18 and -34).
-
-    ``lean``: as in :class:`BottleneckBlock`.
-    """
-
-    features: int
-    strides: int = 1
-    dtype: Any = jnp.float32
-    lean: bool = False
-    relu_input: bool = False
-
-    @nn.compact
-    def __call__(self, x, train: bool = True):
-        conv, norm, norm_relu, relu = _layers(self.dtype, train, self.lean)
-        x = _take_input(x, self.lean, self.relu_input)
-        s = (self.strides, self.strides)
-        y = checkpoint_name(conv(self.features, (3, 3), s, padding=1)(x), CONV_NAME)
-        y = norm_relu(y)
-        y = checkpoint_name(conv(self.features, (3, 3), padding=1)(y), CONV_NAME)
-        y = norm()(y)
-        if x.shape != y.shape:
-            x = norm()(conv(self.features, (1, 1), s)(x))
-        return x + y if self.lean else relu(x + y)
-
-
-class BottleneckBlock(nn.Module):
-    """1x1, 3x3 (strided) and 1x1 convolutions with BatchNorm, and the shortcut.
+    Subclasses give the branch (:meth:`branch`), up to its last convolution;
+    its BatchNorm, the shortcut and the sum are made here.
 
     ``lean`` uses :class:`jaxoffload.layers.BatchNorm` (fused with the ReLU
     that follows) and :func:`jaxoffload.layers.relu`, and moves the final
@@ -92,18 +63,45 @@ class BottleneckBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool = True):
+        if self.relu_input and not self.lean:
+            raise ValueError("only lean blocks take relu_input")
+        x = layers.relu(x) if self.relu_input else x
         conv, norm, norm_relu, relu = _layers(self.dtype, train, self.lean)
-        x = _take_input(x, self.lean, self.relu_input)
-        s = (self.strides, self.strides)
+        strides = (self.strides, self.strides)
+        y = self.branch(x, strides, conv, norm_relu)
+        y = norm()(y)  # made after the branch's layers, so that it is named after them
+        if x.shape != y.shape:
+            x = norm()(conv(y.shape[-1], (1, 1), strides)(x))
+        return x + y if self.lean else relu(x + y)
+
+    def branch(self, x, strides, conv, norm_relu):
+        raise NotImplementedError
+
+
+class BasicBlock(_ResidualBlock):
+    """Two 3x3 convolutions with BatchNorm, and the shortcut (ResNet-18 and -34).
+
+    ``lean`` and ``relu_input``: see ``_ResidualBlock``.
+    """
+
+    def branch(self, x, strides, conv, norm_relu):
+        y = checkpoint_name(conv(self.features, (3, 3), strides, padding=1)(x), CONV_NAME)
+        y = norm_relu(y)
+        return checkpoint_name(conv(self.features, (3, 3), padding=1)(y), CONV_NAME)
+
+
+class BottleneckBlock(_ResidualBlock):
+    """1x1, 3x3 (strided) and 1x1 convolutions with BatchNorm, and the shortcut.
+
+    ``lean`` and ``relu_input``: see ``_ResidualBlock``.
+    """
+
+    def branch(self, x, strides, conv, norm_relu):
         y = checkpoint_name(conv(self.features, (1, 1))(x), CONV_NAME)
         y = norm_relu(y)
-        y = checkpoint_name(conv(self.features, (3, 3), s, padding=1)(y), CONV_NAME)
+        y = checkpoint_name(conv(self.features, (3, 3), strides, padding=1)(y), CONV_NAME)
         y = norm_relu(y)
-        y = checkpoint_name(conv(self.features * 4, (1, 1))(y), CONV_NAME)
-        y = norm()(y)
-        if x.shape != y.shape:
-            x = norm()(conv(self.features * 4, (1, 1), s)(x))
-        return x + y if self.lean else relu(x + y)
+        return checkpoint_name(conv(self.features * 4, (1, 1))(y), CONV_NAME)
 
 
 class ResNet(nn.Module):
