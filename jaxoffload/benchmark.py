@@ -32,6 +32,7 @@ __all__ = [
     "OutOfMemory",
     "Workload",
     "find_max_batch",
+    "gradient_error",
     "measure",
     "measure_link",
     "measure_all",
@@ -320,15 +321,31 @@ def add_transfer_bounds(records: list[dict[str, Any]]) -> None:
 def _compare_gradients(loss_fn, initial, batch, reference: str) -> float:
     params, model_state = initial
     grads = jax.jit(jax.grad(lambda p: loss_fn(p, model_state, batch)[0]))(params)
-    leaves = [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)]
+    return gradient_error([np.asarray(g, np.float64) for g in jax.tree.leaves(grads)], reference)
+
+
+def gradient_error(grads: list[np.ndarray], reference: str) -> float:
+    """Relative L2 error of ``grads`` against the gradient stored at ``reference``.
+
+    The first run (the reference strategy) finds no file: it stores ``grads``
+    there and gets 0. Any framework's gradients can be compared this way, as
+    long as every run lists its arrays in the same order.
+
+    Args:
+      grads: the gradient's arrays, in a fixed order.
+      reference: a ``.npz`` path.
+
+    Raises:
+      ValueError: if the stored arrays have other shapes (another model).
+    """
     if not os.path.exists(reference):
-        np.savez(reference, *leaves)
+        np.savez(reference, *grads)
         return 0.0
     with np.load(reference) as stored:
         ref = [stored[f"arr_{n}"] for n in range(len(stored.files))]
-    if [r.shape for r in ref] != [g.shape for g in leaves]:
+    if [r.shape for r in ref] != [g.shape for g in grads]:
         raise ValueError(f"{reference} holds the gradient of another model.")
-    diff = sum(np.sum((g - r) ** 2) for g, r in zip(leaves, ref))
+    diff = sum(np.sum((g - r) ** 2) for g, r in zip(grads, ref))
     return float(np.sqrt(diff / sum(np.sum(r**2) for r in ref)))
 
 

@@ -1,9 +1,12 @@
-"""benchmarks/offload_sweep.py runs end to end on CPU and writes the agreed record schema."""
+"""The benchmark drivers and the committed results: records, schemas, plots and the peer."""
 
 import json
 import pathlib
 import subprocess
 import sys
+
+import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).parents[1]
 REQUIRED = {
@@ -112,3 +115,22 @@ def test_plot_of_the_committed_scoreboard_with_its_peer(tmp_path):
         capture_output=True, text=True,
     )  # fmt: skip
     assert mixed.returncode == 2 and "different workloads" in mixed.stderr
+
+
+def test_gradient_error_stores_then_compares(tmp_path):
+    from jaxoffload.benchmark import gradient_error
+
+    reference = str(tmp_path / "reference.npz")
+    grads = [np.ones((2, 3)), np.full(4, 2.0)]
+    assert gradient_error(grads, reference) == 0.0  # the first run stores its gradient
+    assert gradient_error([g * 1.5 for g in grads], reference) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="another model"):
+        gradient_error([np.ones(3)], reference)
+
+
+def test_the_torch_peer_explains_itself_without_torch():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "peers" / "torch_reference.py"), "--help"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert "save_on_cpu" in done.stdout

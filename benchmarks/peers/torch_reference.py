@@ -73,6 +73,9 @@ def measure(
     import torchvision
     from torch.utils.checkpoint import checkpoint
 
+    # The same comparison as jaxoffload bench's (importing jax starts no device client).
+    from jaxoffload.benchmark import gradient_error
+
     torch.manual_seed(0)
     device = torch.device("cuda")
     model = getattr(torchvision.models, model_name)(num_classes=1000)
@@ -128,7 +131,7 @@ def measure(
         opt.zero_grad(set_to_none=True)
         backward()
         grads = [p.grad.double().cpu().numpy() for p in model.parameters()]
-        grad_rel_err = _compare(grads, reference)
+        grad_rel_err = gradient_error(grads, reference)
     step_s = statistics.median(times)
     return {
         "model": model_name,
@@ -151,19 +154,6 @@ def measure(
         "grad_rel_err": grad_rel_err,
         "date": datetime.date.today().isoformat(),
     }
-
-
-def _compare(grads, reference: str) -> float:
-    """Relative L2 error against the stored gradient; stores it if absent (as jaxoffload does)."""
-    import numpy as np
-
-    if not os.path.exists(reference):
-        np.savez(reference, *grads)
-        return 0.0
-    with np.load(reference) as stored:
-        ref = [stored[f"arr_{n}"] for n in range(len(stored.files))]
-    diff = sum(np.sum((g - r) ** 2) for g, r in zip(grads, ref, strict=True))
-    return float(np.sqrt(diff / sum(np.sum(r**2) for r in ref)))
 
 
 def main(argv: list[str] | None = None) -> None:
