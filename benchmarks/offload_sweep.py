@@ -37,7 +37,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     common = dict(model=args.model, batch=args.batch, image_size=args.image_size, dtype=args.dtype)
     workloads = [
-        benchmark.Workload(**common, strategy="none" if k == 0 else "offload", blocks=k)
+        benchmark.Workload(**common, strategy="none" if k == 0 else "offload-plain", blocks=k)
         for k in map(int, args.ks.split(","))
     ]
     if args.remat:

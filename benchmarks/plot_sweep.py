@@ -26,7 +26,7 @@ def main(argv=None) -> None:
 
     records = json.loads(args.results.read_text())
     sweep = sorted(
-        (r for r in records if r["strategy"] in ("none", "offload")),
+        (r for r in records if r["strategy"] in ("none", "offload", "offload-plain")),
         key=lambda r: r["offloaded_blocks"],
     )
     remat = [r for r in records if r["strategy"] == "remat"]

@@ -9,7 +9,9 @@ from jaxoffload.report import OffloadWarning as OffloadWarning
 from jaxoffload.report import memory_report as memory_report
 from jaxoffload.transform import Residual as Residual
 from jaxoffload.transform import offload as offload
+from jaxoffload.transform import residuals_per_call as residuals_per_call
 from jaxoffload.transform import saved_residuals as saved_residuals
+from jaxoffload.transform import schedule as schedule
 
 __all__ = [
     "MemoryReport",
@@ -19,5 +21,7 @@ __all__ = [
     "linen",
     "memory_report",
     "offload",
+    "residuals_per_call",
     "saved_residuals",
+    "schedule",
 ]

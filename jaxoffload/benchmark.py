@@ -25,7 +25,9 @@ import optax
 
 import jaxoffload
 from jaxoffload import models
+from jaxoffload.planner import plan_hidden_offload
 from jaxoffload.report import analyze, requested_host_transfers
+from jaxoffload.transform import residuals_per_call
 
 __all__ = [
     "COMPUTE_TWIN",
@@ -33,6 +35,7 @@ __all__ = [
     "Workload",
     "find_max_batch",
     "gradient_error",
+    "hidden_offload_workload",
     "measure",
     "measure_link",
     "measure_all",
@@ -47,7 +50,12 @@ DTYPES = ("float32", "bfloat16")
 # For each strategy that moves residuals to the host, the strategy that runs the
 # same layers without moving anything: its times are the compute in the
 # transfer bound (see :func:`add_transfer_bounds`).
-COMPUTE_TWIN = {"offload": "none", "jax-offload": "none", "lean-offload": "lean"}
+COMPUTE_TWIN = {
+    "offload-plain": "none",
+    "jax-offload": "none",
+    "offload": "lean",
+    "offload-hidden": "lean",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +71,9 @@ class Workload:
       blocks: how many blocks, from the input end, use ``strategy``; the rest use
         ``"none"``. ``None`` means all of them.
       num_classes: classifier outputs.
+      window: the :class:`jaxoffload.schedule` window of offloading blocks.
+      plan: one block strategy per block, overriding ``strategy`` and
+        ``blocks``; set by the planner of a ``models.PLANNED_STRATEGIES`` entry.
     """
 
     model: str
@@ -72,16 +83,18 @@ class Workload:
     strategy: str
     blocks: int | None = None
     num_classes: int = 1000
+    window: int = 1
+    plan: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if self.model not in models.MODEL_NAMES:
             raise ValueError(
                 f"Unknown model {self.model!r}; choose one of {', '.join(models.MODEL_NAMES)}."
             )
-        if self.strategy not in models.BLOCK_STRATEGIES:
+        if self.strategy not in {**models.BLOCK_STRATEGIES, **models.PLANNED_STRATEGIES}:
             raise ValueError(
                 f"Unknown strategy {self.strategy!r}; choose one of "
-                f"{', '.join(models.BLOCK_STRATEGIES)}."
+                f"{', '.join([*models.BLOCK_STRATEGIES, *models.PLANNED_STRATEGIES])}."
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
@@ -89,9 +102,15 @@ class Workload:
             raise ValueError(f"batch must be at least 1, got {self.batch}.")
         if self.image_size < 32:
             raise ValueError(f"image_size must be at least 32, got {self.image_size}.")
+        if self.window < 1:
+            raise ValueError(f"window must be at least 1, got {self.window}.")
 
     @property
     def strategies(self) -> tuple[str, ...]:
+        if self.plan is not None:
+            return tuple(self.plan)
+        if self.strategy in models.PLANNED_STRATEGIES:
+            raise ValueError(f"{self.strategy!r} needs a plan: see hidden_offload_workload.")
         n = models.num_blocks(self.model)
         return models.first_k(self.strategy, n if self.blocks is None else self.blocks, n)
 
@@ -115,7 +134,11 @@ def train_step(workload: Workload, *, abstract: bool = False):
     """
     dtype = jnp.dtype(workload.dtype)
     model = models.create(
-        workload.model, strategy=workload.strategies, dtype=dtype, num_classes=workload.num_classes
+        workload.model,
+        strategy=workload.strategies,
+        dtype=dtype,
+        num_classes=workload.num_classes,
+        offload_window=workload.window,
     )
     tx = optax.sgd(1e-3, momentum=0.9)
 
@@ -161,6 +184,28 @@ def requested_host_bytes(workload: Workload) -> int:
     return sum(requested_host_transfers(step.trace(state, batch).jaxpr))
 
 
+def hidden_offload_workload(
+    workload: Workload, *, fwd_ms: float, bwd_ms: float, d2h_gbps: float, h2d_gbps: float
+) -> Workload:
+    """The workload with the plan of :func:`jaxoffload.planner.plan_hidden_offload`.
+
+    Each block's residual bytes come from tracing the model with every block
+    offloading (:func:`jaxoffload.residuals_per_call`); the compute times and
+    bandwidths are measured ones, e.g. those of the ``"lean"`` run.
+    """
+    every = dataclasses.replace(workload, strategy="offload", blocks=None, plan=None)
+    step, state, batch, _ = train_step(every, abstract=True)
+    calls = residuals_per_call(step, state, batch)
+    block_bytes = [sum(r.nbytes for r in call if r.placement == "pinned_host") for call in calls]
+    if len(block_bytes) != models.num_blocks(workload.model):
+        raise RuntimeError(f"expected one offloaded call per block, traced {len(block_bytes)}.")
+    plan = plan_hidden_offload(
+        block_bytes, fwd_ms=fwd_ms, bwd_ms=bwd_ms, d2h_gbps=d2h_gbps, h2d_gbps=h2d_gbps
+    )
+    strategies = tuple("offload" if chosen else "lean" for chosen in plan.offload)
+    return dataclasses.replace(workload, plan=strategies, window=plan.window)
+
+
 def measure(
     workload: Workload,
     *,
@@ -169,6 +214,7 @@ def measure(
     reference: str | None = None,
     time_forward: bool = False,
     probe_link: bool = False,
+    hidden_budget: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Compiles and runs a workload in this process; returns one record.
 
@@ -188,7 +234,13 @@ def measure(
         the runtime peak is read.
       probe_link: also measure the host link (``d2h_gbps``, ``h2d_gbps``, see
         :func:`measure_link`), after the runtime peak is read.
+      hidden_budget: for ``"offload-hidden"``, the keyword arguments of
+        :func:`hidden_offload_workload` that plan it.
     """
+    if workload.strategy in models.PLANNED_STRATEGIES and workload.plan is None:
+        if hidden_budget is None:
+            raise ValueError(f"{workload.strategy!r} needs hidden_budget to plan it.")
+        workload = hidden_offload_workload(workload, **hidden_budget)
     step, state, batch, loss_fn = train_step(workload)
     # Donation consumes the initial state; keep a host copy for the gradient check.
     initial = jax.device_get(state[:2]) if reference else None
@@ -229,6 +281,8 @@ def measure(
         "image_size": workload.image_size,
         "dtype": workload.dtype,
         "strategy": workload.strategy,
+        "window": workload.window,
+        "plan": workload.plan,
         "offloaded_blocks": workload.offloaded_blocks,
         "framework": "jax",
         "device": device.device_kind,
@@ -404,6 +458,9 @@ def measure_all(
             if on_start is not None:
                 on_start(w)
             try:
+                options = {}
+                if w.strategy in models.PLANNED_STRATEGIES:
+                    options["hidden_budget"] = _hidden_budget(w, records)
                 records.append(
                     measure_in_subprocess(
                         w,
@@ -411,7 +468,9 @@ def measure_all(
                         reference=reference,
                         env=env,
                         time_forward=w.strategy in COMPUTE_TWIN.values(),
-                        probe_link=w.strategy in COMPUTE_TWIN,
+                        # Twins measure the link too: a planner takes it from them.
+                        probe_link=w.strategy in {*COMPUTE_TWIN, *COMPUTE_TWIN.values()},
+                        **options,
                     )
                 )
                 continue
@@ -432,6 +491,23 @@ def measure_all(
             )
     add_transfer_bounds(records)
     return records
+
+
+def _hidden_budget(workload: Workload, records: list[dict[str, Any]]) -> dict[str, float]:
+    twin = COMPUTE_TWIN[workload.strategy]
+    done = [r for r in records if r["strategy"] == twin and "d2h_gbps" in r]
+    if not done:
+        raise RuntimeError(
+            f"{workload.strategy!r} is planned from the {twin!r} run's times and link: "
+            f"list {twin!r} before it."
+        )
+    r = done[-1]
+    return {
+        "fwd_ms": r["forward_ms"],
+        "bwd_ms": r["step_time_ms"] - r["forward_ms"],
+        "d2h_gbps": r["d2h_gbps"],
+        "h2d_gbps": r["h2d_gbps"],
+    }
 
 
 def find_max_batch(

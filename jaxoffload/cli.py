@@ -17,7 +17,9 @@ from typing import Any
 
 from jaxoffload import models
 
-DEFAULT_STRATEGIES = ",".join(models.BLOCK_STRATEGIES)
+STRATEGIES = (*models.BLOCK_STRATEGIES, *models.PLANNED_STRATEGIES)
+# All but the two that only show what the default ones improve on.
+DEFAULT_STRATEGIES = ",".join(s for s in STRATEGIES if s not in ("lean-unordered", "offload-plain"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--strategies",
         default=DEFAULT_STRATEGIES,
-        help=f"comma-separated, from: {DEFAULT_STRATEGIES}",
+        help=f"comma-separated, from: {', '.join(STRATEGIES)} (default: {DEFAULT_STRATEGIES})",
+    )
+    bench.add_argument(
+        "--window",
+        type=int,
+        default=1,
+        help="jaxoffload.schedule window of 'offload' and 'offload-plain' blocks "
+        "('offload-hidden' plans its own)",
     )
     bench.add_argument("--out", default="bench-out", help="folder for records.json and pareto.png")
     bench.add_argument(
@@ -81,16 +90,18 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
     from jaxoffload import benchmark
 
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [s for s in strategies if s not in models.BLOCK_STRATEGIES]
+    unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown or not strategies:
         raise BenchError(
-            f"unknown strategies {unknown or strategies}; choose from {DEFAULT_STRATEGIES}"
+            f"unknown strategies {unknown or strategies}; choose from {', '.join(STRATEGIES)}"
         )
     if args.steps < 1:
         raise BenchError(f"--steps must be at least 1, got {args.steps}")
     try:
         workloads = [
-            benchmark.Workload(args.model, args.batch, args.image_size, args.dtype, s)
+            benchmark.Workload(
+                args.model, args.batch, args.image_size, args.dtype, s, window=args.window
+            )
             for s in strategies
         ]
     except ValueError as e:
@@ -117,11 +128,18 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
             "[yellow]note:[/] on CPU, host placement has no effect: offload strategies move "
             "nothing, so their memory equals 'none'. Measure memory on a GPU."
         )
+    for needed, why in [("none", "gradients are compared with it")] + [
+        (benchmark.COMPUTE_TWIN[s], f"{s!r} is planned from its run")
+        for s in strategies
+        if s in models.PLANNED_STRATEGIES
+    ]:
+        if needed not in strategies:
+            console.print(f"note: adding the {needed!r} strategy: {why}.")
+            workloads.append(dataclasses.replace(workloads[0], strategy=needed))
+            strategies.append(needed)
     # The plain model runs first: it is every other strategy's gradient reference.
-    workloads.sort(key=lambda w: w.strategy != "none")
-    if workloads[0].strategy != "none":
-        console.print("note: adding the 'none' strategy: gradients are compared with it.")
-        workloads.insert(0, dataclasses.replace(workloads[0], strategy="none"))
+    # Planned strategies run last: they are planned from their twin's run.
+    workloads.sort(key=lambda w: (w.strategy != "none", w.strategy in models.PLANNED_STRATEGIES))
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("measuring", total=len(workloads) * (1 + args.max_batch))
 
@@ -137,6 +155,8 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
             r["command"] = command
             if args.max_batch:
                 progress.update(task, description=f"{w.strategy}: largest batch")
+                if r.get("plan"):  # search with the plan that was measured
+                    w = dataclasses.replace(w, plan=tuple(r["plan"]), window=r["window"])
                 r["max_batch"] = benchmark.find_max_batch(w, env=env)
                 progress.advance(task)
     out = pathlib.Path(args.out)
@@ -252,7 +272,7 @@ def plot_records(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.P
         "peak_bytes_in_use" if all(r["peak_bytes_in_use"] for r in done) else "compiled_temp_bytes"
     )
     points = [(r["step_time_ms"], r[key] / 2**30) for r in done]
-    fig, ax = plt.subplots(figsize=(6.5, 4.2), constrained_layout=True)
+    fig, ax = plt.subplots(figsize=(8, 4.2), constrained_layout=True)
     for r, (x, y) in zip(done, points):
         jax_record = r.get("framework", "jax") == "jax"
         label = r["strategy"] if jax_record else f"{r['framework']} {r['strategy']}"
@@ -277,8 +297,9 @@ def plot_records(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.P
         title=f"{first['model']} b{first['batch']} {first['image_size']}² {first['dtype']}, "
         f"{first['device']}",
     )
-    ax.set_ylim(0, 1.3 * max(y for _, y in points))
-    ax.legend(ncols=2, fontsize="small")
+    ax.set_ylim(0, max(y for _, y in points) * 1.05)
+    # Outside the axes, so that it never hides a point.
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

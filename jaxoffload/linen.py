@@ -22,6 +22,7 @@ def offload(
     names: Sequence[str] | None = None,
     min_bytes: int = 0,
     static_argnums: int | Sequence[int] = (),
+    to_host: bool = True,
     variables: Any = True,
     rngs: Any = True,
     methods: Sequence[str] | None = None,
@@ -50,6 +51,8 @@ def offload(
       min_bytes: residuals smaller than this stay on the device.
       static_argnums: as in ``nn.remat``: positions of non-array arguments,
         counting ``self`` as 0.
+      to_host: ``False`` keeps the residuals on the device; the calls still
+        take their turn in a :class:`jaxoffload.schedule`.
       variables: the variable collections that are lifted (all by default).
       rngs: the RNG streams that are lifted (all by default).
       methods: the methods to transform when ``target`` is a class; by default
@@ -77,6 +80,7 @@ def offload(
         rngs=rngs,
         names=names,
         min_bytes=min_bytes,
+        to_host=to_host,
         # The lifted function takes (variables, rngs, *args): `self` becomes two.
         static_argnums=tuple(i + 1 if i > 0 else i for i in static_argnums),
         methods=methods,
@@ -89,6 +93,7 @@ def _lifted_offload(
     rngs: Any = True,
     names: Sequence[str] | None = None,
     min_bytes: int = 0,
+    to_host: bool = True,
     static_argnums: tuple[int, ...] = (),
 ) -> Callable[..., Any]:
     """``offload`` lifted over Flax scopes, as ``flax.core.lift.checkpoint`` is."""
@@ -98,6 +103,7 @@ def _lifted_offload(
             transform.offload,
             names=names,
             min_bytes=min_bytes,
+            to_host=to_host,
             device_argnums=(0, 1),
             static_argnums=static_argnums,
         )

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import operator
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, overload
@@ -15,13 +17,17 @@ from jax.extend import core as jex_core
 
 from jaxoffload.report import OffloadWarning
 
-__all__ = ["Residual", "offload", "saved_residuals"]
+__all__ = ["Residual", "offload", "residuals_per_call", "saved_residuals", "schedule"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _HOST = jax.memory.Space.Host
 _DEVICE = jax.memory.Space.Device
 _barrier = jax.lax.optimization_barrier
+# In a schedule, whether a call's outputs wait for the copies of the call
+# `window - 1` calls back (True) or for its own (False). Only the backward
+# window differs then. benchmarks/schedule_probe.py compares the two.
+_CROSS_CALL_COPIES = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +60,99 @@ class _Config:
     min_bytes: int
     device_argnums: tuple[int, ...]
     static_argnums: tuple[int, ...]
+    to_host: bool
+
+
+class schedule:
+    """Chains the offloaded calls made inside it, so their transfers overlap compute.
+
+    On its own, each :func:`offload` call waits for its own transfers: its
+    outputs wait for the host copies of its residuals, and its backward pass
+    fetches them only once its output cotangent exists. Inside
+    ``with schedule(window=w)``, the offloaded calls form one chain, in call
+    order, and up to ``w`` of them have transfers in flight:
+
+    - forward: call ``i``'s outputs wait for the host copies of call
+      ``i - w + 1``, so each copy runs while the next ``w - 1`` calls compute;
+    - backward: call ``i``'s residuals are fetched as soon as call
+      ``i + w - 1`` starts its backward pass, so each fetch runs while the
+      ``w - 1`` calls between compute theirs.
+
+    Device memory for residuals in flight is therefore bounded by ``w``
+    calls' residuals, whatever the depth. ``window=1`` is the behaviour
+    without a schedule. Calls made with ``to_host=False`` move nothing but
+    still take their turn, so that the window counts them.
+
+    The chain links calls with scalar tokens under
+    ``jax.lax.optimization_barrier`` (``FINDINGS.md`` §4, rules 2 and 3).
+    Use the context inside the differentiated function, around the layers
+    (a model's ``__call__`` is a good place). Calls traced under a different
+    JAX trace (inside a ``scan`` body, say) start a chain of their own.
+
+    Args:
+      window: how many offloaded calls may have transfers in flight, at least 1.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxoffload import offload, schedule
+      >>> layer = offload(lambda w, x: jnp.tanh(x @ w), device_argnums=0)
+      >>> def loss(ws, x):
+      ...     with schedule(window=2):
+      ...         for w in ws:
+      ...             x = layer(w, x)
+      ...     return x.sum()
+      >>> ws = [jnp.eye(4) / 2] * 3
+      >>> g = jax.grad(loss)(ws, jnp.ones((2, 4)))
+      >>> [gi.shape for gi in g]
+      [(4, 4), (4, 4), (4, 4)]
+    """
+
+    _active = threading.local()
+
+    def __init__(self, window: int = 2):
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an int of at least 1, got {window!r}.")
+        self.window = window
+        self._tokens: collections.deque = collections.deque()
+        self._trace = None
+
+    def __enter__(self) -> schedule:
+        stack = schedule._stack()
+        if self in stack:
+            raise RuntimeError("this schedule is already active; make a new one to nest.")
+        stack.append(self)
+        self._tokens.clear()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        schedule._stack().pop()
+        self._tokens.clear()
+
+    @staticmethod
+    def _stack() -> list[schedule]:
+        if not hasattr(schedule._active, "stack"):
+            schedule._active.stack = []
+        return schedule._active.stack
+
+    @staticmethod
+    def current() -> schedule | None:
+        """The innermost active schedule, or ``None``."""
+        stack = schedule._stack()
+        return stack[-1] if stack else None
+
+    def _next_gate(self):
+        """The token of the call ``window - 1`` calls back, if this call waits on one."""
+        trace = jex_core.get_opaque_trace_state(convention="jaxoffload")
+        if trace != self._trace:  # a new trace: its calls cannot use the old tokens
+            self._tokens.clear()
+            self._trace = trace
+        if self.window > 1 and len(self._tokens) == self.window - 1:
+            return self._tokens.popleft()
+        return None
+
+    def _push(self, token) -> None:
+        if self.window > 1:
+            self._tokens.append(token)
 
 
 @overload
@@ -64,6 +163,7 @@ def offload(
     min_bytes: int = 0,
     device_argnums: int | Sequence[int] = (),
     static_argnums: int | Sequence[int] = (),
+    to_host: bool = True,
 ) -> F: ...
 
 
@@ -75,6 +175,7 @@ def offload(
     min_bytes: int = 0,
     device_argnums: int | Sequence[int] = (),
     static_argnums: int | Sequence[int] = (),
+    to_host: bool = True,
 ) -> Callable[[F], F]: ...
 
 
@@ -85,6 +186,7 @@ def offload(
     min_bytes=0,
     device_argnums=(),
     static_argnums=(),
+    to_host=True,
 ):
     """Keeps ``fun``'s residuals in pinned host memory between its two passes.
 
@@ -97,13 +199,16 @@ def offload(
     Which residuals move is decided by these rules, in order (see
     :func:`saved_residuals` to list them for given arguments):
 
-    1. residuals that *are* leaves of the arguments in ``device_argnums`` stay
+    1. with ``to_host=False``, none: the call keeps its residuals on the
+       device but still takes its turn in a :class:`schedule`;
+    2. residuals that *are* leaves of the arguments in ``device_argnums`` stay
        on the device: those arrays live on the device anyway (parameters);
-    2. residuals smaller than ``min_bytes`` stay on the device;
-    3. every other residual moves to the host.
+    3. residuals smaller than ``min_bytes`` stay on the device;
+    4. every other residual moves to the host.
 
-    If a function has residuals but none of them moves, an
-    :class:`~jaxoffload.OffloadWarning` says so when it is differentiated.
+    If a function has residuals but none of them moves although ``to_host``
+    is true, an :class:`~jaxoffload.OffloadWarning` says so when it is
+    differentiated.
 
     With ``names``, ``fun`` is first wrapped in ``jax.checkpoint`` with
     ``save_only_these_names(*names)``: the residuals are then the values named
@@ -122,9 +227,11 @@ def offload(
       so the previous offloaded function fetches only after this one's
       weight gradients exist.
 
-    The backward pass therefore waits for each fetch: transfers are not yet
-    overlapped with compute. ``tests/test_gpu.py`` checks on a GPU that the
-    copies are kept and that device memory falls.
+    So on its own, an offloaded call waits for its transfers. Inside a
+    :class:`schedule`, consecutive calls are chained instead, and each
+    transfer overlaps the compute of the calls around it.
+    ``tests/test_gpu.py`` checks on a GPU that the copies are kept and that
+    device memory falls.
 
     ``offload`` is built on :func:`jax.custom_vjp`, so it supports reverse-mode
     differentiation (``grad``, ``vjp``, ``value_and_grad``), ``jit``, ``vmap``
@@ -140,6 +247,9 @@ def offload(
         they are residuals, typically parameters.
       static_argnums: positional arguments that are not arrays; they must be
         hashable, as with :func:`jax.jit`.
+      to_host: ``False`` keeps every residual on the device; the call still
+        orders its backward pass as above and counts in a :class:`schedule`'s
+        window.
 
     Returns:
       A function with ``fun``'s signature and outputs.
@@ -160,6 +270,7 @@ def offload(
         min_bytes=_check_min_bytes(min_bytes),
         device_argnums=_check_argnums("device_argnums", device_argnums),
         static_argnums=_check_argnums("static_argnums", static_argnums),
+        to_host=_check_to_host(to_host),
     )
     if fun is None:
         return functools.partial(_offload, config=config)
@@ -218,6 +329,38 @@ def saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
     return found
 
 
+_recording = threading.local()
+
+
+def residuals_per_call(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[list[Residual]]:
+    """Lists, for every offloaded call that ``fun`` differentiates, its residuals.
+
+    ``fun`` is traced, not run, so arguments may be
+    :class:`jax.ShapeDtypeStruct`. It must take gradients itself, as a
+    training step does: residuals exist only under differentiation.
+
+    Returns:
+      One list of :class:`Residual` per offloaded call, in call order.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxoffload import offload, residuals_per_call
+      >>> layer = offload(lambda w, x: jnp.tanh(x @ w), device_argnums=0)
+      >>> step = jax.grad(lambda w, x: layer(w, layer(w, x)).sum())
+      >>> calls = residuals_per_call(step, jnp.ones((8, 8)), jnp.ones((4, 8)))
+      >>> [sum(r.nbytes for r in call if r.placement == "pinned_host") for call in calls]
+      [384, 384]
+    """
+    calls: list[list[Residual]] = []
+    outer = getattr(_recording, "calls", None)
+    _recording.calls = calls
+    try:
+        jax.make_jaxpr(fun)(*args, **kwargs)
+    finally:
+        _recording.calls = outer
+    return calls
+
+
 def _sum_outputs(out) -> jax.Array:
     floats = [
         leaf.astype(np.float32).sum()
@@ -257,22 +400,29 @@ def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: lis
         call = jax.checkpoint(
             call, policy=jax.checkpoint_policies.save_only_these_names(*config.names)
         )
+    if record is None and getattr(_recording, "calls", None) is not None:
+        record = []
+        _recording.calls.append(record)
     # The backward pass needs the pytree structure of the forward pass's vjp
     # function; custom_vjp traces the two rules one after the other.
     saved: dict[str, Any] = {}
+    chain = schedule.current()
+    gate = chain._next_gate() if chain is not None else None
+    # How many later calls this call's transfers may overlap.
+    delay = chain.window - 1 if chain is not None else 0
 
     @jax.custom_vjp
-    def run(dynamic, kwargs):
-        return call(dynamic, kwargs)
+    def run(dynamic, kwargs, gate):
+        return call(dynamic, kwargs), _token()
 
-    def run_fwd(dynamic, kwargs):
+    def run_fwd(dynamic, kwargs, gate):
         out, vjp_fun = jax.vjp(call, dynamic, kwargs)
         leaves, treedef = jax.tree.flatten(vjp_fun)
         kept_ids = {id(leaf) for n in keep for leaf in jax.tree.leaves(dynamic[n])}
         used = _used_residuals(treedef, leaves, out)
         to_host, residuals, dead = [], [], {}
         for n, (leaf, is_used) in enumerate(zip(leaves, used)):
-            placement, reason = _place(leaf, is_used, kept_ids, config.min_bytes)
+            placement, reason = _place(leaf, is_used, kept_ids, config)
             if placement is None:
                 dead[n] = (np.shape(leaf), leaf.dtype)
                 residuals.append(None)
@@ -283,7 +433,7 @@ def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: lis
                 to_host.append(len(residuals))
             residuals.append(leaf)
         kept = [n for n in range(len(leaves)) if n not in dead]
-        if kept and not to_host:
+        if config.to_host and kept and not to_host:
             warnings.warn(
                 f"offload({getattr(fun, '__name__', fun)}): none of its {len(kept)} residuals "
                 "moves to the host (all are in device_argnums or under min_bytes); it behaves "
@@ -296,46 +446,65 @@ def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: lis
             # Without a barrier between the move out and the move back, XLA
             # deletes the pair (FINDINGS §4, rule 1).
             host = _barrier(host)
-            # The outputs wait for the copies, so each residual's device buffer
-            # is free before the next layer runs (rule 2).
-            out, host = _barrier((out, host))
+            # The outputs wait for host copies: this call's own, or in a
+            # schedule those of the call `delay` calls back. Device buffers
+            # of residuals then die before more than `delay + 1` calls ran (rule 2).
+            if delay == 0 or not _CROSS_CALL_COPIES:
+                out, host = _barrier((out, host))
+            elif gate is not None:
+                out, _ = _barrier((out, gate))
+            token, _ = _barrier((_token(), host))
         for n, value in zip(to_host, host):
             residuals[n] = value
         saved.update(treedef=treedef, dead=dead, to_host=tuple(to_host))
-        return out, residuals
+        return (out, token), residuals
 
-    def run_bwd(residuals, cotangent):
+    def run_bwd(residuals, cotangents):
+        cotangent, token_cotangent = cotangents
         residuals = list(residuals)
         to_host = saved["to_host"]
         with jax.named_scope("jaxoffload/to_device"):
-            # Fetch only once the output cotangent exists, so the fetched values
-            # do not sit on the device while later layers run backwards (rule 3).
-            host, cotangent = _barrier_arrays(([residuals[n] for n in to_host], cotangent))
+            # Fetch only once the output cotangent exists (or, in a schedule,
+            # once the call `delay` calls later starts its backward pass), so
+            # fetched values do not wait on the device for long (rule 3).
+            start = cotangent if delay == 0 else token_cotangent
+            host, _ = _barrier_arrays(([residuals[n] for n in to_host], start))
             for n, value in zip(to_host, host):
                 residuals[n] = jax.device_put(value, _DEVICE)
         for n, (shape, dtype) in saved["dead"].items():
             # Never read by the backward pass, so never saved: a placeholder.
             residuals[n] = jax.numpy.zeros(shape, dtype)
         vjp_fun = jax.tree.unflatten(saved["treedef"], residuals)
-        cotangents = vjp_fun(cotangent)
+        # Releasing the gate's cotangent starts the fetch `delay` calls back.
+        gate_cotangent = _barrier_arrays((_token(), cotangent))[0] if gate is not None else None
         # The input cotangent leaves with the parameter cotangents. XLA would
         # otherwise sink weight-gradient work to the end of the backward pass
         # and keep every fetched residual alive until then (rule 3).
-        return _barrier_arrays(cotangents)
+        return (*_barrier_arrays(vjp_fun(cotangent)), gate_cotangent)
 
     run.defvjp(run_fwd, run_bwd)
-    return run(dynamic, kwargs)
+    out, token = run(dynamic, kwargs, gate)
+    if chain is not None:
+        chain._push(token)
+    return out
 
 
-def _place(leaf, is_used: bool, kept_ids: set[int], min_bytes: int) -> tuple[str | None, str]:
+def _token() -> jax.Array:
+    """A scalar whose only meaning is when it becomes available."""
+    return jax.numpy.zeros((), np.float32)
+
+
+def _place(leaf, is_used: bool, kept_ids: set[int], config: _Config) -> tuple[str | None, str]:
     if not is_used:
         return None, "not read by the backward pass"
     if not isinstance(leaf, jax.Array):
         return "device", "constant"
+    if not config.to_host:
+        return "device", "to_host=False"
     if id(leaf) in kept_ids:
         return "device", "argument in device_argnums"
-    if _nbytes(leaf) < min_bytes:
-        return "device", f"smaller than min_bytes={min_bytes}"
+    if _nbytes(leaf) < config.min_bytes:
+        return "device", f"smaller than min_bytes={config.min_bytes}"
     return "pinned_host", "offloaded"
 
 
@@ -397,6 +566,12 @@ def _check_names(names) -> tuple[str, ...] | None:
     if bad:
         raise TypeError(f"names must be strings, got {bad!r}.")
     return names
+
+
+def _check_to_host(to_host) -> bool:
+    if not isinstance(to_host, bool):
+        raise TypeError(f"to_host must be a bool, got {to_host!r}.")
+    return to_host
 
 
 def _check_min_bytes(min_bytes) -> int:

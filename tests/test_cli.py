@@ -46,17 +46,17 @@ def test_bench_writes_table_json_and_plot(tmp_path):
     out = tmp_path / "out"
     done = subprocess.run(
         [sys.executable, "-m", "jaxoffload", "bench", "--model=resnet18", "--batch=2",
-         "--steps=1", "--strategies=offload,remat", f"--out={out}"],
+         "--steps=1", "--strategies=offload-plain,remat", f"--out={out}"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     records = json.loads((out / "records.json").read_text())
     # 'none' is added first: it is the gradient reference.
-    assert [r["strategy"] for r in records] == ["none", "offload", "remat"]
+    assert [r["strategy"] for r in records] == ["none", "offload-plain", "remat"]
     for r in records:
         assert REQUIRED <= set(r), REQUIRED - set(r)
         assert r["grad_rel_err"] <= 1e-6
     assert records[1]["requested_host_bytes"] > 0 and records[1]["offloaded_blocks"] == 8
-    # The offload record carries the transfer bound, from 'none''s forward time
+    # The offload-plain record carries the transfer bound, from 'none''s forward time
     # and its own link figures (on CPU no bytes move, so compute alone bounds it).
     assert records[1]["fwd_compute_ms"] == records[0]["forward_ms"] > 0
     assert records[1]["d2h_gbps"] > 0 and records[1]["bound_ms"] > 0
@@ -177,7 +177,7 @@ def test_transfer_bound_uses_the_twins_compute_and_the_records_own_link():
     records = [
         {"strategy": "none", "step_time_ms": 30.0, "forward_ms": 10.0},
         {"strategy": "remat", "step_time_ms": 40.0},
-        {"strategy": "offload", "step_time_ms": 300.0, "d2h_gbps": 50.0, "h2d_gbps": 25.0,
+        {"strategy": "offload-plain", "step_time_ms": 300.0, "d2h_gbps": 50.0, "h2d_gbps": 25.0,
          "device_to_host_bytes": 5 * 10**9, "host_to_device_bytes": 10**8},
         {"strategy": "jax-offload", "out_of_memory": True},
     ]  # fmt: skip
@@ -189,6 +189,20 @@ def test_transfer_bound_uses_the_twins_compute_and_the_records_own_link():
     assert (offload["fwd_compute_ms"], offload["bwd_compute_ms"]) == (10.0, 20.0)
     assert offload["offloaded_bytes"] == 5 * 10**9 and offload["compute_twin"] == "none"
     assert "bound_ms" not in records[1] and "bound_ms" not in records[3]
+
+
+def test_offload_hidden_is_planned_from_the_lean_run(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxoffload", "bench", "--model=vgg11", "--batch=2",
+         "--steps=1", "--strategies=offload-hidden", f"--out={tmp_path}"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert "adding the 'lean' strategy" in done.stderr
+    records = json.loads((tmp_path / "records.json").read_text())
+    assert [r["strategy"] for r in records] == ["none", "lean", "offload-hidden"]
+    hidden = records[2]
+    assert len(hidden["plan"]) == 8 and set(hidden["plan"]) <= {"offload", "lean"}
+    assert hidden["compute_twin"] == "lean" and hidden["grad_rel_err"] <= 1e-4
 
 
 def test_measure_link_moves_bytes_both_ways():
@@ -206,7 +220,7 @@ def test_requested_host_bytes_match_the_traced_step_and_allocate_nothing():
     report = jaxoffload.memory_report(step, state, batch, on_dropped="ignore")
     assert benchmark.requested_host_bytes(workload) == report.requested_bytes > 0
     # At ImageNet size it only traces: no state is allocated.
-    big = benchmark.Workload("vgg19", 128, 224, "bfloat16", "lean-offload")
+    big = benchmark.Workload("vgg19", 128, 224, "bfloat16", "offload")
     assert benchmark.requested_host_bytes(big) > 2 * 10**9
     none = benchmark.Workload("vgg11", 2, 32, "float32", "none")
     assert benchmark.requested_host_bytes(none) == 0

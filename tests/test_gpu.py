@@ -1,5 +1,6 @@
 """On a GPU, offloaded residuals really leave the device (run through the device tool)."""
 
+import contextlib
 import functools
 
 import jax
@@ -13,12 +14,13 @@ pytestmark = pytest.mark.gpu
 BATCH, N, LAYERS = 16384, 4096, 8
 
 
-def _chain(layer):
+def _chain(layer, window=None):
     """grad of a chain of layers with one weight matrix each, under jit."""
 
     def loss(ws, x):
-        for w in ws:
-            x = layer(w, x)
+        with jaxoffload.schedule(window) if window else contextlib.nullcontext():
+            for w in ws:
+                x = layer(w, x)
         return x.sum()
 
     return jax.jit(jax.grad(loss, argnums=(0, 1)))
@@ -77,6 +79,31 @@ def test_offload_gradients_match_on_gpu(args):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         # Same operations in the same order; 1e-3 leaves room for TF32 fusions.
         assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) <= 1e-3
+
+
+def test_scheduled_offload_keeps_copies_and_gradients(args):
+    layer = jaxoffload.offload(_tanh, device_argnums=0)
+    one = jaxoffload.memory_report(_chain(layer), *args, on_dropped="raise")
+    two = jaxoffload.memory_report(_chain(layer, window=2), *args, on_dropped="raise")
+    assert two.device_to_host_bytes == one.device_to_host_bytes >= LAYERS * BATCH * N * 4
+    assert two.host_to_device_bytes == one.host_to_device_bytes
+    ref = _chain(_tanh)(*args)
+    got = _chain(layer, window=2)(*args)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) <= 1e-3
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect: on XLA:GPU (jax 0.11.2) a window of 2 holds about 7 more layers' "
+    "residuals than a window of 1, not 1 (benchmarks/README.md, 'The schedule')",
+)
+def test_scheduled_offload_bounds_device_temp(args):
+    layer = jaxoffload.offload(_tanh, device_argnums=0)
+    one = jaxoffload.memory_report(_chain(layer), *args)
+    two = jaxoffload.memory_report(_chain(layer, window=2), *args)
+    # A window of 2 may hold one more layer's residuals (input and output) than a window of 1.
+    assert two.temp_bytes <= one.temp_bytes + 2 * BATCH * N * 4
 
 
 def test_dropped_offload_is_reported(args):

@@ -1,5 +1,6 @@
 """jaxoffload.offload as a function transform: values, gradients and placement."""
 
+import contextlib
 import warnings
 
 import flax.linen as nn
@@ -246,3 +247,68 @@ def test_bad_calls_are_explained():
 def test_public_surface():
     for name in jaxoffload.__all__:
         assert hasattr(jaxoffload, name), name
+
+
+def _weight_gradients_before_first_fetch(window: int) -> set[tuple[int, ...]]:
+    """Shapes of the weight-gradient matmuls that the fetch of layer 0's residuals waits for."""
+    layer = offload(lambda w, x: jnp.tanh(x @ w), device_argnums=0)
+    ws = [jnp.ones((4 + i, 5 + i)) for i in range(3)]  # one shape per layer
+
+    def loss(ws, x):
+        with jaxoffload.schedule(window):
+            for w in ws:
+                x = layer(w, x)
+        return x.sum()
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(ws, jnp.ones((2, 4))).jaxpr
+    producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    fetch = next(
+        eqn
+        for eqn in jaxpr.eqns
+        if eqn.primitive.name == "device_put"
+        and eqn.outvars[0].aval.memory_space == jax.memory.Space.Device
+        and eqn.invars[0].aval.shape == (2, 4)
+    )
+    seen, todo, shapes = set(), list(fetch.invars), set()
+    while todo:
+        v = todo.pop()
+        if v in seen or v not in producer:
+            continue
+        seen.add(v)
+        eqn = producer[v]
+        shape = eqn.outvars[0].aval.shape
+        if eqn.primitive.name == "dot_general" and shape[::-1] in {w.shape for w in ws}:
+            shapes.add(shape[::-1])  # jax computes the weight gradient transposed
+        todo.extend(x for x in eqn.invars if isinstance(x, jax.extend.core.Var))
+    return shapes
+
+
+def test_schedule_window_moves_each_fetch_earlier():
+    # Window 1: layer 0's residuals come back once layer 1's weight gradient exists.
+    assert _weight_gradients_before_first_fetch(1) == {(5, 6), (6, 7)}
+    # Window 2: as soon as layer 1's backward pass starts (after layer 2's).
+    assert _weight_gradients_before_first_fetch(2) == {(6, 7)}
+
+
+def test_schedule_gives_plain_gradients_and_checks_its_window():
+    layer = offload(lambda w, x: jnp.tanh(x @ w), device_argnums=0)
+    kept = offload(lambda w, x: jnp.tanh(x @ w), device_argnums=0, to_host=False)
+    ws = [normal(i, (8, 8)) / 3 for i in range(6)]
+    x = normal(9, (4, 8))
+
+    def loss(ws, x, window, layers):
+        with jaxoffload.schedule(window) if window else contextlib.nullcontext():
+            for w, f in zip(ws, layers):
+                x = f(w, x)
+        return jnp.sum(x**2)
+
+    plain = jax.grad(loss)(ws, x, 0, [lambda w, x: jnp.tanh(x @ w)] * 6)
+    for window in (1, 2, 3, 7):
+        for layers in ([layer] * 6, [layer, kept, layer, kept, kept, layer]):
+            got = jax.jit(jax.grad(loss), static_argnums=(2, 3))(ws, x, window, tuple(layers))
+            assert rel_err(got, plain) <= 1e-6, window
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="window must be an int of at least 1"):
+            jaxoffload.schedule(bad)
+    with pytest.raises(TypeError, match="to_host must be a bool"):
+        offload(jnp.sin, to_host=1)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jaxoffload.models.common import BLOCK_STRATEGIES as BLOCK_STRATEGIES
 from jaxoffload.models.common import LEAN_STRATEGIES as LEAN_STRATEGIES
 from jaxoffload.models.common import OFFLOAD_STRATEGIES as OFFLOAD_STRATEGIES
+from jaxoffload.models.common import PLANNED_STRATEGIES as PLANNED_STRATEGIES
 from jaxoffload.models.common import first_k as first_k
 from jaxoffload.models.common import wrap_block as wrap_block
 from jaxoffload.models.resnet import RESNETS
@@ -35,6 +36,7 @@ __all__ = [
     "LEAN_STRATEGIES",
     "MODEL_NAMES",
     "OFFLOAD_STRATEGIES",
+    "PLANNED_STRATEGIES",
     "VGG",
     "VGG11",
     "VGG13",
@@ -65,6 +67,7 @@ def create(
     strategy: str | tuple[str, ...] = "none",
     dtype: Any = jnp.float32,
     num_classes: int = 1000,
+    offload_window: int = 2,
 ) -> nn.Module:
     """Builds a reference model by name, with one strategy for all blocks or one each.
 
@@ -73,6 +76,7 @@ def create(
       strategy: a key of ``BLOCK_STRATEGIES``, or a tuple with one per block.
       dtype: the compute dtype; parameters are float32.
       num_classes: classifier outputs.
+      offload_window: the :class:`jaxoffload.schedule` window of offloading blocks.
 
     Returns:
       A Flax module called as ``model.apply(variables, x, train)``.
@@ -87,13 +91,14 @@ def create(
     strategies = (strategy,) * n if isinstance(strategy, str) else tuple(strategy)
     if name in RESNETS:
         stages, block = RESNETS[name]
-        return ResNet(stages, block, num_classes, dtype, strategies)
+        return ResNet(stages, block, num_classes, dtype, strategies, offload_window)
     return VGG(
         _VGGS[name.removesuffix("_bn")],
         num_classes=num_classes,
         dtype=dtype,
         block_strategies=strategies,
         norm=name.endswith("_bn"),
+        offload_window=offload_window,
     )
 
 

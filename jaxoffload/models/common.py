@@ -16,6 +16,7 @@ __all__ = [
     "first_k",
     "LEAN_STRATEGIES",
     "OFFLOAD_STRATEGIES",
+    "PLANNED_STRATEGIES",
     "uses_lean_layers",
     "wrap_block",
 ]
@@ -26,17 +27,25 @@ CONV_NAME = "conv"
 # How a block keeps what its backward pass needs:
 BLOCK_STRATEGIES = {
     "none": "store the residuals on the device, as plain Flax does",
-    "lean": "store only what the backward pass needs, on the device (jaxoffload.layers)",
+    "lean": "store only what the backward pass needs (jaxoffload.layers), on the device, "
+    "with the backward pass ordered as under offload (to_host=False)",
+    "lean-unordered": "the 'lean' layers, with XLA's own backward order",
     "remat": "store nothing and recompute (nn.remat)",
     "remat-dots": "store conv and matmul outputs, recompute the rest (nn.remat, dots_saveable)",
     "jax-offload": "jax's save_and_offload_only_these_names on the named conv outputs",
-    "offload": "move the residuals to pinned host memory (jaxoffload.linen.offload)",
-    "lean-offload": "the 'lean' layers, with their residuals in pinned host memory",
+    "offload-plain": "the plain layers, with their residuals in pinned host memory (scheduled)",
+    "offload": "the 'lean' layers, with their residuals in pinned host memory (scheduled)",
+}
+# Model-wide strategies whose block strategies a planner picks (see
+# jaxoffload.benchmark.hidden_offload_workload).
+PLANNED_STRATEGIES = {
+    "offload-hidden": "'offload' only the blocks whose transfers the compute can hide "
+    "(jaxoffload.planner), the others 'lean'",
 }
 # Blocks under these use jaxoffload.layers' lean rules (see uses_lean_layers).
-LEAN_STRATEGIES = ("lean", "lean-offload")
-# Blocks under these are wrapped in jaxoffload.linen.offload.
-OFFLOAD_STRATEGIES = ("offload", "lean-offload")
+LEAN_STRATEGIES = ("lean", "lean-unordered", "offload")
+# Blocks under these move their residuals with jaxoffload.linen.offload.
+OFFLOAD_STRATEGIES = ("offload-plain", "offload")
 
 
 def wrap_block(
@@ -56,7 +65,11 @@ def wrap_block(
     static_argnums = tuple(static_argnums)
     if strategy in OFFLOAD_STRATEGIES:
         return offload_linen.offload(block, static_argnums=static_argnums)
-    if strategy in ("none", "lean"):  # "lean" changes the block's layers: uses_lean_layers
+    if strategy == "lean":
+        # Moves nothing, but computes each block's weight gradients before the
+        # next block's backward pass, as offloading blocks do.
+        return offload_linen.offload(block, static_argnums=static_argnums, to_host=False)
+    if strategy in ("none", "lean-unordered"):  # lean layers: see uses_lean_layers
         return block
     if strategy == "remat":
         return nn.remat(block, static_argnums=static_argnums)

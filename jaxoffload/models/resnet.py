@@ -12,6 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxoffload import layers
 from jaxoffload.models.common import CONV_NAME, check_strategies, uses_lean_layers, wrap_block
+from jaxoffload.transform import schedule
 
 __all__ = ["BasicBlock", "BottleneckBlock", "ResNet", "RESNETS"]
 
@@ -114,6 +115,8 @@ class ResNet(nn.Module):
       dtype: compute dtype; parameters are float32.
       block_strategies: one entry of ``BLOCK_STRATEGIES`` per residual block, or
         empty for all ``"none"``. The stem and the classifier are never wrapped.
+      offload_window: the :class:`jaxoffload.schedule` window of the blocks
+        that offload.
     """
 
     stage_sizes: Sequence[int] = (3, 4, 6, 3)
@@ -121,6 +124,7 @@ class ResNet(nn.Module):
     num_classes: int = 1000
     dtype: Any = jnp.float32
     block_strategies: Sequence[str] = ()
+    offload_window: int = 2
 
     @nn.compact
     def __call__(self, x, train: bool = True):
@@ -133,18 +137,19 @@ class ResNet(nn.Module):
         x = nn.relu(norm(name="stem_norm")(x))
         x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
         n, owed = 0, False  # owed: a lean block left its final ReLU to its reader
-        for stage, size in enumerate(self.stage_sizes):
-            for i in range(size):
-                strategy = next(strategies)
-                lean = uses_lean_layers(strategy)
-                if owed and not lean:
-                    x, owed = layers.relu(x), False
-                block = wrap_block(kind, strategy, static_argnums=(2,))
-                strides = 2 if stage > 0 and i == 0 else 1
-                x = block(64 * 2**stage, strides, self.dtype, lean, owed, name=f"block{n}")(
-                    x, train
-                )
-                n, owed = n + 1, lean
+        with schedule(self.offload_window):
+            for stage, size in enumerate(self.stage_sizes):
+                for i in range(size):
+                    strategy = next(strategies)
+                    lean = uses_lean_layers(strategy)
+                    if owed and not lean:
+                        x, owed = layers.relu(x), False
+                    block = wrap_block(kind, strategy, static_argnums=(2,))
+                    strides = 2 if stage > 0 and i == 0 else 1
+                    x = block(64 * 2**stage, strides, self.dtype, lean, owed, name=f"block{n}")(
+                        x, train
+                    )
+                    n, owed = n + 1, lean
         x = layers.relu(x) if owed else x
         x = jnp.mean(x, axis=(1, 2))
         return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)

@@ -11,6 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxoffload import layers
 from jaxoffload.models.common import CONV_NAME, check_strategies, uses_lean_layers, wrap_block
+from jaxoffload.transform import schedule
 
 __all__ = ["VGG", "ConvBlock", "VGG11", "VGG13", "VGG16", "VGG19", "num_conv_blocks"]
 
@@ -97,8 +98,11 @@ class VGG(nn.Module):
       block_strategies: one entry of ``BLOCK_STRATEGIES`` per conv block, or
         empty for all ``"none"``.
       classifier_width: width of the two hidden dense layers.
-      lean_pool: use :func:`jaxoffload.layers.max_pool` (see ``ConvBlock``).
+      lean_pool: use :func:`jaxoffload.layers.max_pool` in blocks that are not
+        lean (see ``ConvBlock``); lean blocks always pool leanly.
       norm: BatchNorm after every convolution (the ``vgg*_bn`` models).
+      offload_window: the :class:`jaxoffload.schedule` window of the blocks
+        that offload.
     """
 
     config: Sequence[int | str] = VGG19
@@ -106,8 +110,9 @@ class VGG(nn.Module):
     dtype: Any = jnp.float32
     block_strategies: Sequence[str] = ()
     classifier_width: int = 4096
-    lean_pool: bool = True
+    lean_pool: bool = False
     norm: bool = False
+    offload_window: int = 2
 
     @nn.compact
     def __call__(self, x, train: bool = True):
@@ -116,15 +121,17 @@ class VGG(nn.Module):
         pools = [i + 1 < len(self.config) and self.config[i + 1] == "M"
                  for i, v in enumerate(self.config) if v != "M"]  # fmt: skip
         owed = ""  # the activation a lean block left for whoever reads its output
-        for n, (features, pool, strategy) in enumerate(zip(convs, pools, strategies)):
-            lean = uses_lean_layers(strategy)
-            if owed and not lean:
-                x, owed = activate(x, owed), ""
-            block = wrap_block(ConvBlock, strategy, static_argnums=(2,))
-            x = block(
-                features, pool, self.dtype, self.lean_pool, self.norm, lean, owed, name=f"block{n}"
-            )(x, train)
-            owed = ("relu_pool" if pool else "relu") if lean else ""
+        with schedule(self.offload_window):
+            for n, (features, pool, strategy) in enumerate(zip(convs, pools, strategies)):
+                lean = uses_lean_layers(strategy)
+                if owed and not lean:
+                    x, owed = activate(x, owed), ""
+                block = wrap_block(ConvBlock, strategy, static_argnums=(2,))
+                x = block(
+                    features, pool, self.dtype, self.lean_pool, self.norm, lean, owed,
+                    name=f"block{n}",
+                )(x, train)  # fmt: skip
+                owed = ("relu_pool" if pool else "relu") if lean else ""
         x = activate(x, owed)
         x = x.reshape((x.shape[0], -1))
         x = nn.relu(nn.Dense(self.classifier_width, dtype=self.dtype, name="fc0")(x))

@@ -1,0 +1,70 @@
+"""jaxoffload.planner: which blocks' transfers hide behind compute."""
+
+import jax.numpy as jnp
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxoffload
+from jaxoffload import benchmark, models
+from jaxoffload.planner import plan_hidden_offload
+
+LINK = {"d2h_gbps": 50.0, "h2d_gbps": 40.0}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    block_bytes=st.lists(st.integers(0, 10**9), min_size=1, max_size=20),
+    fwd_ms=st.floats(0.1, 100),
+    bwd_ms=st.floats(0.1, 200),
+)
+def test_every_planned_transfer_fits_behind_its_neighbours(block_bytes, fwd_ms, bwd_ms):
+    plan = plan_hidden_offload(block_bytes, fwd_ms=fwd_ms, bwd_ms=bwd_ms, **LINK)
+    n, w = len(block_bytes), plan.window
+    chosen = [i for i, c in enumerate(plan.offload) if c]
+    assert len(plan.offload) == n
+    assert plan.offloaded_bytes == sum(block_bytes[i] for i in chosen)
+    if not chosen:
+        return
+    # Transfers never share the link, and each has w - 1 later blocks to hide behind.
+    assert all(b - a >= w for a, b in zip(chosen, chosen[1:]))
+    assert chosen[-1] <= n - w
+    for i in chosen:
+        assert block_bytes[i] / (LINK["d2h_gbps"] * 1e6) <= 0.8 * w * fwd_ms / n * (1 + 1e-9)
+        assert block_bytes[i] / (LINK["h2d_gbps"] * 1e6) <= 0.8 * (w - 1) * bwd_ms / n * (1 + 1e-9)
+
+
+def test_no_block_fits_means_no_offload():
+    plan = plan_hidden_offload([10**12] * 8, fwd_ms=1, bwd_ms=2, **LINK)
+    assert plan.offload == (False,) * 8 and plan.offloaded_bytes == 0
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="margin"):
+        plan_hidden_offload([1], fwd_ms=1, bwd_ms=1, margin=0, **LINK)
+    with pytest.raises(ValueError, match="fwd_ms must be positive"):
+        plan_hidden_offload([1], fwd_ms=0, bwd_ms=1, **LINK)
+
+
+def test_hidden_workload_plans_from_each_blocks_residual_bytes():
+    workload = benchmark.Workload("vgg11", 2, 32, "float32", "offload-hidden")
+    with pytest.raises(ValueError, match="needs a plan"):
+        workload.strategies
+    # A fast link: every block fits, so the plan is every window-th block.
+    planned = benchmark.hidden_offload_workload(
+        workload, fwd_ms=10.0, bwd_ms=20.0, d2h_gbps=1e6, h2d_gbps=1e6
+    )
+    assert planned.window == 2
+    assert planned.strategies == ("offload", "lean") * 4
+    assert planned.offloaded_blocks == 4
+
+
+def test_residuals_per_call_gives_one_list_per_block():
+    step, state, batch, _ = benchmark.train_step(
+        benchmark.Workload("resnet18", 2, 32, "bfloat16", "offload"), abstract=True
+    )
+    calls = jaxoffload.residuals_per_call(step, state, batch)
+    assert len(calls) == models.num_blocks("resnet18")
+    for call in calls:
+        host = [r for r in call if r.placement == "pinned_host"]
+        assert host and all(r.dtype in (jnp.bfloat16, jnp.float32, jnp.int8) for r in host)
