@@ -24,10 +24,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 _HOST = jax.memory.Space.Host
 _DEVICE = jax.memory.Space.Device
 _barrier = jax.lax.optimization_barrier
-# In a schedule, whether a call's outputs wait for the copies of the call
-# `window - 1` calls back (True) or for its own (False). Only the backward
-# window differs then. benchmarks/schedule_probe.py compares the two.
-_CROSS_CALL_COPIES = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +79,13 @@ class schedule:
     without a schedule. Calls made with ``to_host=False`` move nothing but
     still take their turn, so that the window counts them.
 
-    The chain links calls with scalar tokens under
-    ``jax.lax.optimization_barrier`` (``FINDINGS.md`` §4, rules 2 and 3).
+    The chain links calls with scalar tokens, each one element of a value the
+    earlier call made, which the later call reads (``FINDINGS.md`` §4, rules
+    2 and 3). XLA drops an ``optimization_barrier`` operand whose output is
+    never read, so no gate relies on an unread barrier output. Measured on an
+    H200, an earlier version whose gates XLA dropped held more memory with a
+    window of 2 than with 1 (``benchmarks/README.md``); these gates have not
+    yet run on a GPU.
     Use the context inside the differentiated function, around the layers
     (a model's ``__call__`` is a good place). Calls traced under a different
     JAX trace (inside a ``scan`` body, say) start a chain of their own.
@@ -446,14 +447,19 @@ def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: lis
             # Without a barrier between the move out and the move back, XLA
             # deletes the pair (FINDINGS §4, rule 1).
             host = _barrier(host)
-            # The outputs wait for host copies: this call's own, or in a
-            # schedule those of the call `delay` calls back. Device buffers
-            # of residuals then die before more than `delay + 1` calls ran (rule 2).
-            if delay == 0 or not _CROSS_CALL_COPIES:
+            # XLA drops a barrier operand whose output is never read, and with
+            # it the ordering: every gate below is read on both sides.
+            if delay == 0:
+                # The outputs wait for this call's copies, so each residual's
+                # device buffer dies before the next layer runs (rule 2).
                 out, host = _barrier((out, host))
-            elif gate is not None:
-                out, _ = _barrier((out, gate))
-            token, _ = _barrier((_token(), host))
+                token = _token()
+            else:
+                # In a schedule, they wait for the copies of the call `delay`
+                # calls back; this call's copies overlap the next calls.
+                if gate is not None:
+                    out = _after(out, gate)
+                host, token = _barrier((host, _scalar_of(out)))
         for n, value in zip(to_host, host):
             residuals[n] = value
         saved.update(treedef=treedef, dead=dead, to_host=tuple(to_host))
@@ -467,16 +473,21 @@ def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: lis
             # Fetch only once the output cotangent exists (or, in a schedule,
             # once the call `delay` calls later starts its backward pass), so
             # fetched values do not wait on the device for long (rule 3).
-            start = cotangent if delay == 0 else token_cotangent
-            host, _ = _barrier_arrays(([residuals[n] for n in to_host], start))
-            for n, value in zip(to_host, host):
+            fetched = [residuals[n] for n in to_host]
+            if fetched and delay == 0:
+                fetched, cotangent = _barrier_arrays((fetched, cotangent))
+            elif fetched:
+                fetched, token_cotangent = _barrier_arrays((fetched, token_cotangent))
+                cotangent = _after(cotangent, token_cotangent)
+            for n, value in zip(to_host, fetched):
                 residuals[n] = jax.device_put(value, _DEVICE)
         for n, (shape, dtype) in saved["dead"].items():
             # Never read by the backward pass, so never saved: a placeholder.
             residuals[n] = jax.numpy.zeros(shape, dtype)
         vjp_fun = jax.tree.unflatten(saved["treedef"], residuals)
-        # Releasing the gate's cotangent starts the fetch `delay` calls back.
-        gate_cotangent = _barrier_arrays((_token(), cotangent))[0] if gate is not None else None
+        # The gate's cotangent exists once this call's backward pass starts:
+        # it starts the fetch of the call `delay` calls back.
+        gate_cotangent = _scalar_of(cotangent) if gate is not None else None
         # The input cotangent leaves with the parameter cotangents. XLA would
         # otherwise sink weight-gradient work to the end of the backward pass
         # and keep every fetched residual alive until then (rule 3).
@@ -490,8 +501,40 @@ def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: lis
 
 
 def _token() -> jax.Array:
-    """A scalar whose only meaning is when it becomes available."""
+    """A scalar token that gates nothing."""
     return jax.numpy.zeros((), np.float32)
+
+
+def _scalar_of(tree) -> jax.Array:
+    """A float32 scalar that exists only once ``tree`` does: one of its elements.
+
+    A barrier over a constant gates nothing: XLA drops the operands of an
+    ``optimization_barrier`` whose outputs are never read.
+    """
+    leaves = [x for x in jax.tree.leaves(tree) if _is_real(x) and x.size]
+    if not leaves:
+        return _token()
+    first = leaves[0]
+    element = jax.lax.slice(first, (0,) * first.ndim, (1,) * first.ndim)
+    return jax.lax.reshape(element, ()).astype(np.float32)
+
+
+def _after(tree, token: jax.Array):
+    """``tree``, made to wait for ``token`` by adding ``0 * token`` to one leaf.
+
+    XLA does not fold ``x * 0`` for floats, so the dependency survives. The
+    sum is exact unless ``token`` is inf or NaN, when the gradient already is.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    for n, leaf in enumerate(leaves):
+        if _is_real(leaf) and jax.dtypes.issubdtype(leaf.dtype, np.inexact):
+            leaves[n] = leaf + (token * 0).astype(leaf.dtype)
+            break
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _is_real(x) -> bool:
+    return x.dtype != jax.dtypes.float0
 
 
 def _place(leaf, is_used: bool, kept_ids: set[int], config: _Config) -> tuple[str | None, str]:
@@ -519,7 +562,7 @@ def _nbytes(leaf) -> int:
 def _barrier_arrays(tree):
     """An optimization barrier over the leaves that are real arrays (not float0)."""
     leaves, treedef = jax.tree.flatten(tree)
-    real = [n for n, leaf in enumerate(leaves) if leaf.dtype != jax.dtypes.float0]
+    real = [n for n, leaf in enumerate(leaves) if _is_real(leaf)]
     tied = _barrier([leaves[n] for n in real])
     for n, value in zip(real, tied):
         leaves[n] = value

@@ -26,7 +26,7 @@ def test_sweep_writes_records(tmp_path):
     )  # fmt: skip
     records = json.loads(out.read_text())
     assert [(r["strategy"], r["offloaded_blocks"]) for r in records] == [
-        ("none", 0), ("offload", 8), ("remat", 0),
+        ("none", 0), ("offload-plain", 8), ("remat", 0),
     ]  # fmt: skip
     for r in records:
         assert REQUIRED <= set(r), REQUIRED - set(r)

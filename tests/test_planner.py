@@ -49,7 +49,7 @@ def test_bad_arguments_are_named():
 def test_hidden_workload_plans_from_each_blocks_residual_bytes():
     workload = benchmark.Workload("vgg11", 2, 32, "float32", "offload-hidden")
     with pytest.raises(ValueError, match="needs a plan"):
-        workload.strategies
+        _ = workload.strategies
     # A fast link: every block fits, so the plan is every window-th block.
     planned = benchmark.hidden_offload_workload(
         workload, fwd_ms=10.0, bwd_ms=20.0, d2h_gbps=1e6, h2d_gbps=1e6

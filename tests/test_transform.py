@@ -312,3 +312,28 @@ def test_schedule_gives_plain_gradients_and_checks_its_window():
             jaxoffload.schedule(bad)
     with pytest.raises(TypeError, match="to_host must be a bool"):
         offload(jnp.sin, to_host=1)
+
+
+def _optimized_hlo(f, *args) -> str:
+    return jax.jit(f).lower(*args).compile().as_text()
+
+
+def test_xla_drops_barrier_operands_whose_outputs_are_unread():
+    # Why the schedule's gates are read on both sides: were this to change, the
+    # gates could go back to plain barriers.
+    def f(x, y):
+        x, _ = jax.lax.optimization_barrier((jnp.sin(x), jnp.cos(y)))
+        return x
+
+    assert "cosine" not in _optimized_hlo(f, jnp.ones(8), jnp.ones(8))
+
+
+def test_schedule_gates_survive_xla():
+    from jaxoffload.transform import _after, _scalar_of
+
+    def f(x, y):
+        return _after(jnp.exp(x), _scalar_of(jnp.cos(y)))
+
+    x, y = jnp.ones(8), jnp.full(8, 2.0)
+    assert "cosine" in _optimized_hlo(f, x, y)  # the gate is still computed
+    assert jnp.array_equal(f(x, y), jnp.exp(x))  # and adds exactly nothing
