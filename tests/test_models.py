@@ -56,8 +56,18 @@ def test_every_strategy_gives_the_plain_gradient(name):
     with jax.enable_x64(True):
         x = normal(0, (2, 32, 32, 3), jnp.float64)
         reference = None
-        for strategy in models.BLOCK_STRATEGIES:
-            model = SMALL_MODELS[name](strategy)
+        variants = [(s, SMALL_MODELS[name](s)) for s in models.BLOCK_STRATEGIES]
+        # Offloading blocks chained by a schedule, alone and between lean ones.
+        offload = SMALL_MODELS[name]("offload")
+        n = len(offload.block_strategies)
+        hidden = ("offload", "lean") * (n // 2)
+        if name in ("vgg11", "bottleneck resnet"):  # one of each kind keeps the suite short
+            variants += [
+                ("offload, window 2", offload.clone(offload_window=2)),
+                ("offload, window 3", offload.clone(offload_window=3)),
+                ("offload-hidden-like", offload.clone(block_strategies=hidden, offload_window=2)),
+            ]
+        for strategy, model in variants:
             variables = model.init(jax.random.key(1), x, True)
 
             def loss(params, model=model, variables=variables):

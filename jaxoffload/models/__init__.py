@@ -67,7 +67,7 @@ def create(
     strategy: str | tuple[str, ...] = "none",
     dtype: Any = jnp.float32,
     num_classes: int = 1000,
-    offload_window: int = 2,
+    offload_window: int = 1,
 ) -> nn.Module:
     """Builds a reference model by name, with one strategy for all blocks or one each.
 

@@ -124,7 +124,7 @@ class ResNet(nn.Module):
     num_classes: int = 1000
     dtype: Any = jnp.float32
     block_strategies: Sequence[str] = ()
-    offload_window: int = 2
+    offload_window: int = 1
 
     @nn.compact
     def __call__(self, x, train: bool = True):

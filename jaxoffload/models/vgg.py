@@ -112,7 +112,7 @@ class VGG(nn.Module):
     classifier_width: int = 4096
     lean_pool: bool = False
     norm: bool = False
-    offload_window: int = 2
+    offload_window: int = 1
 
     @nn.compact
     def __call__(self, x, train: bool = True):
