@@ -115,7 +115,10 @@ class Workload:
         return models.first_k(self.strategy, n if self.blocks is None else self.blocks, n)
 
     @property
-    def offloaded_blocks(self) -> int:
+    def offloaded_blocks(self) -> int | None:
+        """How many blocks offload; ``None`` for a planned strategy not yet planned."""
+        if self.strategy in models.PLANNED_STRATEGIES and self.plan is None:
+            return None
         return sum(s in models.OFFLOAD_STRATEGIES for s in self.strategies)
 
 
@@ -344,8 +347,10 @@ def add_transfer_bounds(records: list[dict[str, Any]]) -> None:
     """Adds the per-phase lower bound on step time to each offloading record, in place.
 
     ``bound_ms = max(fwd_compute_ms, offloaded_bytes / d2h) + max(bwd_compute_ms,
-    fetched bytes / h2d)``: no schedule can beat it, because each phase must
-    both compute and move its bytes. The compute times are those of the
+    fetched bytes / h2d)``: the least a step takes if each phase must both
+    compute and move its own bytes. It is a model, not a floor: copies that
+    spill from the forward into the backward pass share the full-duplex link
+    with fetches, and can beat it. The compute times are those of the
     record's :data:`COMPUTE_TWIN` in the same run (``forward_ms``, and the
     rest of its step, optimizer update included), the bandwidths those that
     the record's own process measured, and the bytes those of its compiled
@@ -357,8 +362,7 @@ def add_transfer_bounds(records: list[dict[str, Any]]) -> None:
         twin = done.get(COMPUTE_TWIN.get(r["strategy"], ""))
         if twin is None or "forward_ms" not in twin or "d2h_gbps" not in r:
             continue
-        fwd = twin["forward_ms"]
-        bwd = twin["step_time_ms"] - fwd
+        fwd, bwd = _compute_ms(twin)
         out_ms = r["device_to_host_bytes"] / (r["d2h_gbps"] * 1e6)
         back_ms = r["host_to_device_bytes"] / (r["h2d_gbps"] * 1e6)
         bound = max(fwd, out_ms) + max(bwd, back_ms)
@@ -370,6 +374,11 @@ def add_transfer_bounds(records: list[dict[str, Any]]) -> None:
             bound_ms=bound,
             bound_ratio=r["step_time_ms"] / bound,
         )
+
+
+def _compute_ms(twin: dict[str, Any]) -> tuple[float, float]:
+    """A no-transfer run's forward time, and the rest of its step (backward and update)."""
+    return twin["forward_ms"], twin["step_time_ms"] - twin["forward_ms"]
 
 
 def _compare_gradients(loss_fn, initial, batch, reference: str) -> float:
@@ -502,12 +511,8 @@ def _hidden_budget(workload: Workload, records: list[dict[str, Any]]) -> dict[st
             f"list {twin!r} before it."
         )
     r = done[-1]
-    return {
-        "fwd_ms": r["forward_ms"],
-        "bwd_ms": r["step_time_ms"] - r["forward_ms"],
-        "d2h_gbps": r["d2h_gbps"],
-        "h2d_gbps": r["h2d_gbps"],
-    }
+    fwd, bwd = _compute_ms(r)
+    return {"fwd_ms": fwd, "bwd_ms": bwd, "d2h_gbps": r["d2h_gbps"], "h2d_gbps": r["h2d_gbps"]}
 
 
 def find_max_batch(

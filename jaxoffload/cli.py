@@ -166,6 +166,12 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
     if not out_console.is_terminal:  # a file or a pipe: no width to fit, so do not squeeze
         out_console = Console(width=120)
     out_console.print(_table(records))
+    for r in records:
+        if r["strategy"] in models.PLANNED_STRATEGIES and r.get("offloaded_blocks") == 0:
+            console.print(
+                f"[yellow]note:[/] {r['strategy']!r} offloads nothing here: no block's transfers "
+                f"fit behind the compute around it, so it ran as {r['plan'][0]!r}."
+            )
     plotted = plot_records(records, out / "pareto.png")
     console.print(f"wrote {out / 'records.json'}" + (f" and {plotted}" if plotted else ""))
     failed = [r for r in records if "error" in r]

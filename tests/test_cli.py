@@ -224,3 +224,34 @@ def test_requested_host_bytes_match_the_traced_step_and_allocate_nothing():
     assert benchmark.requested_host_bytes(big) > 2 * 10**9
     none = benchmark.Workload("vgg11", 2, 32, "float32", "none")
     assert benchmark.requested_host_bytes(none) == 0
+
+
+def test_planned_strategy_failures_and_empty_plans_are_reported(monkeypatch, tmp_path, capsys):
+    from jaxoffload import benchmark
+
+    failing = []
+
+    def fake(workload, *, steps, reference, env, **options):
+        if workload.strategy == "offload-hidden" and failing:
+            raise benchmark.OutOfMemory("RESOURCE_EXHAUSTED")
+        planned = workload.strategy == "offload-hidden"
+        return {
+            "strategy": workload.strategy, "grad_rel_err": 0.0, "step_time_ms": 1.0,
+            "compiled_temp_bytes": 1, "compiled_host_temp_bytes": 0, "peak_bytes_in_use": None,
+            "images_per_s": 2.0, "model": "vgg11", "batch": 2, "image_size": 32,
+            "dtype": "float32", "device": "cpu", "forward_ms": 0.5, "d2h_gbps": 1.0,
+            "h2d_gbps": 1.0, "plan": ["lean"] * 8 if planned else None,
+            "offloaded_blocks": 0, "window": 1, "device_to_host_bytes": 0, "host_to_device_bytes": 0,
+        }  # fmt: skip
+
+    monkeypatch.setattr(benchmark, "measure_in_subprocess", fake)
+    monkeypatch.setattr(benchmark, "probe_device", lambda env=None: {"platform": "cpu"})
+    argv = ["bench", "--model", "vgg11", "--strategies", "offload-hidden"]
+    # A plan that offloads nothing is said, not left for the reader to spot.
+    cli.main([*argv, "--out", str(tmp_path / "empty")])
+    assert "'offload-hidden' offloads nothing here" in capsys.readouterr().err
+    # A planned strategy that fails still gives its record (its block count is unknown).
+    failing.append(True)
+    cli.main([*argv, "--out", str(tmp_path / "failing")])
+    records = json.loads((tmp_path / "failing" / "records.json").read_text())
+    assert records[-1]["out_of_memory"] and records[-1]["offloaded_blocks"] is None
