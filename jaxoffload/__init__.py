@@ -7,8 +7,10 @@ from jaxoffload.report import MemoryReport as MemoryReport
 from jaxoffload.report import OffloadDroppedError as OffloadDroppedError
 from jaxoffload.report import OffloadWarning as OffloadWarning
 from jaxoffload.report import memory_report as memory_report
+from jaxoffload.transform import OffloadedCall as OffloadedCall
 from jaxoffload.transform import Residual as Residual
 from jaxoffload.transform import offload as offload
+from jaxoffload.transform import offloaded_calls as offloaded_calls
 from jaxoffload.transform import residuals_per_call as residuals_per_call
 from jaxoffload.transform import saved_residuals as saved_residuals
 from jaxoffload.transform import schedule as schedule
@@ -17,10 +19,12 @@ __all__ = [
     "MemoryReport",
     "OffloadDroppedError",
     "OffloadWarning",
+    "OffloadedCall",
     "Residual",
     "linen",
     "memory_report",
     "offload",
+    "offloaded_calls",
     "residuals_per_call",
     "saved_residuals",
     "schedule",

@@ -27,7 +27,7 @@ import jaxoffload
 from jaxoffload import models
 from jaxoffload.planner import plan_hidden_offload
 from jaxoffload.report import analyze, requested_host_transfers
-from jaxoffload.transform import residuals_per_call
+from jaxoffload.transform import offloaded_calls
 
 __all__ = [
     "COMPUTE_TWIN",
@@ -192,18 +192,22 @@ def hidden_offload_workload(
 ) -> Workload:
     """The workload with the plan of :func:`jaxoffload.planner.plan_hidden_offload`.
 
-    Each block's residual bytes come from tracing the model with every block
-    offloading (:func:`jaxoffload.residuals_per_call`); the compute times and
-    bandwidths are measured ones, e.g. those of the ``"lean"`` run.
+    Each block's residual bytes and compute come from tracing the model with
+    every block offloading (:func:`jaxoffload.offloaded_calls`); the compute
+    times and bandwidths are measured ones, e.g. those of the ``"lean"`` run.
     """
     every = dataclasses.replace(workload, strategy="offload", blocks=None, plan=None)
     step, state, batch, _ = train_step(every, abstract=True)
-    calls = residuals_per_call(step, state, batch)
-    block_bytes = [sum(r.nbytes for r in call if r.placement == "pinned_host") for call in calls]
-    if len(block_bytes) != models.num_blocks(workload.model):
-        raise RuntimeError(f"expected one offloaded call per block, traced {len(block_bytes)}.")
+    calls = offloaded_calls(step, state, batch)
+    if len(calls) != models.num_blocks(workload.model):
+        raise RuntimeError(f"expected one offloaded call per block, traced {len(calls)}.")
     plan = plan_hidden_offload(
-        block_bytes, fwd_ms=fwd_ms, bwd_ms=bwd_ms, d2h_gbps=d2h_gbps, h2d_gbps=h2d_gbps
+        [sum(r.nbytes for r in call.residuals if r.placement == "pinned_host") for call in calls],
+        block_flops=[call.flops for call in calls],
+        fwd_ms=fwd_ms,
+        bwd_ms=bwd_ms,
+        d2h_gbps=d2h_gbps,
+        h2d_gbps=h2d_gbps,
     )
     strategies = tuple("offload" if chosen else "lean" for chosen in plan.offload)
     return dataclasses.replace(workload, plan=strategies, window=plan.window)

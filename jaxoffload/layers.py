@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-__all__ = ["BatchNorm", "batch_norm", "max_pool", "relu", "relu_max_pool"]
+__all__ = [
+    "BatchNorm",
+    "batch_norm",
+    "batch_norm_relu_conv",
+    "conv_after",
+    "max_pool",
+    "relu",
+    "relu_max_pool",
+]
 
 
 @jax.custom_vjp
@@ -262,10 +270,14 @@ def _batch_norm_forward(x, scale, bias, epsilon, relu, dtype):
     mean = x32.mean(axes)
     var = jnp.maximum(0.0, (x32 * x32).mean(axes) - mean * mean)
     inv_std = jax.lax.rsqrt(var + epsilon)
-    y = (x32 - mean) * (inv_std * scale) + bias
-    if relu:
-        y = jnp.maximum(y, 0.0)
+    y = _normalised(x, mean, inv_std, scale, bias, relu)
     return y.astype(dtype), mean, var, inv_std
+
+
+def _normalised(x, mean, inv_std, scale, bias, relu):
+    """The float32 output; one expression, so that recomputed values and masks match bit for bit."""
+    y = (x.astype(mean.dtype) - mean) * (inv_std * scale) + bias
+    return jnp.maximum(y, 0.0) if relu else y
 
 
 def _batch_norm_fwd(x, scale, bias, epsilon, relu, dtype):
@@ -276,14 +288,15 @@ def _batch_norm_fwd(x, scale, bias, epsilon, relu, dtype):
 def _batch_norm_bwd(epsilon, relu, dtype, residuals, cotangents):
     x, mean, inv_std, scale, bias = residuals
     g, g_mean, g_var = cotangents
+    # Recomputed here, after the cotangent: not merged with the forward pass's values.
+    (x, mean, inv_std), g = jax.lax.optimization_barrier(((x, mean, inv_std), g))
     axes = tuple(range(x.ndim - 1))
     count = x.size // x.shape[-1]
     centred = x.astype(mean.dtype) - mean
     normalised = centred * inv_std
     g = g.astype(mean.dtype)
     if relu:
-        # The forward pass's expression, so that the mask matches it bit for bit.
-        g = jnp.where(centred * (inv_std * scale) + bias > 0, g, 0.0)
+        g = jnp.where(_normalised(x, mean, inv_std, scale, bias, relu=False) > 0, g, 0.0)
     g_bias = g.sum(axes)
     g_scale = (g * normalised).sum(axes)
     g_x = (scale * inv_std) * (g - (g_bias + normalised * g_scale) / count)
@@ -294,6 +307,89 @@ def _batch_norm_bwd(epsilon, relu, dtype, residuals, cotangents):
 
 
 _batch_norm.defvjp(_batch_norm_fwd, _batch_norm_bwd)
+
+
+def batch_norm_relu_conv(
+    x: jax.Array,
+    scale: jax.Array,
+    bias: jax.Array,
+    kernel: jax.Array,
+    *,
+    epsilon: float = 1e-5,
+    dtype: Any = None,
+    **conv_kwargs: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A convolution of ``relu(batch_norm(x))`` that keeps ``x`` but not the convolution's input.
+
+    A convolution keeps its input for the kernel's gradient. Here that input
+    is elementwise work on ``x``, which the BatchNorm keeps anyway, so this
+    rule keeps ``x``, the kernel and the per-channel statistics, and the
+    backward pass recomputes the convolution's input. In a ResNet bottleneck
+    that drops two of the branch's six stored tensors (of sizes 4:1:1:1:1:4,
+    in units of the narrow width); no convolution is recomputed.
+
+    Args:
+      x: ``(..., features)``, as in :func:`batch_norm`.
+      scale, bias, epsilon, dtype: as in :func:`batch_norm` with ``relu=True``.
+      kernel: the convolution's kernel.
+      **conv_kwargs: the other arguments of ``jax.lax.conv_general_dilated``
+        (``window_strides``, ``padding``, ``dimension_numbers``, ...).
+
+    Returns:
+      ``(y, mean, var)``: the convolution's output, and the float32 batch
+      statistics, as :func:`batch_norm` gives them.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxoffload.layers import batch_norm_relu_conv
+      >>> x, kernel = jnp.arange(8.0).reshape(1, 2, 2, 2), jnp.ones((1, 1, 2, 3))
+      >>> y, mean, var = batch_norm_relu_conv(x, jnp.ones(2), jnp.zeros(2), kernel,
+      ...     window_strides=(1, 1), padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+      >>> y.shape, mean
+      ((1, 2, 2, 3), Array([3., 4.], dtype=float32))
+    """
+    dtype = jnp.dtype(x.dtype if dtype is None else dtype)
+    conv = tuple(sorted((k, _hashable(v)) for k, v in conv_kwargs.items()))
+    return _batch_norm_relu_conv(x, scale, bias, kernel, epsilon, dtype, conv)
+
+
+def _hashable(value):
+    """Lists (such as padding) as tuples, so that they can be static arguments."""
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
+def _convolve(a, kernel, conv):
+    return jax.lax.conv_general_dilated(a, kernel, **dict(conv))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _batch_norm_relu_conv(x, scale, bias, kernel, epsilon, dtype, conv):
+    a, mean, var, _ = _batch_norm_forward(x, scale, bias, epsilon, True, dtype)
+    return _convolve(a, kernel, conv), mean, var
+
+
+def _batch_norm_relu_conv_fwd(x, scale, bias, kernel, epsilon, dtype, conv):
+    a, mean, var, inv_std = _batch_norm_forward(x, scale, bias, epsilon, True, dtype)
+    return (_convolve(a, kernel, conv), mean, var), (x, mean, inv_std, scale, bias, kernel)
+
+
+def _batch_norm_relu_conv_bwd(epsilon, dtype, conv, residuals, cotangents):
+    x, mean, inv_std, scale, bias, kernel = residuals
+    g_y, g_mean, g_var = cotangents
+    # Through a barrier with the cotangent, as jax.checkpoint does: otherwise
+    # XLA merges the recomputation with the forward pass's, and keeps the
+    # convolution's input alive until now after all.
+    (x, mean, inv_std), g_y = jax.lax.optimization_barrier(((x, mean, inv_std), g_y))
+    a = _normalised(x, mean, inv_std, scale, bias, relu=True).astype(dtype)
+    _, convolve_vjp = jax.vjp(lambda a, kernel: _convolve(a, kernel, conv), a, kernel)
+    g_a, g_kernel = convolve_vjp(g_y)
+    norm = (x, mean, inv_std, scale, bias)
+    return (*_batch_norm_bwd(epsilon, True, dtype, norm, (g_a, g_mean, g_var)), g_kernel)
+
+
+_batch_norm_relu_conv.defvjp(_batch_norm_relu_conv_fwd, _batch_norm_relu_conv_bwd)
 
 
 class BatchNorm(nn.Module):
@@ -323,10 +419,24 @@ class BatchNorm(nn.Module):
     relu: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array, use_running_average: bool | None = None) -> jax.Array:
+    def __call__(
+        self,
+        x: jax.Array,
+        use_running_average: bool | None = None,
+        *,
+        conv_kernel: jax.Array | None = None,
+        **conv_kwargs: Any,
+    ) -> jax.Array:
+        """Normalises ``x``; with ``conv_kernel``, convolves the result too (see :func:`conv_after`).
+
+        ``conv_kernel`` needs ``relu=True``; ``conv_kwargs`` are the other
+        arguments of ``jax.lax.conv_general_dilated``.
+        """
         use_running_average = nn.merge_param(
             "use_running_average", self.use_running_average, use_running_average
         )
+        if conv_kernel is not None and not self.relu:
+            raise ValueError("BatchNorm convolves its output (conv_kernel) only with relu=True.")
         features = x.shape[-1]
         ra_mean = self.variable("batch_stats", "mean", lambda: jnp.zeros((features,), jnp.float32))
         ra_var = self.variable("batch_stats", "var", lambda: jnp.ones((features,), jnp.float32))
@@ -336,9 +446,49 @@ class BatchNorm(nn.Module):
         if use_running_average:
             inv_std = jax.lax.rsqrt(ra_var.value + self.epsilon)
             y = ((x - ra_mean.value) * (inv_std * scale) + bias).astype(dtype)
-            return relu(y) if self.relu else y
-        y, mean, var = batch_norm(x, scale, bias, epsilon=self.epsilon, relu=self.relu, dtype=dtype)
+            y = relu(y) if self.relu else y
+            if conv_kernel is None:
+                return y
+            return jax.lax.conv_general_dilated(y, conv_kernel, **conv_kwargs)
+        if conv_kernel is None:
+            y, mean, var = batch_norm(
+                x, scale, bias, epsilon=self.epsilon, relu=self.relu, dtype=dtype
+            )
+        else:
+            y, mean, var = batch_norm_relu_conv(
+                x, scale, bias, conv_kernel, epsilon=self.epsilon, dtype=dtype, **conv_kwargs
+            )
         if not self.is_initializing():
             ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean
             ra_var.value = self.momentum * ra_var.value + (1 - self.momentum) * var
         return y
+
+
+def conv_after(norm: BatchNorm) -> Callable[..., jax.Array]:
+    """A ``conv_general_dilated`` for ``flax.linen.Conv`` that applies ``norm`` to its input first.
+
+    ``nn.Conv(..., conv_general_dilated=conv_after(norm))(x)`` computes
+    ``nn.Conv(...)(norm(x))`` with the same variables, through
+    :func:`batch_norm_relu_conv`: the convolution's input is recomputed in the
+    backward pass rather than stored. ``norm`` needs ``relu=True``, and must
+    be made where ``nn.Conv`` is, so that it is named as flax would name it.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn
+      >>> from jaxoffload.layers import BatchNorm, conv_after
+      >>> class Block(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x):
+      ...         norm = BatchNorm(use_running_average=False, relu=True)
+      ...         return nn.Conv(4, (3, 3), conv_general_dilated=conv_after(norm))(x)
+      >>> variables = Block().init(jax.random.key(0), jnp.ones((1, 5, 5, 2)))
+      >>> sorted(variables["params"])
+      ['BatchNorm_0', 'Conv_0']
+    """
+
+    def conv_general_dilated(lhs, rhs, window_strides, padding, **conv_kwargs):
+        return norm(
+            lhs, conv_kernel=rhs, window_strides=window_strides, padding=padding, **conv_kwargs
+        )
+
+    return conv_general_dilated

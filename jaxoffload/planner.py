@@ -30,6 +30,7 @@ def plan_hidden_offload(
     bwd_ms: float,
     d2h_gbps: float,
     h2d_gbps: float,
+    block_flops: Sequence[float] | None = None,
     margin: float = 0.8,
     max_window: int = 8,
 ) -> HiddenPlan:
@@ -39,11 +40,11 @@ def plan_hidden_offload(
     next ``w - 1`` blocks compute their forward pass, and its fetch while the
     ``w - 1`` blocks after it compute their backward pass. A block is chosen
     when both transfers fit in ``margin`` of that compute, and chosen blocks
-    are at least ``w`` apart, so that no two transfers share the link. Blocks
-    are assumed to take equal compute time: true within a factor of about 2
-    for VGG and ResNet stages, which halve the resolution as they double the
-    channels. The window with the most bytes wins; ties go to the smaller
-    window, which holds fewer fetched residuals at once.
+    are at least ``w`` apart, so that no two transfers share the link. Each
+    block's share of the compute time is its share of ``block_flops``
+    (:attr:`jaxoffload.OffloadedCall.flops`), or an equal share without
+    them. The window with the most bytes wins; ties go to the smaller window,
+    which holds fewer fetched residuals at once.
 
     Args:
       block_bytes: residual bytes of each block when it offloads.
@@ -51,6 +52,7 @@ def plan_hidden_offload(
       bwd_ms: the rest of a training step's compute time.
       d2h_gbps: device-to-host bandwidth, in 10⁹ bytes per second.
       h2d_gbps: host-to-device bandwidth, likewise.
+      block_flops: each block's forward compute, in any unit; ``None`` for equal.
       margin: the share of the hiding compute that transfers may use.
       max_window: the largest window tried.
 
@@ -70,13 +72,20 @@ def plan_hidden_offload(
         if not value > 0:
             raise ValueError(f"{name} must be positive, got {value}.")
     n = len(block_bytes)
+    if block_flops is None:
+        block_flops = [1.0] * n
+    if len(block_flops) != n or min(block_flops, default=0) < 0 or not sum(block_flops) > 0:
+        raise ValueError(
+            f"block_flops must give {n} non-negative numbers, not all 0; got {block_flops}."
+        )
+    share = [f / sum(block_flops) for f in block_flops]
     best = HiddenPlan((False,) * n, 1, 0)
     for window in range(2, min(max_window, n) + 1):
-        # The last window - 1 blocks have no later blocks to hide behind.
-        fwd_bytes = margin * window * fwd_ms / n * d2h_gbps * 1e6
-        bwd_bytes = margin * (window - 1) * bwd_ms / n * h2d_gbps * 1e6
         chosen, i = [False] * n, 0
+        # The last window - 1 blocks have no later blocks to hide behind.
         while i <= n - window:
+            fwd_bytes = margin * fwd_ms * sum(share[i : i + window]) * d2h_gbps * 1e6
+            bwd_bytes = margin * bwd_ms * sum(share[i + 1 : i + window]) * h2d_gbps * 1e6
             if 0 < block_bytes[i] <= min(fwd_bytes, bwd_bytes):
                 chosen[i], i = True, i + window
             else:

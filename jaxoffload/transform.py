@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 import operator
 import threading
 import warnings
@@ -17,7 +18,15 @@ from jax.extend import core as jex_core
 
 from jaxoffload.report import OffloadWarning
 
-__all__ = ["Residual", "offload", "residuals_per_call", "saved_residuals", "schedule"]
+__all__ = [
+    "OffloadedCall",
+    "Residual",
+    "offload",
+    "offloaded_calls",
+    "residuals_per_call",
+    "saved_residuals",
+    "schedule",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -48,6 +57,21 @@ class Residual:
     def __str__(self) -> str:
         dtype = np.dtype(self.dtype).name
         return f"{dtype}{list(self.shape)} {self.nbytes:,} B -> {self.placement} ({self.reason})"
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadedCall:
+    """One offloaded call in a traced function (see :func:`offloaded_calls`).
+
+    Attributes:
+      residuals: what its backward pass reads, and where each value waits.
+      flops: the floating-point operations of its forward pass's matrix
+        products and convolutions (2 per multiply-add); elementwise work is
+        not counted. A planner weighs how long a call computes with it.
+    """
+
+    residuals: tuple[Residual, ...]
+    flops: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,15 +357,40 @@ def saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
 _recording = threading.local()
 
 
-def residuals_per_call(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[list[Residual]]:
-    """Lists, for every offloaded call that ``fun`` differentiates, its residuals.
+def offloaded_calls(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[OffloadedCall]:
+    """Lists every offloaded call that ``fun`` differentiates: its residuals and its compute.
 
     ``fun`` is traced, not run, so arguments may be
     :class:`jax.ShapeDtypeStruct`. It must take gradients itself, as a
     training step does: residuals exist only under differentiation.
 
     Returns:
-      One list of :class:`Residual` per offloaded call, in call order.
+      One :class:`OffloadedCall` per offloaded call, in call order.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxoffload import offload, offloaded_calls
+      >>> layer = offload(lambda w, x: jnp.tanh(x @ w), device_argnums=0)
+      >>> step = jax.grad(lambda w, x: layer(w, layer(w, x)).sum())
+      >>> calls = offloaded_calls(step, jnp.ones((8, 8)), jnp.ones((4, 8)))
+      >>> [(c.flops, sum(r.nbytes for r in c.residuals if r.placement == "pinned_host"))
+      ...  for c in calls]
+      [(512, 384), (512, 384)]
+    """
+    calls: list[tuple[list[Residual], int]] = []
+    outer = getattr(_recording, "calls", None)
+    _recording.calls = calls
+    try:
+        jax.make_jaxpr(fun)(*args, **kwargs)
+    finally:
+        _recording.calls = outer
+    return [OffloadedCall(tuple(residuals), flops) for residuals, flops in calls]
+
+
+def residuals_per_call(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[list[Residual]]:
+    """Lists, for every offloaded call that ``fun`` differentiates, its residuals.
+
+    The residuals of :func:`offloaded_calls`, one list per call, in call order.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -352,14 +401,29 @@ def residuals_per_call(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> li
       >>> [sum(r.nbytes for r in call if r.placement == "pinned_host") for call in calls]
       [384, 384]
     """
-    calls: list[list[Residual]] = []
-    outer = getattr(_recording, "calls", None)
-    _recording.calls = calls
-    try:
-        jax.make_jaxpr(fun)(*args, **kwargs)
-    finally:
-        _recording.calls = outer
-    return calls
+    return [list(call.residuals) for call in offloaded_calls(fun, *args, **kwargs)]
+
+
+def _matmul_flops(jaxpr) -> int:
+    """2 × the multiply-adds of the matrix products and convolutions in ``jaxpr``, nested ones too."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        out = eqn.outvars[0].aval.shape if eqn.outvars else ()
+        if eqn.primitive.name == "dot_general":
+            (contracting, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2 * math.prod(out) * math.prod(lhs[d] for d in contracting)
+        elif eqn.primitive.name == "conv_general_dilated":
+            rhs = eqn.invars[1].aval.shape
+            out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+            total += 2 * math.prod(out) * (math.prod(rhs) // out_features)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(sub, jex_core.ClosedJaxpr):
+                    total += _matmul_flops(sub.jaxpr)
+                elif isinstance(sub, jex_core.Jaxpr):
+                    total += _matmul_flops(sub)
+    return total
 
 
 def _sum_outputs(out) -> jax.Array:
@@ -403,7 +467,8 @@ def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: lis
         )
     if record is None and getattr(_recording, "calls", None) is not None:
         record = []
-        _recording.calls.append(record)
+        flops = _matmul_flops(jax.make_jaxpr(call)(dynamic, kwargs).jaxpr)
+        _recording.calls.append((record, flops))
     # The backward pass needs the pytree structure of the forward pass's vjp
     # function; custom_vjp traces the two rules one after the other.
     saved: dict[str, Any] = {}
@@ -448,7 +513,8 @@ def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: lis
             # deletes the pair (FINDINGS §4, rule 1).
             host = _barrier(host)
             # XLA drops a barrier operand whose output is never read, and with
-            # it the ordering: every gate below is read on both sides.
+            # it the ordering: every gate below is read, through `anchors`.
+            anchors = []
             if delay == 0:
                 # The outputs wait for this call's copies, so each residual's
                 # device buffer dies before the next layer runs (rule 2).
@@ -456,16 +522,20 @@ def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: lis
                 token = _token()
             else:
                 # In a schedule, they wait for the copies of the call `delay`
-                # calls back; this call's copies overlap the next calls.
+                # calls back; this call's copies overlap the next calls. The
+                # barriers cost nothing; an `_after` on an output would cost a
+                # pass over it.
                 if gate is not None:
-                    out = _after(out, gate)
+                    out, gate = _barrier((out, gate))
+                    anchors.append(gate)
                 host, token = _barrier((host, _scalar_of(out)))
         for n, value in zip(to_host, host):
             residuals[n] = value
         saved.update(treedef=treedef, dead=dead, to_host=tuple(to_host))
-        return (out, token), residuals
+        return (out, token), (residuals, anchors)
 
-    def run_bwd(residuals, cotangents):
+    def run_bwd(saved_values, cotangents):
+        residuals, anchors = saved_values
         cotangent, token_cotangent = cotangents
         residuals = list(residuals)
         to_host = saved["to_host"]
@@ -478,7 +548,7 @@ def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: lis
                 fetched, cotangent = _barrier_arrays((fetched, cotangent))
             elif fetched:
                 fetched, token_cotangent = _barrier_arrays((fetched, token_cotangent))
-                cotangent = _after(cotangent, token_cotangent)
+                anchors = [*anchors, token_cotangent]
             for n, value in zip(to_host, fetched):
                 residuals[n] = jax.device_put(value, _DEVICE)
         for n, (shape, dtype) in saved["dead"].items():
@@ -488,10 +558,12 @@ def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: lis
         # The gate's cotangent exists once this call's backward pass starts:
         # it starts the fetch of the call `delay` calls back.
         gate_cotangent = _scalar_of(cotangent) if gate is not None else None
-        # The input cotangent leaves with the parameter cotangents. XLA would
-        # otherwise sink weight-gradient work to the end of the backward pass
-        # and keep every fetched residual alive until then (rule 3).
-        return (*_barrier_arrays(vjp_fun(cotangent)), gate_cotangent)
+        # The gates' far sides are read by the smallest gradient, so that XLA
+        # keeps them. The input cotangent leaves with the parameter cotangents:
+        # XLA would otherwise sink weight-gradient work to the end of the
+        # backward pass and keep every fetched residual alive until then (rule 3).
+        cotangents_in = _after_smallest(vjp_fun(cotangent), anchors)
+        return (*_barrier_arrays(cotangents_in), gate_cotangent)
 
     run.defvjp(run_fwd, run_bwd)
     out, token = run(dynamic, kwargs, gate)
@@ -530,6 +602,26 @@ def _after(tree, token: jax.Array):
         if _is_real(leaf) and jax.dtypes.issubdtype(leaf.dtype, np.inexact):
             leaves[n] = leaf + (token * 0).astype(leaf.dtype)
             break
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _after_smallest(tree, tokens: list[jax.Array]):
+    """``tree``, its smallest float leaf made to wait for every token (see ``_after``).
+
+    The smallest, because the add costs a pass over the leaf. If a program
+    never reads that leaf, the tokens' ordering is lost, not the values.
+    """
+    if not tokens:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    floats = [
+        n
+        for n, x in enumerate(leaves)
+        if _is_real(x) and jax.dtypes.issubdtype(x.dtype, np.inexact)
+    ]
+    if floats:
+        n = min(floats, key=lambda n: leaves[n].size)
+        leaves[n] = _after(leaves[n], functools.reduce(operator.add, tokens))
     return jax.tree.unflatten(treedef, leaves)
 
 

@@ -1,15 +1,26 @@
 """jaxoffload.layers: the values and gradients of jax and flax, from fewer residuals."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from helpers import rel_err
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import jaxoffload
-from jaxoffload.layers import BatchNorm, batch_norm, max_pool, relu, relu_max_pool
+from jaxoffload.layers import (
+    BatchNorm,
+    batch_norm,
+    batch_norm_relu_conv,
+    conv_after,
+    max_pool,
+    relu,
+    relu_max_pool,
+)
 
 
 @st.composite
@@ -250,3 +261,101 @@ def test_average_pooling_keeps_nothing_but_a_scalar():
     x = jax.random.normal(jax.random.key(0), (2, 7, 7, 3))
     f = jaxoffload.offload(lambda x: nn.avg_pool(x, (2, 2), strides=(2, 2), padding="SAME"))
     assert [r.shape for r in jaxoffload.saved_residuals(f, x)] == [()]
+
+
+@st.composite
+def norm_conv_cases(draw):
+    """A BatchNorm, ReLU and convolution: odd sizes, stride 2 and padding included."""
+    shape, _, seed = draw(norm_cases())
+    kernel = draw(st.sampled_from([1, 3]))
+    assume(shape[1] >= kernel and shape[2] >= kernel)
+    conv = {
+        "strides": draw(st.sampled_from([1, 2])),
+        "padding": draw(st.sampled_from(["SAME", "VALID", 1])),
+    }
+    return shape, (kernel, kernel), conv, seed
+
+
+class _NormReluConv(nn.Module):
+    """Conv(relu(BatchNorm(x))) with flax's layers, or through ``conv_after``."""
+
+    lean: bool
+    kernel_size: tuple[int, int]
+    conv: dict
+
+    @nn.compact
+    def __call__(self, x):
+        options = {"use_running_average": False, "momentum": 0.9}
+        conv = functools.partial(nn.Conv, 3, self.kernel_size, use_bias=False, **self.conv)
+        if self.lean:
+            return conv(conv_general_dilated=conv_after(BatchNorm(relu=True, **options)))(x)
+        return conv()(jax.nn.relu(nn.BatchNorm(**options)(x)))
+
+
+@settings(deadline=None, max_examples=10)
+@given(norm_conv_cases())
+def test_batch_norm_relu_conv_matches_flax(case):
+    shape, kernel_size, conv, seed = case
+    keys = jax.random.split(jax.random.key(seed), 3)
+    x = 3 * jax.random.normal(keys[0], shape) + 1
+    plain = _NormReluConv(False, kernel_size, conv)
+    lean = _NormReluConv(True, kernel_size, conv)
+    variables = plain.init(keys[1], x)
+    assert jax.tree.structure(lean.init(keys[1], x)) == jax.tree.structure(variables)
+    variables = jax.tree.map(lambda v: v + 0.1 * jax.random.normal(keys[2], v.shape), variables)
+
+    def run(module):
+        def loss(params, x):
+            state = {"batch_stats": variables["batch_stats"]}
+            y, new = module.apply({"params": params, **state}, x, mutable=["batch_stats"])
+            return jnp.sum(jnp.sin(y)), (y, new)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(variables["params"], x)
+
+    (ref_grads, (ref_y, ref_stats)), (grads, (y, stats)) = run(plain), run(lean)
+    assert rel_err(y, ref_y) <= 1e-6
+    assert rel_err(stats, ref_stats) == 0.0
+    assert rel_err(grads, ref_grads) <= 1e-6
+
+
+def test_batch_norm_relu_conv_keeps_its_input_but_not_the_convolutions():
+    x = jnp.ones((4, 8, 8, 16), jnp.bfloat16)
+    kernel = jnp.ones((3, 3, 16, 32), jnp.bfloat16)
+    conv = {"window_strides": (1, 1), "padding": "SAME",
+            "dimension_numbers": ("NHWC", "HWIO", "NHWC")}  # fmt: skip
+
+    def fused(x, s, b, k):
+        return batch_norm_relu_conv(x, s, b, k, **conv)[0]
+
+    def unfused(x, s, b, k):
+        return jax.lax.conv_general_dilated(batch_norm(x, s, b, relu=True)[0], k, **conv)
+
+    def large(f):
+        f = jaxoffload.offload(f, device_argnums=(1, 2, 3))
+        residuals = jaxoffload.saved_residuals(f, x, jnp.ones(16), jnp.zeros(16), kernel)
+        return [r.shape for r in residuals if r.nbytes > 16 * 4 and r.placement == "pinned_host"]
+
+    assert large(fused) == [x.shape]
+    assert large(unfused) == [x.shape, x.shape]  # the BatchNorm's input and the conv's
+
+
+def test_conv_after_needs_a_relu_and_matches_flax_in_eval_mode():
+    x = jax.random.normal(jax.random.key(0), (2, 5, 5, 4))
+
+    class Block(nn.Module):
+        lean: bool
+        relu: bool = True
+
+        @nn.compact
+        def __call__(self, x):
+            conv = functools.partial(nn.Conv, 3, (3, 3), use_bias=False)
+            if self.lean:
+                norm = BatchNorm(use_running_average=True, relu=self.relu)
+                return conv(conv_general_dilated=conv_after(norm))(x)
+            return conv()(jax.nn.relu(nn.BatchNorm(use_running_average=True)(x)))
+
+    variables = Block(False).init(jax.random.key(1), x)
+    variables = jax.tree.map(lambda v: v + 0.5, variables)
+    assert rel_err(Block(True).apply(variables, x), Block(False).apply(variables, x)) <= 1e-6
+    with pytest.raises(ValueError, match="only with relu=True"):
+        Block(True, relu=False).apply(variables, x)

@@ -329,11 +329,15 @@ def test_xla_drops_barrier_operands_whose_outputs_are_unread():
 
 
 def test_schedule_gates_survive_xla():
-    from jaxoffload.transform import _after, _scalar_of
+    # A gate: the outputs leave through a barrier with the gate, and the
+    # gate's side is read by the smallest gradient (`_after_smallest`).
+    from jaxoffload.transform import _after_smallest, _scalar_of
 
-    def f(x, y):
-        return _after(jnp.exp(x), _scalar_of(jnp.cos(y)))
+    def f(x, y, w):
+        out, gate = jax.lax.optimization_barrier((jnp.exp(x), _scalar_of(jnp.cos(y))))
+        return out, _after_smallest((x, w), [gate])[1]
 
-    x, y = jnp.ones(8), jnp.full(8, 2.0)
-    assert "cosine" in _optimized_hlo(f, x, y)  # the gate is still computed
-    assert jnp.array_equal(f(x, y), jnp.exp(x))  # and adds exactly nothing
+    x, y, w = jnp.ones(8), jnp.full(8, 2.0), jnp.ones(2)
+    assert "cosine" in _optimized_hlo(f, x, y, w)  # the gate is still computed
+    out, anchored = f(x, y, w)
+    assert jnp.array_equal(out, jnp.exp(x)) and jnp.array_equal(anchored, w)  # adds nothing

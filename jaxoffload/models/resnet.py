@@ -27,18 +27,31 @@ RESNETS = {
 
 
 def _layers(dtype: Any, train: bool, lean: bool = False):
-    """``(conv, norm, norm_relu, relu)``: flax's layers, or jaxoffload's lean ones if ``lean``.
+    """``(conv, norm, norm_relu_conv, relu)``: flax's layers, or jaxoffload's lean ones if ``lean``.
 
-    Both kinds give the same variable names (``BatchNorm_0``, ...), so a
-    model's variables do not depend on which its blocks use.
+    ``norm_relu_conv(y, *conv_args, **conv_kwargs)`` is
+    ``conv(*conv_args, **conv_kwargs)(relu(norm()(y)))``; the lean one does not
+    store the convolution's input (:func:`jaxoffload.layers.conv_after`). Both
+    kinds give the same variable names (``BatchNorm_0``, ...), so a model's
+    variables do not depend on which its blocks use.
     """
     conv = functools.partial(nn.Conv, use_bias=False, dtype=dtype)
     options = {"use_running_average": not train, "momentum": 0.9, "epsilon": 1e-5, "dtype": dtype}
     if lean:
         norm = functools.partial(layers.BatchNorm, **options)
-        return conv, norm, lambda y: norm(relu=True)(y), layers.relu
+
+        def norm_relu_conv(y, *conv_args, **conv_kwargs):
+            after = layers.conv_after(norm(relu=True))
+            return conv(*conv_args, conv_general_dilated=after, **conv_kwargs)(y)
+
+        return conv, norm, norm_relu_conv, layers.relu
     norm = functools.partial(nn.BatchNorm, **options)
-    return conv, norm, lambda y: nn.relu(norm()(y)), nn.relu
+
+    def norm_relu_conv(y, *conv_args, **conv_kwargs):
+        y = nn.relu(norm()(y))
+        return conv(*conv_args, **conv_kwargs)(y)
+
+    return conv, norm, norm_relu_conv, nn.relu
 
 
 class _ResidualBlock(nn.Module):
@@ -47,13 +60,14 @@ class _ResidualBlock(nn.Module):
     Subclasses give the branch (:meth:`branch`), up to its last convolution;
     its BatchNorm, the shortcut and the sum are made here.
 
-    ``lean`` uses :class:`jaxoffload.layers.BatchNorm` (fused with the ReLU
-    that follows) and :func:`jaxoffload.layers.relu`, and moves the final
-    ReLU to the start of the next block: a lean block applies it to its input
-    if ``relu_input``, and returns the sum before the ReLU. The ReLU's output
-    is then its own mask, the first conv's input and the shortcut, one
-    residual in one block. Residuals are each conv's input and output, in the
-    compute dtype.
+    ``lean`` uses :class:`jaxoffload.layers.BatchNorm`, fused with the ReLU
+    and the convolution that follow it, and :func:`jaxoffload.layers.relu`,
+    and moves the final ReLU to the start of the next block: a lean block
+    applies it to its input if ``relu_input``, and returns the sum before the
+    ReLU. The ReLU's output is then its own mask, the first conv's input and
+    the shortcut, one residual in one block. The other residuals are each
+    conv's output, in the compute dtype; the inner convs' inputs are
+    recomputed from them.
     """
 
     features: int
@@ -67,15 +81,15 @@ class _ResidualBlock(nn.Module):
         if self.relu_input and not self.lean:
             raise ValueError("only lean blocks take relu_input")
         x = layers.relu(x) if self.relu_input else x
-        conv, norm, norm_relu, relu = _layers(self.dtype, train, self.lean)
+        conv, norm, norm_relu_conv, relu = _layers(self.dtype, train, self.lean)
         strides = (self.strides, self.strides)
-        y = self.branch(x, strides, conv, norm_relu)
+        y = self.branch(x, strides, conv, norm_relu_conv)
         y = norm()(y)  # made after the branch's layers, so that it is named after them
         if x.shape != y.shape:
             x = norm()(conv(y.shape[-1], (1, 1), strides)(x))
         return x + y if self.lean else relu(x + y)
 
-    def branch(self, x, strides, conv, norm_relu):
+    def branch(self, x, strides, conv, norm_relu_conv):
         raise NotImplementedError
 
 
@@ -85,10 +99,9 @@ class BasicBlock(_ResidualBlock):
     ``lean`` and ``relu_input``: see ``_ResidualBlock``.
     """
 
-    def branch(self, x, strides, conv, norm_relu):
+    def branch(self, x, strides, conv, norm_relu_conv):
         y = checkpoint_name(conv(self.features, (3, 3), strides, padding=1)(x), CONV_NAME)
-        y = norm_relu(y)
-        return checkpoint_name(conv(self.features, (3, 3), padding=1)(y), CONV_NAME)
+        return checkpoint_name(norm_relu_conv(y, self.features, (3, 3), padding=1), CONV_NAME)
 
 
 class BottleneckBlock(_ResidualBlock):
@@ -97,12 +110,11 @@ class BottleneckBlock(_ResidualBlock):
     ``lean`` and ``relu_input``: see ``_ResidualBlock``.
     """
 
-    def branch(self, x, strides, conv, norm_relu):
+    def branch(self, x, strides, conv, norm_relu_conv):
         y = checkpoint_name(conv(self.features, (1, 1))(x), CONV_NAME)
-        y = norm_relu(y)
-        y = checkpoint_name(conv(self.features, (3, 3), strides, padding=1)(y), CONV_NAME)
-        y = norm_relu(y)
-        return checkpoint_name(conv(self.features * 4, (1, 1))(y), CONV_NAME)
+        y = norm_relu_conv(y, self.features, (3, 3), strides, padding=1)
+        y = checkpoint_name(y, CONV_NAME)
+        return checkpoint_name(norm_relu_conv(y, self.features * 4, (1, 1)), CONV_NAME)
 
 
 class ResNet(nn.Module):
