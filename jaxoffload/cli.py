@@ -47,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--window",
         type=int,
         default=1,
-        help="jaxoffload.schedule window of 'offload' and 'offload-plain' blocks "
-        "('offload-hidden' plans its own)",
+        help="jaxoffload.schedule window of the blocks of 'lean', 'offload' and "
+        "'offload-plain' ('offload-hidden' plans its own; other strategies have no schedule)",
     )
     bench.add_argument("--out", default="bench-out", help="folder for records.json and pareto.png")
     bench.add_argument(

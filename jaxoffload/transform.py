@@ -104,12 +104,12 @@ class schedule:
     still take their turn, so that the window counts them.
 
     The chain links calls with scalar tokens, each one element of a value the
-    earlier call made, which the later call reads (``FINDINGS.md`` §4, rules
-    2 and 3). XLA drops an ``optimization_barrier`` operand whose output is
-    never read, so no gate relies on an unread barrier output. Measured on an
-    H200, an earlier version whose gates XLA dropped held more memory with a
-    window of 2 than with 1 (``benchmarks/README.md``); these gates have not
-    yet run on a GPU.
+    earlier call made, tied to the later call by an ``optimization_barrier``
+    (``FINDINGS.md`` §4, rules 2 and 3). XLA drops a barrier operand whose
+    output is never read, so each call reads its gates' far sides: its
+    smallest gradient adds zero times each of them. Measured on an H200, each
+    step of the window adds one layer's residuals to device temp, and depth
+    adds nothing (``tests/test_gpu.py``, ``benchmarks/README.md``).
     Use the context inside the differentiated function, around the layers
     (a model's ``__call__`` is a good place). Calls traced under a different
     JAX trace (inside a ``scan`` body, say) start a chain of their own.
@@ -390,16 +390,8 @@ def offloaded_calls(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
 def residuals_per_call(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[list[Residual]]:
     """Lists, for every offloaded call that ``fun`` differentiates, its residuals.
 
-    The residuals of :func:`offloaded_calls`, one list per call, in call order.
-
-    Example:
-      >>> import jax, jax.numpy as jnp
-      >>> from jaxoffload import offload, residuals_per_call
-      >>> layer = offload(lambda w, x: jnp.tanh(x @ w), device_argnums=0)
-      >>> step = jax.grad(lambda w, x: layer(w, layer(w, x)).sum())
-      >>> calls = residuals_per_call(step, jnp.ones((8, 8)), jnp.ones((4, 8)))
-      >>> [sum(r.nbytes for r in call if r.placement == "pinned_host") for call in calls]
-      [384, 384]
+    ``[list(call.residuals) for call in offloaded_calls(fun, *args, **kwargs)]``:
+    one list per offloaded call, in call order (see :func:`offloaded_calls`).
     """
     return [list(call.residuals) for call in offloaded_calls(fun, *args, **kwargs)]
 

@@ -17,10 +17,14 @@ LINK = {"d2h_gbps": 50.0, "h2d_gbps": 40.0}
     block_bytes=st.lists(st.integers(0, 10**9), min_size=1, max_size=20),
     fwd_ms=st.floats(0.1, 100),
     bwd_ms=st.floats(0.1, 200),
+    weights=st.none() | st.lists(st.integers(1, 100), min_size=20, max_size=20),
 )
-def test_every_planned_transfer_fits_behind_its_neighbours(block_bytes, fwd_ms, bwd_ms):
-    plan = plan_hidden_offload(block_bytes, fwd_ms=fwd_ms, bwd_ms=bwd_ms, **LINK)
-    n, w = len(block_bytes), plan.window
+def test_every_planned_transfer_fits_behind_its_neighbours(block_bytes, fwd_ms, bwd_ms, weights):
+    n = len(block_bytes)
+    flops = None if weights is None else weights[:n]
+    plan = plan_hidden_offload(block_bytes, block_flops=flops, fwd_ms=fwd_ms, bwd_ms=bwd_ms, **LINK)
+    w = plan.window
+    share = [f / sum(flops) for f in flops] if flops else [1 / n] * n
     chosen = [i for i, c in enumerate(plan.offload) if c]
     assert len(plan.offload) == n
     assert plan.offloaded_bytes == sum(block_bytes[i] for i in chosen)
@@ -30,8 +34,17 @@ def test_every_planned_transfer_fits_behind_its_neighbours(block_bytes, fwd_ms, 
     assert all(b - a >= w for a, b in zip(chosen, chosen[1:]))
     assert chosen[-1] <= n - w
     for i in chosen:
-        assert block_bytes[i] / (LINK["d2h_gbps"] * 1e6) <= 0.8 * w * fwd_ms / n * (1 + 1e-9)
-        assert block_bytes[i] / (LINK["h2d_gbps"] * 1e6) <= 0.8 * (w - 1) * bwd_ms / n * (1 + 1e-9)
+        fwd, bwd = fwd_ms * sum(share[i : i + w]), bwd_ms * sum(share[i + 1 : i + w])
+        assert block_bytes[i] / (LINK["d2h_gbps"] * 1e6) <= 0.8 * fwd * (1 + 1e-9)
+        assert block_bytes[i] / (LINK["h2d_gbps"] * 1e6) <= 0.8 * bwd * (1 + 1e-9)
+
+
+def test_cheap_neighbours_hide_less():
+    # Equal shares hide block 2's transfer; with its neighbours nearly free, nothing does.
+    sizes, times = [0, 0, 10**8, 0, 0, 0], {"fwd_ms": 10, "bwd_ms": 20}
+    assert plan_hidden_offload(sizes, **times, **LINK).offload[2]
+    cheap = plan_hidden_offload(sizes, block_flops=[100, 100, 1, 1, 1, 1], **times, **LINK)
+    assert not any(cheap.offload)
 
 
 def test_no_block_fits_means_no_offload():
@@ -44,6 +57,9 @@ def test_bad_arguments_are_named():
         plan_hidden_offload([1], fwd_ms=1, bwd_ms=1, margin=0, **LINK)
     with pytest.raises(ValueError, match="fwd_ms must be positive"):
         plan_hidden_offload([1], fwd_ms=0, bwd_ms=1, **LINK)
+    for flops in ([1, 2], [0], [-1]):
+        with pytest.raises(ValueError, match="block_flops must give 1"):
+            plan_hidden_offload([1], block_flops=flops, fwd_ms=1, bwd_ms=1, **LINK)
 
 
 def test_hidden_workload_plans_from_each_blocks_residual_bytes():
@@ -57,6 +73,17 @@ def test_hidden_workload_plans_from_each_blocks_residual_bytes():
     assert planned.window == 2
     assert planned.strategies == ("offload", "lean") * 4
     assert planned.offloaded_blocks == 4
+
+
+def test_offloaded_calls_count_each_blocks_convolutions():
+    step, state, batch, _ = benchmark.train_step(
+        benchmark.Workload("vgg11", 2, 32, "float32", "offload"), abstract=True
+    )
+    calls = jaxoffload.offloaded_calls(step, state, batch)
+    # vgg11: (channels in, channels out, resolution) of each 3x3 convolution.
+    convs = [(3, 64, 32), (64, 128, 16), (128, 256, 8), (256, 256, 8), (256, 512, 4),
+             (512, 512, 4), (512, 512, 2), (512, 512, 2)]  # fmt: skip
+    assert [c.flops for c in calls] == [2 * 2 * r * r * 9 * i * o for i, o, r in convs]
 
 
 def test_residuals_per_call_gives_one_list_per_block():

@@ -128,7 +128,8 @@ class ResNet(nn.Module):
       block_strategies: one entry of ``BLOCK_STRATEGIES`` per residual block, or
         empty for all ``"none"``. The stem and the classifier are never wrapped.
       offload_window: the :class:`jaxoffload.schedule` window of the blocks
-        that offload.
+        that ``jaxoffload.linen.offload`` wraps (``lean``, ``offload``,
+        ``offload-plain``; ``lean-unordered`` and the others have no schedule).
     """
 
     stage_sizes: Sequence[int] = (3, 4, 6, 3)

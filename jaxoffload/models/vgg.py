@@ -102,7 +102,8 @@ class VGG(nn.Module):
         lean (see ``ConvBlock``); lean blocks always pool leanly.
       norm: BatchNorm after every convolution (the ``vgg*_bn`` models).
       offload_window: the :class:`jaxoffload.schedule` window of the blocks
-        that offload.
+        that ``jaxoffload.linen.offload`` wraps (``lean``, ``offload``,
+        ``offload-plain``; ``lean-unordered`` and the others have no schedule).
     """
 
     config: Sequence[int | str] = VGG19
