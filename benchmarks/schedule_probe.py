@@ -2,9 +2,10 @@
 
     python benchmarks/schedule_probe.py VARIANT WINDOW WHAT
 
-VARIANT is "cross" (the library's schedule: a call's outputs wait for the copies
-of the call window - 1 back) or "own" (they wait for their own copies; only the
-backward window differs). WHAT is "chain" (tests/test_gpu.py's chain of 8 tanh
+VARIANT is "cross", the library's schedule: a call's outputs wait for the copies
+of the call window - 1 back. ("own", in which they waited for their own copies,
+was a private switch of commit 0a0c1f6; the rebuilt gates of 3f8321b dropped it,
+and this probe refuses it rather than run "cross" under its name.) WHAT is "chain" (tests/test_gpu.py's chain of 8 tanh
 layers; WINDOW 0 is the plain chain), "dump" (the same chain, compiled only, with
 XLA's optimized HLO copied to $OUT/chain_wWINDOW_hlo.txt), or a model name (its
 "offload" strategy). Lines are appended to $OUT/probe5.jsonl.
@@ -23,9 +24,8 @@ if sys.argv[3] == "dump":  # XLA reads its flags when jax starts
     )
 import jax
 
-from jaxoffload import transform
-
-transform._CROSS_CALL_COPIES = sys.argv[1] == "cross"
+if sys.argv[1] != "cross":
+    sys.exit(f"unknown VARIANT {sys.argv[1]!r}: only 'cross' exists since commit 3f8321b")
 window = int(sys.argv[2])
 what = sys.argv[3]
 out = os.environ["OUT"]
