@@ -515,8 +515,8 @@ def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: lis
             else:
                 # In a schedule, they wait for the copies of the call `delay`
                 # calls back; this call's copies overlap the next calls. The
-                # barriers cost nothing; an `_after` on an output would cost a
-                # pass over it.
+                # barriers cost nothing; adding zero times the gate to an output
+                # would cost a pass over it.
                 if gate is not None:
                     out, gate = _barrier((out, gate))
                     anchors.append(gate)
@@ -583,24 +583,12 @@ def _scalar_of(tree) -> jax.Array:
     return jax.lax.reshape(element, ()).astype(np.float32)
 
 
-def _after(tree, token: jax.Array):
-    """``tree``, made to wait for ``token`` by adding ``0 * token`` to one leaf.
+def _after_smallest(tree, tokens: list[jax.Array]):
+    """``tree``, its smallest float leaf made to wait for every token: ``leaf + 0 * tokens``.
 
     XLA does not fold ``x * 0`` for floats, so the dependency survives. The
-    sum is exact unless ``token`` is inf or NaN, when the gradient already is.
-    """
-    leaves, treedef = jax.tree.flatten(tree)
-    for n, leaf in enumerate(leaves):
-        if _is_real(leaf) and jax.dtypes.issubdtype(leaf.dtype, np.inexact):
-            leaves[n] = leaf + (token * 0).astype(leaf.dtype)
-            break
-    return jax.tree.unflatten(treedef, leaves)
-
-
-def _after_smallest(tree, tokens: list[jax.Array]):
-    """``tree``, its smallest float leaf made to wait for every token (see ``_after``).
-
-    The smallest, because the add costs a pass over the leaf. If a program
+    sum is exact unless a token is inf or NaN, when the gradient already is.
+    The smallest leaf, because the add costs a pass over it. If a program
     never reads that leaf, the tokens' ordering is lost, not the values.
     """
     if not tokens:
@@ -613,7 +601,8 @@ def _after_smallest(tree, tokens: list[jax.Array]):
     ]
     if floats:
         n = min(floats, key=lambda n: leaves[n].size)
-        leaves[n] = _after(leaves[n], functools.reduce(operator.add, tokens))
+        zero = functools.reduce(operator.add, tokens) * 0
+        leaves[n] = leaves[n] + zero.astype(leaves[n].dtype)
     return jax.tree.unflatten(treedef, leaves)
 
 
