@@ -14,10 +14,12 @@ import jax.numpy as jnp
 __all__ = [
     "BatchNorm",
     "batch_norm",
+    "batch_norm_add",
     "batch_norm_relu_conv",
     "conv_after",
     "max_pool",
     "relu",
+    "relu_conv",
     "relu_max_pool",
 ]
 
@@ -290,20 +292,30 @@ def _batch_norm_bwd(epsilon, relu, dtype, residuals, cotangents):
     g, g_mean, g_var = cotangents
     # Recomputed here, after the cotangent: not merged with the forward pass's values.
     (x, mean, inv_std), g = jax.lax.optimization_barrier(((x, mean, inv_std), g))
-    axes = tuple(range(x.ndim - 1))
-    count = x.size // x.shape[-1]
-    centred = x.astype(mean.dtype) - mean
-    normalised = centred * inv_std
+    return _batch_norm_grads(x, mean, inv_std, scale, bias, relu, g, g_mean, g_var)
+
+
+def _batch_norm_grads(x, mean, inv_std, scale, bias, relu, g, g_mean, g_var):
+    """``(g_x, g_scale, g_bias)`` of :func:`batch_norm`, from its input ``x``."""
+    normalised = (x.astype(mean.dtype) - mean) * inv_std
     g = g.astype(mean.dtype)
     if relu:
         g = jnp.where(_normalised(x, mean, inv_std, scale, bias, relu=False) > 0, g, 0.0)
+    g_x, g_scale, g_bias = _normalised_grads(normalised, inv_std, scale, g, g_mean, g_var)
+    return g_x.astype(x.dtype), g_scale.astype(scale.dtype), g_bias.astype(bias.dtype)
+
+
+def _normalised_grads(normalised, inv_std, scale, g, g_mean, g_var):
+    """The float32 gradients of batch normalisation, from its normalised values (not its input)."""
+    axes = tuple(range(g.ndim - 1))
+    count = g.size // g.shape[-1]
     g_bias = g.sum(axes)
     g_scale = (g * normalised).sum(axes)
     g_x = (scale * inv_std) * (g - (g_bias + normalised * g_scale) / count)
     # The statistics are outputs too; their cotangents are zero in a loss,
     # but a user may differentiate them.
-    g_x = g_x + (g_mean + 2.0 * g_var * centred) / count
-    return g_x.astype(x.dtype), g_scale.astype(scale.dtype), g_bias.astype(bias.dtype)
+    g_x = g_x + (g_mean + 2.0 * g_var * (normalised / inv_std)) / count
+    return g_x, g_scale, g_bias
 
 
 _batch_norm.defvjp(_batch_norm_fwd, _batch_norm_bwd)
@@ -385,11 +397,185 @@ def _batch_norm_relu_conv_bwd(epsilon, dtype, conv, residuals, cotangents):
     a = _normalised(x, mean, inv_std, scale, bias, relu=True).astype(dtype)
     _, convolve_vjp = jax.vjp(lambda a, kernel: _convolve(a, kernel, conv), a, kernel)
     g_a, g_kernel = convolve_vjp(g_y)
-    norm = (x, mean, inv_std, scale, bias)
-    return (*_batch_norm_bwd(epsilon, True, dtype, norm, (g_a, g_mean, g_var)), g_kernel)
+    return (*_batch_norm_grads(x, mean, inv_std, scale, bias, True, g_a, g_mean, g_var), g_kernel)
 
 
 _batch_norm_relu_conv.defvjp(_batch_norm_relu_conv_fwd, _batch_norm_relu_conv_bwd)
+
+
+def relu_conv(
+    lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], padding: Any, **conv_kwargs: Any
+) -> jax.Array:
+    """``jax.lax.conv_general_dilated(relu(lhs), rhs, ...)`` that keeps ``lhs``, not ``relu(lhs)``.
+
+    The same size either way, but ``lhs`` may be kept anyway: in a ResNet
+    whose blocks end before their ReLU, it is the previous block's output,
+    which that block's :func:`batch_norm_add` keeps. The backward pass
+    recomputes ``relu(lhs)``. Takes the arguments of
+    ``jax.lax.conv_general_dilated``, so it can be given to
+    ``flax.linen.Conv(conv_general_dilated=relu_conv)``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxoffload.layers import relu_conv
+      >>> x = jnp.array([-1.0, 2.0]).reshape(1, 1, 2, 1)
+      >>> relu_conv(x, jnp.ones((1, 2, 1, 1)), (1, 1), "VALID",
+      ...           dimension_numbers=("NHWC", "HWIO", "NHWC"))[0, 0, 0, 0]
+      Array(2., dtype=float32)
+    """
+    conv = dict(window_strides=window_strides, padding=padding, **conv_kwargs)
+    return _relu_conv(lhs, rhs, tuple(sorted((k, _hashable(v)) for k, v in conv.items())))
+
+
+def _positive(x):
+    return jnp.maximum(x, jnp.zeros((), x.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _relu_conv(x, kernel, conv):
+    return _convolve(_positive(x), kernel, conv)
+
+
+def _relu_conv_fwd(x, kernel, conv):
+    return _relu_conv(x, kernel, conv), (x, kernel)
+
+
+def _relu_conv_bwd(conv, residuals, g_y):
+    x, kernel = residuals
+    (x,), g_y = jax.lax.optimization_barrier(((x,), g_y))  # see _batch_norm_relu_conv_bwd
+    _, convolve_vjp = jax.vjp(lambda a, kernel: _convolve(a, kernel, conv), _positive(x), kernel)
+    g_a, g_kernel = convolve_vjp(g_y)
+    return jnp.where(x > 0, g_a, jnp.zeros((), g_a.dtype)), g_kernel
+
+
+_relu_conv.defvjp(_relu_conv_fwd, _relu_conv_bwd)
+
+
+def batch_norm_add(
+    x: jax.Array,
+    shortcut: jax.Array,
+    scale: jax.Array,
+    bias: jax.Array,
+    *,
+    epsilon: float = 1e-5,
+    relu_shortcut: bool = False,
+    shortcut_scale: jax.Array | None = None,
+    shortcut_bias: jax.Array | None = None,
+    dtype: Any = None,
+) -> tuple[jax.Array, ...]:
+    """``batch_norm(x) + s`` that keeps the sum and the shortcut, not ``x``.
+
+    The end of a ResNet block. ``s`` is ``shortcut``, ``relu(shortcut)`` if
+    ``relu_shortcut``, or, given ``shortcut_scale`` and ``shortcut_bias``,
+    ``batch_norm(shortcut)`` with its own batch statistics (a block whose
+    shortcut is a convolution). The sum is the next block's input, which
+    that block keeps anyway, and the shortcut is this block's input or the
+    shortcut convolution's output, which is kept anyway too. The backward
+    pass recomputes ``s`` and inverts the normalisation, in the style of
+    in-place activated BatchNorm (Rota Bulò et al., 2018):
+    ``normalised = (sum - s - bias) / scale``. That drops one full-size
+    residual per block.
+
+    The inversion divides by ``scale``: channels whose ``scale`` is near zero
+    get inaccurate gradients (exactly zero gives inf or NaN). Do not use it
+    with BatchNorms initialised at ``scale = 0`` ("zero-init residual").
+
+    Args:
+      x: ``(..., features)``, as in :func:`batch_norm`.
+      shortcut: the array added, of the output's shape.
+      scale, bias, epsilon, dtype: as in :func:`batch_norm`.
+      relu_shortcut: add ``relu(shortcut)``.
+      shortcut_scale, shortcut_bias: normalise the shortcut with these.
+
+    Returns:
+      ``(y, mean, var)``: the sum, and the float32 batch statistics of ``x``;
+      with a normalised shortcut, its statistics follow:
+      ``(y, mean, var, shortcut_mean, shortcut_var)``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxoffload.layers import batch_norm_add
+      >>> y, mean, var = batch_norm_add(jnp.array([[1.0], [3.0]]), jnp.array([[-5.0], [5.0]]),
+      ...                               jnp.ones(1), jnp.zeros(1), relu_shortcut=True)
+      >>> y[:, 0]
+      Array([-0.999995,  5.999995], dtype=float32)
+    """
+    if (shortcut_scale is None) != (shortcut_bias is None):
+        raise ValueError("give both shortcut_scale and shortcut_bias, or neither.")
+    if relu_shortcut and shortcut_scale is not None:
+        raise ValueError("relu_shortcut applies to a shortcut that is not normalised.")
+    if shortcut.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"shortcut has shape {shortcut.shape}; x has {x.shape}.")
+    dtype = jnp.dtype(x.dtype if dtype is None else dtype)
+    out, stats = _batch_norm_add(
+        x, shortcut, scale, bias, shortcut_scale, shortcut_bias,
+        epsilon, relu_shortcut, dtype, x.dtype,
+    )  # fmt: skip
+    return (out, *stats)
+
+
+def _added(shortcut, relu_shortcut):
+    return _positive(shortcut) if relu_shortcut else shortcut
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _batch_norm_add(
+    x, shortcut, scale, bias, s_scale, s_bias, epsilon, relu_shortcut, dtype, x_dtype
+):
+    args = (x, shortcut, scale, bias, s_scale, s_bias, epsilon, relu_shortcut, dtype, x_dtype)
+    return _batch_norm_add_fwd(*args)[0]
+
+
+def _batch_norm_add_fwd(
+    x, shortcut, scale, bias, s_scale, s_bias, epsilon, relu_shortcut, dtype, x_dtype
+):
+    y, mean, var, inv_std = _batch_norm_forward(x, scale, bias, epsilon, False, dtype)
+    if s_scale is None:
+        added, s_stats, s_saved = _added(shortcut, relu_shortcut), (), ()
+    else:
+        added, s_mean, s_var, s_inv_std = _batch_norm_forward(
+            shortcut, s_scale, s_bias, epsilon, False, dtype
+        )
+        s_stats, s_saved = (s_mean, s_var), (s_mean, s_inv_std)
+    out = y + added
+    residuals = (out, shortcut, inv_std, scale, bias, s_saved, s_scale, s_bias)
+    return (out, (mean, var, *s_stats)), residuals
+
+
+def _batch_norm_add_bwd(epsilon, relu_shortcut, dtype, x_dtype, residuals, cotangents):
+    out, shortcut, inv_std, scale, bias, s_saved, s_scale, s_bias = residuals
+    g, (g_mean, g_var, *g_s_stats) = cotangents
+    # See _batch_norm_relu_conv_bwd.
+    (out, shortcut, inv_std, s_saved), g = jax.lax.optimization_barrier(
+        ((out, shortcut, inv_std, s_saved), g)
+    )
+    if s_scale is None:
+        added = _added(shortcut, relu_shortcut)
+    else:
+        # The forward pass's expression, so that the sum minus it is x's normalised value.
+        added = _normalised(shortcut, *s_saved, s_scale, s_bias, relu=False).astype(dtype)
+    f32 = inv_std.dtype
+    normalised = (out.astype(f32) - added.astype(f32) - bias) / scale
+    g_x, g_scale, g_bias = _normalised_grads(
+        normalised, inv_std, scale, g.astype(f32), g_mean, g_var
+    )
+    if s_scale is None:
+        g_shortcut = jnp.where(shortcut > 0, g, jnp.zeros((), g.dtype)) if relu_shortcut else g
+        s_grads = (None, None)
+    else:
+        g_shortcut, *s_grads = _batch_norm_grads(
+            shortcut, *s_saved, s_scale, s_bias, False, g, *g_s_stats
+        )
+    return (
+        g_x.astype(x_dtype),
+        g_shortcut.astype(shortcut.dtype),
+        g_scale.astype(scale.dtype),
+        g_bias.astype(bias.dtype),
+        *s_grads,
+    )
+
+
+_batch_norm_add.defvjp(_batch_norm_add_fwd, _batch_norm_add_bwd)
 
 
 class BatchNorm(nn.Module):
@@ -418,39 +604,70 @@ class BatchNorm(nn.Module):
     param_dtype: Any = jnp.float32
     relu: bool = False
 
-    @nn.compact
     def __call__(
         self,
         x: jax.Array,
         use_running_average: bool | None = None,
         *,
         conv_kernel: jax.Array | None = None,
+        shortcut: jax.Array | None = None,
+        relu_shortcut: bool = False,
+        shortcut_norm: BatchNorm | None = None,
         **conv_kwargs: Any,
     ) -> jax.Array:
         """Normalises ``x``; with ``conv_kernel``, convolves the result too (see :func:`conv_after`).
 
         ``conv_kernel`` needs ``relu=True``; ``conv_kwargs`` are the other
         arguments of ``jax.lax.conv_general_dilated``.
+
+        With ``shortcut``, adds it to the result, through
+        :func:`batch_norm_add` (which needs ``relu=False``): as it is,
+        ``relu(shortcut)`` if ``relu_shortcut``, or ``shortcut_norm(shortcut)``
+        given another ``BatchNorm`` (made where it would be called, so that
+        it is named as flax would name it; same ``epsilon`` and ``dtype``).
         """
         use_running_average = nn.merge_param(
             "use_running_average", self.use_running_average, use_running_average
         )
         if conv_kernel is not None and not self.relu:
             raise ValueError("BatchNorm convolves its output (conv_kernel) only with relu=True.")
-        features = x.shape[-1]
-        ra_mean = self.variable("batch_stats", "mean", lambda: jnp.zeros((features,), jnp.float32))
-        ra_var = self.variable("batch_stats", "var", lambda: jnp.ones((features,), jnp.float32))
-        scale = self.param("scale", nn.initializers.ones, (features,), self.param_dtype)
-        bias = self.param("bias", nn.initializers.zeros, (features,), self.param_dtype)
+        if shortcut is not None and (self.relu or conv_kernel is not None):
+            raise ValueError("BatchNorm adds a shortcut only with relu=False and no conv_kernel.")
+        if (relu_shortcut or shortcut_norm is not None) and shortcut is None:
+            raise ValueError("relu_shortcut and shortcut_norm need a shortcut.")
+        if shortcut_norm is not None and (
+            shortcut_norm.relu
+            or (shortcut_norm.epsilon, shortcut_norm.dtype) != (self.epsilon, self.dtype)
+        ):
+            raise ValueError(
+                "shortcut_norm needs relu=False and this BatchNorm's epsilon and dtype."
+            )
+        scale, bias, ra_mean, ra_var = self._variables(x.shape[-1])
         dtype = self.dtype or jnp.result_type(x, scale, bias)
         if use_running_average:
-            inv_std = jax.lax.rsqrt(ra_var.value + self.epsilon)
-            y = ((x - ra_mean.value) * (inv_std * scale) + bias).astype(dtype)
+            y = self._normalise_with_running_statistics(x, scale, bias, ra_mean, ra_var, dtype)
             y = relu(y) if self.relu else y
+            if shortcut_norm is not None:
+                variables = shortcut_norm._variables(shortcut.shape[-1])
+                return y + self._normalise_with_running_statistics(shortcut, *variables, dtype)
+            if shortcut is not None:
+                return y + _added(shortcut, relu_shortcut)
             if conv_kernel is None:
                 return y
             return jax.lax.conv_general_dilated(y, conv_kernel, **conv_kwargs)
-        if conv_kernel is None:
+        if shortcut_norm is not None:
+            s_scale, s_bias, s_ra_mean, s_ra_var = shortcut_norm._variables(shortcut.shape[-1])
+            y, mean, var, s_mean, s_var = batch_norm_add(
+                x, shortcut, scale, bias, epsilon=self.epsilon, shortcut_scale=s_scale,
+                shortcut_bias=s_bias, dtype=dtype,
+            )  # fmt: skip
+            shortcut_norm._update(s_ra_mean, s_ra_var, s_mean, s_var)
+        elif shortcut is not None:
+            y, mean, var = batch_norm_add(
+                x, shortcut, scale, bias, epsilon=self.epsilon, relu_shortcut=relu_shortcut,
+                dtype=dtype,
+            )  # fmt: skip
+        elif conv_kernel is None:
             y, mean, var = batch_norm(
                 x, scale, bias, epsilon=self.epsilon, relu=self.relu, dtype=dtype
             )
@@ -458,10 +675,26 @@ class BatchNorm(nn.Module):
             y, mean, var = batch_norm_relu_conv(
                 x, scale, bias, conv_kernel, epsilon=self.epsilon, dtype=dtype, **conv_kwargs
             )
+        self._update(ra_mean, ra_var, mean, var)
+        return y
+
+    @nn.compact
+    def _variables(self, features: int):
+        """``(scale, bias, running mean, running var)``; the last two are flax ``Variable``s."""
+        ra_mean = self.variable("batch_stats", "mean", lambda: jnp.zeros((features,), jnp.float32))
+        ra_var = self.variable("batch_stats", "var", lambda: jnp.ones((features,), jnp.float32))
+        scale = self.param("scale", nn.initializers.ones, (features,), self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros, (features,), self.param_dtype)
+        return scale, bias, ra_mean, ra_var
+
+    def _normalise_with_running_statistics(self, x, scale, bias, ra_mean, ra_var, dtype):
+        inv_std = jax.lax.rsqrt(ra_var.value + self.epsilon)
+        return ((x - ra_mean.value) * (inv_std * scale) + bias).astype(dtype)
+
+    def _update(self, ra_mean, ra_var, mean, var) -> None:
         if not self.is_initializing():
             ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean
             ra_var.value = self.momentum * ra_var.value + (1 - self.momentum) * var
-        return y
 
 
 def conv_after(norm: BatchNorm) -> Callable[..., jax.Array]:

@@ -96,7 +96,8 @@ class schedule:
       ``i - w + 1``, so each copy runs while the next ``w - 1`` calls compute;
     - backward: call ``i``'s residuals are fetched as soon as call
       ``i + w - 1`` starts its backward pass, so each fetch runs while the
-      ``w - 1`` calls between compute theirs.
+      ``w - 1`` calls between compute theirs. The last ``w - 1`` calls have
+      no such later call: each fetches once its own backward pass starts.
 
     Device memory for residuals in flight is therefore bounded by ``w``
     calls' residuals, whatever the depth. ``window=1`` is the behaviour
@@ -106,8 +107,9 @@ class schedule:
     The chain links calls with scalar tokens, each one element of a value the
     earlier call made, tied to the later call by an ``optimization_barrier``
     (``FINDINGS.md`` §4, rules 2 and 3). XLA drops a barrier operand whose
-    output is never read, so each call reads its gates' far sides: its
-    smallest gradient adds zero times each of them. Measured on an H200, each
+    output is never read, so each call reads its gates' far sides: one of
+    its gradients, a small one that a training step reads, adds zero times
+    each of them. Measured on an H200, each
     step of the window adds one layer's residuals to device temp, and depth
     adds nothing (``tests/test_gpu.py``, ``benchmarks/README.md``).
     Use the context inside the differentiated function, around the layers
@@ -151,7 +153,7 @@ class schedule:
 
     def __exit__(self, *exc) -> None:
         schedule._stack().pop()
-        self._tokens.clear()
+        self._end_chain()
 
     @staticmethod
     def _stack() -> list[schedule]:
@@ -169,15 +171,21 @@ class schedule:
         """The token of the call ``window - 1`` calls back, if this call waits on one."""
         trace = jex_core.get_opaque_trace_state(convention="jaxoffload")
         if trace != self._trace:  # a new trace: its calls cannot use the old tokens
-            self._tokens.clear()
+            self._end_chain()
             self._trace = trace
         if self.window > 1 and len(self._tokens) == self.window - 1:
-            return self._tokens.popleft()
+            return self._tokens.popleft()[0]
         return None
 
-    def _push(self, token) -> None:
+    def _push(self, token, saved: dict) -> None:
         if self.window > 1:
-            self._tokens.append(token)
+            self._tokens.append((token, saved))
+
+    def _end_chain(self) -> None:
+        """Marks the calls whose tokens no later call took: no backward pass starts their fetch."""
+        for _, saved in self._tokens:
+            saved["last_in_chain"] = True
+        self._tokens.clear()
 
 
 @overload
@@ -536,7 +544,9 @@ def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: lis
             # once the call `delay` calls later starts its backward pass), so
             # fetched values do not wait on the device for long (rule 3).
             fetched = [residuals[n] for n in to_host]
-            if fetched and delay == 0:
+            # The last `delay` calls of a chain have no later call to start
+            # their fetch: they fetch once their own cotangent exists.
+            if fetched and (delay == 0 or saved.get("last_in_chain")):
                 fetched, cotangent = _barrier_arrays((fetched, cotangent))
             elif fetched:
                 fetched, token_cotangent = _barrier_arrays((fetched, token_cotangent))
@@ -560,7 +570,7 @@ def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: lis
     run.defvjp(run_fwd, run_bwd)
     out, token = run(dynamic, kwargs, gate)
     if chain is not None:
-        chain._push(token)
+        chain._push(token, saved)
     return out
 
 
@@ -584,12 +594,16 @@ def _scalar_of(tree) -> jax.Array:
 
 
 def _after_smallest(tree, tokens: list[jax.Array]):
-    """``tree``, its smallest float leaf made to wait for every token: ``leaf + 0 * tokens``.
+    """``tree``, its anchor leaf made to wait for every token: ``leaf + 0 * tokens``.
 
     XLA does not fold ``x * 0`` for floats, so the dependency survives. The
     sum is exact unless a token is inf or NaN, when the gradient already is.
-    The smallest leaf, because the add costs a pass over it. If a program
-    never reads that leaf, the tokens' ordering is lost, not the values.
+    The anchor is the smallest float leaf of rank 2 or more (the smallest
+    float leaf if none has that rank): small, because the add costs a pass
+    over it, and not a vector, because the gradients that a training step
+    never reads are vectors, such as those of BatchNorm's running statistics.
+    If a program never reads the anchor, XLA drops the tokens' ordering
+    (not the values).
     """
     if not tokens:
         return tree
@@ -600,7 +614,7 @@ def _after_smallest(tree, tokens: list[jax.Array]):
         if _is_real(x) and jax.dtypes.issubdtype(x.dtype, np.inexact)
     ]
     if floats:
-        n = min(floats, key=lambda n: leaves[n].size)
+        n = min(floats, key=lambda n: (leaves[n].ndim < 2, leaves[n].size))
         zero = functools.reduce(operator.add, tokens) * 0
         leaves[n] = leaves[n] + zero.astype(leaves[n].dtype)
     return jax.tree.unflatten(treedef, leaves)

@@ -61,13 +61,16 @@ class _ResidualBlock(nn.Module):
     its BatchNorm, the shortcut and the sum are made here.
 
     ``lean`` uses :class:`jaxoffload.layers.BatchNorm`, fused with the ReLU
-    and the convolution that follow it, and :func:`jaxoffload.layers.relu`,
-    and moves the final ReLU to the start of the next block: a lean block
-    applies it to its input if ``relu_input``, and returns the sum before the
-    ReLU. The ReLU's output is then its own mask, the first conv's input and
-    the shortcut, one residual in one block. The other residuals are each
-    conv's output, in the compute dtype; the inner convs' inputs are
-    recomputed from them.
+    and the convolution that follow it, and moves the final ReLU to the start
+    of the next block: a lean block applies it to its input if
+    ``relu_input``, and returns the sum before the ReLU. What a lean block
+    keeps for its backward pass is then its input (the previous block's sum:
+    the ReLU's mask, and the first convolution's input and the shortcut are
+    recomputed from it), each inner convolution's output, and its own sum,
+    from which :func:`jaxoffload.layers.batch_norm_add` recovers the last
+    BatchNorm's input. Each sum is the input of the next block too, so
+    without offload it is stored once. A block whose shortcut is a
+    convolution keeps that convolution's output too, for its BatchNorm.
     """
 
     features: int
@@ -80,14 +83,26 @@ class _ResidualBlock(nn.Module):
     def __call__(self, x, train: bool = True):
         if self.relu_input and not self.lean:
             raise ValueError("only lean blocks take relu_input")
-        x = layers.relu(x) if self.relu_input else x
         conv, norm, norm_relu_conv, relu = _layers(self.dtype, train, self.lean)
+        # Convolutions of relu(x) that keep x, not relu(x).
+        input_conv = (
+            functools.partial(conv, conv_general_dilated=layers.relu_conv)
+            if self.relu_input
+            else conv
+        )
         strides = (self.strides, self.strides)
-        y = self.branch(x, strides, conv, norm_relu_conv)
-        y = norm()(y)  # made after the branch's layers, so that it is named after them
-        if x.shape != y.shape:
-            x = norm()(conv(y.shape[-1], (1, 1), strides)(x))
-        return x + y if self.lean else relu(x + y)
+        y = self.branch(x, strides, input_conv, norm_relu_conv)
+        # Made after the branch's layers, so that they are named after them.
+        last_norm = norm()
+        if x.shape == y.shape:
+            if self.lean:
+                return last_norm(y, shortcut=x, relu_shortcut=self.relu_input)
+            return relu(x + last_norm(y))
+        shortcut_norm = norm()
+        shortcut = input_conv(y.shape[-1], (1, 1), strides)(x)
+        if self.lean:
+            return last_norm(y, shortcut=shortcut, shortcut_norm=shortcut_norm)
+        return relu(shortcut_norm(shortcut) + last_norm(y))
 
     def branch(self, x, strides, conv, norm_relu_conv):
         raise NotImplementedError
