@@ -356,35 +356,3 @@ def test_schedule_gates_ride_on_a_gradient_that_a_step_reads():
 
     args = jnp.ones(8), jnp.full(8, 2.0), jnp.ones(2), jnp.ones((3, 3))
     assert "cosine" in _optimized_hlo(f, *args)
-
-
-def _fetch_barrier_operand_shapes(loss, *args):
-    """The operand shapes of each fetch's barrier in the gradient's jaxpr, in backward order."""
-    from jax.extend import core
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            scope = str(eqn.source_info.name_stack)
-            if eqn.primitive.name == "optimization_barrier" and "to_device" in scope:
-                yield [tuple(v.aval.shape) for v in eqn.invars]
-            for sub in core.jaxprs_in_params(eqn.params):
-                yield from walk(sub)
-
-    return list(walk(jax.make_jaxpr(jax.grad(loss))(*args).jaxpr))
-
-
-def test_the_last_calls_of_a_chain_fetch_on_their_own_cotangent():
-    # Call 0's fetch waits for call 1's backward pass (a scalar token); call 1,
-    # the last, has no later call: its fetch waits for its own output cotangent.
-    layer = offload(lambda w, x: jnp.tanh(x @ w), device_argnums=0)
-
-    def loss(ws, x):
-        with jaxoffload.schedule(window=2):
-            for w in ws:
-                x = layer(w, x)
-        return x.sum()
-
-    ws, x = [jnp.eye(4)] * 2, jnp.ones((3, 4))
-    last, first = _fetch_barrier_operand_shapes(loss, ws, x)  # backward order
-    assert () not in last and last[-1] == (3, 4)  # the fetched values and the cotangent
-    assert first[-1] == () and first[:-1] == last[:-1]  # the fetched values and a token
