@@ -16,6 +16,10 @@ from jaxoffload.transform import schedule
 
 __all__ = ["BasicBlock", "BottleneckBlock", "ResNet", "RESNETS"]
 
+# Lean blocks that keep their sums on the device, where the next block shares
+# them (see _ResidualBlock's invert_last_norm).
+_INVERTING = ("lean", "lean-unordered")
+
 # name: (blocks per stage, block kind)
 RESNETS = {
     "resnet18": ((2, 2, 2, 2), "basic"),
@@ -63,14 +67,18 @@ class _ResidualBlock(nn.Module):
     ``lean`` uses :class:`jaxoffload.layers.BatchNorm`, fused with the ReLU
     and the convolution that follow it, and moves the final ReLU to the start
     of the next block: a lean block applies it to its input if
-    ``relu_input``, and returns the sum before the ReLU. What a lean block
-    keeps for its backward pass is then its input (the previous block's sum:
-    the ReLU's mask, and the first convolution's input and the shortcut are
-    recomputed from it), each inner convolution's output, and its own sum,
-    from which :func:`jaxoffload.layers.batch_norm_add` recovers the last
-    BatchNorm's input. Each sum is the input of the next block too, so
-    without offload it is stored once. A block whose shortcut is a
-    convolution keeps that convolution's output too, for its BatchNorm.
+    ``relu_input``, and returns the sum before the ReLU. It then keeps the
+    ReLU's output (its own mask, the first convolution's input and the
+    shortcut), each convolution's output, and the shortcut convolution's
+    output if it has one.
+
+    ``invert_last_norm`` (lean blocks only) keeps the block's input and its
+    sum instead of its input's ReLU and its last convolution's output: the
+    ReLU is recomputed, and :func:`jaxoffload.layers.batch_norm_add`
+    recovers the last BatchNorm's input from the sum. The sum is the next
+    block's input, so on the device a chain of such blocks stores each sum
+    once, one full-size residual fewer per block. Offloaded, each block would
+    move its own copy of the sum, so offloading blocks do not invert.
     """
 
     features: int
@@ -78,31 +86,35 @@ class _ResidualBlock(nn.Module):
     dtype: Any = jnp.float32
     lean: bool = False
     relu_input: bool = False
+    invert_last_norm: bool = False
 
     @nn.compact
     def __call__(self, x, train: bool = True):
-        if self.relu_input and not self.lean:
-            raise ValueError("only lean blocks take relu_input")
+        if (self.relu_input or self.invert_last_norm) and not self.lean:
+            raise ValueError("only lean blocks take relu_input or invert_last_norm")
         conv, norm, norm_relu_conv, relu = _layers(self.dtype, train, self.lean)
-        # Convolutions of relu(x) that keep x, not relu(x).
-        input_conv = (
-            functools.partial(conv, conv_general_dilated=layers.relu_conv)
-            if self.relu_input
-            else conv
-        )
+        input_conv, relu_shortcut = conv, False
+        if self.relu_input and self.invert_last_norm:
+            # Convolutions of relu(x) that keep x, not relu(x).
+            input_conv = functools.partial(conv, conv_general_dilated=layers.relu_conv)
+            relu_shortcut = True
+        elif self.relu_input:
+            x = relu(x)
         strides = (self.strides, self.strides)
         y = self.branch(x, strides, input_conv, norm_relu_conv)
         # Made after the branch's layers, so that they are named after them.
         last_norm = norm()
         if x.shape == y.shape:
-            if self.lean:
-                return last_norm(y, shortcut=x, relu_shortcut=self.relu_input)
-            return relu(x + last_norm(y))
+            if self.invert_last_norm:
+                return last_norm(y, shortcut=x, relu_shortcut=relu_shortcut)
+            y = x + last_norm(y)
+            return y if self.lean else relu(y)
         shortcut_norm = norm()
         shortcut = input_conv(y.shape[-1], (1, 1), strides)(x)
-        if self.lean:
+        if self.invert_last_norm:
             return last_norm(y, shortcut=shortcut, shortcut_norm=shortcut_norm)
-        return relu(shortcut_norm(shortcut) + last_norm(y))
+        y = shortcut_norm(shortcut) + last_norm(y)
+        return y if self.lean else relu(y)
 
     def branch(self, x, strides, conv, norm_relu_conv):
         raise NotImplementedError
@@ -111,7 +123,7 @@ class _ResidualBlock(nn.Module):
 class BasicBlock(_ResidualBlock):
     """Two 3x3 convolutions with BatchNorm, and the shortcut (ResNet-18 and -34).
 
-    ``lean`` and ``relu_input``: see ``_ResidualBlock``.
+    ``lean``, ``relu_input`` and ``invert_last_norm``: see ``_ResidualBlock``.
     """
 
     def branch(self, x, strides, conv, norm_relu_conv):
@@ -122,7 +134,7 @@ class BasicBlock(_ResidualBlock):
 class BottleneckBlock(_ResidualBlock):
     """1x1, 3x3 (strided) and 1x1 convolutions with BatchNorm, and the shortcut.
 
-    ``lean`` and ``relu_input``: see ``_ResidualBlock``.
+    ``lean``, ``relu_input`` and ``invert_last_norm``: see ``_ResidualBlock``.
     """
 
     def branch(self, x, strides, conv, norm_relu_conv):
@@ -174,9 +186,10 @@ class ResNet(nn.Module):
                         x, owed = layers.relu(x), False
                     block = wrap_block(kind, strategy, static_argnums=(2,))
                     strides = 2 if stage > 0 and i == 0 else 1
-                    x = block(64 * 2**stage, strides, self.dtype, lean, owed, name=f"block{n}")(
-                        x, train
-                    )
+                    invert = strategy in _INVERTING
+                    x = block(
+                        64 * 2**stage, strides, self.dtype, lean, owed, invert, name=f"block{n}"
+                    )(x, train)
                     n, owed = n + 1, lean
         x = layers.relu(x) if owed else x
         x = jnp.mean(x, axis=(1, 2))
