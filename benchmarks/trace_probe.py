@@ -138,7 +138,7 @@ def read(args):
             rows.append((before["ts"] + before["dur"] - start, f"stall {gap / 1e3:.2f} ms"))
     for e in gpu:
         size = re.search(r"size:(\d+)", e["args"].get("memcpy_details", ""))
-        if size and int(size.group(1)) > 1e6:
+        if size and int(size.group(1)) > 1e6 and e["name"] in ("MemcpyD2H", "MemcpyH2D"):
             rows.append((e["ts"] - start, f"{e['name']} {int(size.group(1)) / 1e6:.0f} MB, "
                                           f"{e['dur'] / 1e3:.2f} ms"))  # fmt: skip
     for at, what in sorted(rows):
