@@ -361,8 +361,12 @@ def batch_norm_relu_conv(
       ((1, 2, 2, 3), Array([3., 4.], dtype=float32))
     """
     dtype = jnp.dtype(x.dtype if dtype is None else dtype)
-    conv = tuple(sorted((k, _hashable(v)) for k, v in conv_kwargs.items()))
-    return _batch_norm_relu_conv(x, scale, bias, kernel, epsilon, dtype, conv)
+    return _batch_norm_relu_conv(x, scale, bias, kernel, epsilon, dtype, _conv_spec(conv_kwargs))
+
+
+def _conv_spec(conv_kwargs: dict) -> tuple:
+    """``conv_general_dilated``'s keyword arguments as a static, hashable argument."""
+    return tuple(sorted((k, _hashable(v)) for k, v in conv_kwargs.items()))
 
 
 def _hashable(value):
@@ -424,7 +428,7 @@ def relu_conv(
       Array(2., dtype=float32)
     """
     conv = dict(window_strides=window_strides, padding=padding, **conv_kwargs)
-    return _relu_conv(lhs, rhs, tuple(sorted((k, _hashable(v)) for k, v in conv.items())))
+    return _relu_conv(lhs, rhs, _conv_spec(conv))
 
 
 def _positive(x):

@@ -363,7 +363,7 @@ def test_conv_after_needs_a_relu_and_matches_flax_in_eval_mode():
         Block(True, relu=False).apply(variables, x)
 
 
-@settings(deadline=None, max_examples=10)
+@settings(deadline=None, max_examples=6)
 @given(norm_conv_cases())
 def test_relu_conv_matches_flax(case):
     shape, kernel_size, conv, seed = case
