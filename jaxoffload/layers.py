@@ -39,6 +39,11 @@ def relu(x: jax.Array) -> jax.Array:
       >>> jax.grad(lambda x: relu(x).sum())(jnp.array([-1.0, 0.0, 2.0]))
       Array([0., 0., 1.], dtype=float32)
     """
+    return _positive(x)
+
+
+def _positive(x):
+    """``max(x, 0)`` in ``x``'s dtype: the ReLU, without a rule of its own."""
     return jnp.maximum(x, jnp.zeros((), x.dtype))
 
 
@@ -429,10 +434,6 @@ def relu_conv(
     """
     conv = dict(window_strides=window_strides, padding=padding, **conv_kwargs)
     return _relu_conv(lhs, rhs, _conv_spec(conv))
-
-
-def _positive(x):
-    return jnp.maximum(x, jnp.zeros((), x.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
