@@ -18,6 +18,8 @@ from typing import Any
 from jaxoffload import models
 
 STRATEGIES = (*models.BLOCK_STRATEGIES, *models.PLANNED_STRATEGIES)
+# The strategies whose blocks take --window (see jaxoffload.models.wrap_block).
+SCHEDULED_STRATEGIES = ("lean", *models.OFFLOAD_STRATEGIES)
 # All but the two that only show what the default ones improve on.
 DEFAULT_STRATEGIES = ",".join(s for s in STRATEGIES if s not in ("lean-unordered", "offload-plain"))
 
@@ -48,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="jaxoffload.schedule window of the blocks of 'lean', 'offload' and "
-        "'offload-plain' ('offload-hidden' plans its own; other strategies have no schedule)",
+        "'offload-plain' ('offload-hidden' plans its own; other strategies have no schedule, "
+        "and a window with none of the three is an error)",
     )
     bench.add_argument("--out", default="bench-out", help="folder for records.json and pareto.png")
     bench.add_argument(
@@ -97,6 +100,11 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
         )
     if args.steps < 1:
         raise BenchError(f"--steps must be at least 1, got {args.steps}")
+    if args.window != 1 and not set(strategies) & set(SCHEDULED_STRATEGIES):
+        raise BenchError(
+            f"--window {args.window} has no effect on {', '.join(strategies)}: only "
+            f"{', '.join(SCHEDULED_STRATEGIES)} take it"
+        )
     try:
         workloads = [
             benchmark.Workload(

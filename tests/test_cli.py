@@ -27,6 +27,7 @@ REQUIRED = {
         (["--steps", "0"], "--steps must be at least 1"),
         (["--memory-cap", "12"], "--memory-cap needs a GPU"),
         (["--max-batch"], "--max-batch needs a GPU"),
+        (["--strategies", "none,offload-hidden", "--window", "2"], "--window 2 has no effect"),
     ],
 )
 def test_bad_arguments_exit_with_a_message(argv, message, capsys):
