@@ -111,9 +111,9 @@ class schedule:
     (``FINDINGS.md`` §4, rules 2 and 3). XLA drops a barrier operand whose
     output is never read, so each call reads its gates' far sides: one of
     its gradients, a small one that a training step reads, adds zero times
-    each of them. Measured on an H200, each
-    step of the window adds one layer's residuals to device temp, and depth
-    adds nothing (``tests/test_gpu.py``, ``benchmarks/README.md``).
+    each of them. Measured on an H200, each step of the window adds one
+    layer's residuals to device temp, and depth adds nothing
+    (``tests/test_gpu.py``, ``benchmarks/README.md``).
     Use the context inside the differentiated function, around the layers
     (a model's ``__call__`` is a good place). Calls traced under a different
     JAX trace (inside a ``scan`` body, say) start a chain of their own.
