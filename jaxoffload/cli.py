@@ -18,8 +18,6 @@ from typing import Any
 from jaxoffload import models
 
 STRATEGIES = (*models.BLOCK_STRATEGIES, *models.PLANNED_STRATEGIES)
-# The strategies whose blocks take --window (see jaxoffload.models.wrap_block).
-SCHEDULED_STRATEGIES = ("lean", *models.OFFLOAD_STRATEGIES)
 # All but the two that only show what the default ones improve on.
 DEFAULT_STRATEGIES = ",".join(s for s in STRATEGIES if s not in ("lean-unordered", "offload-plain"))
 
@@ -100,10 +98,10 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
         )
     if args.steps < 1:
         raise BenchError(f"--steps must be at least 1, got {args.steps}")
-    if args.window != 1 and not set(strategies) & set(SCHEDULED_STRATEGIES):
+    if args.window != 1 and not set(strategies) & set(models.SCHEDULED_STRATEGIES):
         raise BenchError(
             f"--window {args.window} has no effect on {', '.join(strategies)}: only "
-            f"{', '.join(SCHEDULED_STRATEGIES)} take it"
+            f"{', '.join(models.SCHEDULED_STRATEGIES)} take it"
         )
     try:
         workloads = [

@@ -385,6 +385,12 @@ def _convolve(a, kernel, conv):
     return jax.lax.conv_general_dilated(a, kernel, **dict(conv))
 
 
+def _convolve_grads(a, kernel, conv, g_y):
+    """``(g_a, g_kernel)`` of :func:`_convolve` at the recomputed input ``a``."""
+    _, convolve_vjp = jax.vjp(lambda a, kernel: _convolve(a, kernel, conv), a, kernel)
+    return convolve_vjp(g_y)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _batch_norm_relu_conv(x, scale, bias, kernel, epsilon, dtype, conv):
     a, mean, var, _ = _batch_norm_forward(x, scale, bias, epsilon, True, dtype)
@@ -404,8 +410,7 @@ def _batch_norm_relu_conv_bwd(epsilon, dtype, conv, residuals, cotangents):
     # convolution's input alive until now after all.
     (x, mean, inv_std), g_y = jax.lax.optimization_barrier(((x, mean, inv_std), g_y))
     a = _normalised(x, mean, inv_std, scale, bias, relu=True).astype(dtype)
-    _, convolve_vjp = jax.vjp(lambda a, kernel: _convolve(a, kernel, conv), a, kernel)
-    g_a, g_kernel = convolve_vjp(g_y)
+    g_a, g_kernel = _convolve_grads(a, kernel, conv, g_y)
     return (*_batch_norm_grads(x, mean, inv_std, scale, bias, True, g_a, g_mean, g_var), g_kernel)
 
 
@@ -448,8 +453,7 @@ def _relu_conv_fwd(x, kernel, conv):
 def _relu_conv_bwd(conv, residuals, g_y):
     x, kernel = residuals
     (x,), g_y = jax.lax.optimization_barrier(((x,), g_y))  # see _batch_norm_relu_conv_bwd
-    _, convolve_vjp = jax.vjp(lambda a, kernel: _convolve(a, kernel, conv), _positive(x), kernel)
-    g_a, g_kernel = convolve_vjp(g_y)
+    g_a, g_kernel = _convolve_grads(_positive(x), kernel, conv, g_y)
     return jnp.where(x > 0, g_a, jnp.zeros((), g_a.dtype)), g_kernel
 
 

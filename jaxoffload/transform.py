@@ -554,11 +554,11 @@ def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: lis
         # The gate's cotangent exists once this call's backward pass starts:
         # it starts the fetch of the call `delay` calls back.
         gate_cotangent = _scalar_of(cotangent) if gate is not None else None
-        # The gates' far sides are read by the smallest gradient, so that XLA
-        # keeps them. The input cotangent leaves with the parameter cotangents:
+        # The gates' far sides are read by one gradient (the anchor), so that
+        # XLA keeps them. The input cotangent leaves with the parameter cotangents:
         # XLA would otherwise sink weight-gradient work to the end of the
         # backward pass and keep every fetched residual alive until then (rule 3).
-        cotangents_in = _after_smallest(vjp_fun(cotangent), anchors)
+        cotangents_in = _after_tokens(vjp_fun(cotangent), anchors)
         return (*_barrier_arrays(cotangents_in), gate_cotangent)
 
     run.defvjp(run_fwd, run_bwd)
@@ -587,7 +587,7 @@ def _scalar_of(tree) -> jax.Array:
     return jax.lax.reshape(element, ()).astype(np.float32)
 
 
-def _after_smallest(tree, tokens: list[jax.Array]):
+def _after_tokens(tree, tokens: list[jax.Array]):
     """``tree``, its anchor leaf made to wait for every token: ``leaf + 0 * tokens``.
 
     XLA does not fold ``x * 0`` for floats, so the dependency survives. The

@@ -330,12 +330,12 @@ def test_xla_drops_barrier_operands_whose_outputs_are_unread():
 
 def test_schedule_gates_survive_xla():
     # A gate: the outputs leave through a barrier with the gate, and the
-    # gate's side is read by the smallest gradient (`_after_smallest`).
-    from jaxoffload.transform import _after_smallest, _scalar_of
+    # gate's side is read by the anchor gradient (`_after_tokens`).
+    from jaxoffload.transform import _after_tokens, _scalar_of
 
     def f(x, y, w):
         out, gate = jax.lax.optimization_barrier((jnp.exp(x), _scalar_of(jnp.cos(y))))
-        return out, _after_smallest((x, w), [gate])[1]
+        return out, _after_tokens((x, w), [gate])[1]
 
     x, y, w = jnp.ones(8), jnp.full(8, 2.0), jnp.ones(2)
     assert "cosine" in _optimized_hlo(f, x, y, w)  # the gate is still computed
@@ -347,11 +347,11 @@ def test_schedule_gates_ride_on_a_gradient_that_a_step_reads():
     # A Flax block's smallest gradients are often those of BatchNorm's running
     # statistics, which no training step reads: a gate anchored there is dropped
     # with them. The anchor is the smallest leaf of rank 2 or more (a kernel's).
-    from jaxoffload.transform import _after_smallest, _scalar_of
+    from jaxoffload.transform import _after_tokens, _scalar_of
 
     def f(x, y, stats, kernel):
         out, gate = jax.lax.optimization_barrier((jnp.exp(x), _scalar_of(jnp.cos(y))))
-        _, kernel = _after_smallest((stats, kernel), [gate])  # the stats' result is unread
+        _, kernel = _after_tokens((stats, kernel), [gate])  # the stats' result is unread
         return out, kernel
 
     args = jnp.ones(8), jnp.full(8, 2.0), jnp.ones(2), jnp.ones((3, 3))

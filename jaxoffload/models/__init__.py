@@ -11,6 +11,7 @@ from jaxoffload.models.common import BLOCK_STRATEGIES as BLOCK_STRATEGIES
 from jaxoffload.models.common import LEAN_STRATEGIES as LEAN_STRATEGIES
 from jaxoffload.models.common import OFFLOAD_STRATEGIES as OFFLOAD_STRATEGIES
 from jaxoffload.models.common import PLANNED_STRATEGIES as PLANNED_STRATEGIES
+from jaxoffload.models.common import SCHEDULED_STRATEGIES as SCHEDULED_STRATEGIES
 from jaxoffload.models.common import first_k as first_k
 from jaxoffload.models.common import wrap_block as wrap_block
 from jaxoffload.models.resnet import RESNETS
@@ -37,6 +38,7 @@ __all__ = [
     "MODEL_NAMES",
     "OFFLOAD_STRATEGIES",
     "PLANNED_STRATEGIES",
+    "SCHEDULED_STRATEGIES",
     "VGG",
     "VGG11",
     "VGG13",

@@ -17,6 +17,7 @@ __all__ = [
     "LEAN_STRATEGIES",
     "OFFLOAD_STRATEGIES",
     "PLANNED_STRATEGIES",
+    "SCHEDULED_STRATEGIES",
     "uses_lean_layers",
     "wrap_block",
 ]
@@ -46,6 +47,8 @@ PLANNED_STRATEGIES = {
 LEAN_STRATEGIES = ("lean", "lean-unordered", "offload")
 # Blocks under these move their residuals with jaxoffload.linen.offload.
 OFFLOAD_STRATEGIES = ("offload-plain", "offload")
+# Blocks under these take a jaxoffload.schedule turn (see wrap_block).
+SCHEDULED_STRATEGIES = ("lean", *OFFLOAD_STRATEGIES)
 
 
 def wrap_block(
