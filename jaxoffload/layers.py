@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Callable, Sequence
@@ -63,7 +64,7 @@ def max_pool(
     inputs: jax.Array,
     window_shape: Sequence[int],
     strides: Sequence[int] | None = None,
-    padding: str = "VALID",
+    padding: str | Sequence[tuple[int, int]] = "VALID",
 ) -> jax.Array:
     """``flax.linen.max_pool`` with a backward pass that keeps no index tensors.
 
@@ -75,15 +76,18 @@ def max_pool(
     the gradient with elementwise operations that XLA fuses into one loop.
     Ties go to the first element of the window in row-major order.
 
-    Only non-overlapping windows (``strides == window_shape``, the default
-    here is flax's, so pass them) with ``"VALID"`` padding take the lean path;
-    other arguments fall back to ``flax.linen.max_pool``.
+    Windows may overlap (``strides`` smaller than the window, as in ResNet's
+    3x3, stride-2 stem pool), and padding counts as ``-inf``, as in flax.
+    Arguments that flax accepts but this rule does not (an input without a
+    batch dimension, an integer dtype, a window that lies wholly in the
+    padding) fall back to ``flax.linen.max_pool``.
 
     Args:
       inputs: ``(batch, *spatial, features)``.
       window_shape: the window's spatial shape.
       strides: the strides; ``None`` means 1 in every dimension, as in flax.
-      padding: ``"VALID"`` for the lean path, anything flax accepts otherwise.
+      padding: ``"VALID"``, ``"SAME"``, or one ``(low, high)`` pair per
+        spatial dimension.
 
     Returns:
       The pooled array, as ``flax.linen.max_pool`` returns it.
@@ -95,24 +99,23 @@ def max_pool(
       Array([[ 5.,  7.],
              [13., 15.]], dtype=float32)
     """
-    window_shape = tuple(window_shape)
-    strides = tuple(strides) if strides is not None else (1,) * len(window_shape)
-    if not _is_lean(inputs, window_shape, strides, padding):
-        return nn.max_pool(inputs, window_shape, strides=strides, padding=padding)
-    return _max_pool(inputs, window_shape)
+    pool = _Pool.of(inputs, window_shape, strides, padding)
+    if pool is None:
+        return nn.max_pool(inputs, tuple(window_shape), strides=strides, padding=padding)
+    return _max_pool(inputs, pool)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _max_pool(x: jax.Array, window: tuple[int, ...]) -> jax.Array:
-    return functools.reduce(jnp.maximum, _window_slices(x, window))
+def _max_pool(x: jax.Array, pool: _Pool) -> jax.Array:
+    return functools.reduce(jnp.maximum, pool.slices(x))
 
 
-def _max_pool_fwd(x, window):
-    return _max_pool(x, window), x
+def _max_pool_fwd(x, pool):
+    return _max_pool(x, pool), x
 
 
-def _max_pool_bwd(window, x, g):
-    return (_route(g, _first_max(_window_slices(x, window)), window, x.shape),)
+def _max_pool_bwd(pool, x, g):
+    return (pool.route(g, _first_max(pool.slices(x)), x.shape),)
 
 
 _max_pool.defvjp(_max_pool_fwd, _max_pool_bwd)
@@ -122,7 +125,7 @@ def relu_max_pool(
     inputs: jax.Array,
     window_shape: Sequence[int],
     strides: Sequence[int] | None = None,
-    padding: str = "VALID",
+    padding: str | Sequence[tuple[int, int]] = "VALID",
 ) -> jax.Array:
     """``max_pool(relu(x))`` whose backward pass keeps a one-byte index, not the input.
 
@@ -133,8 +136,8 @@ def relu_max_pool(
     ``max_pool`` and ``relu`` would otherwise keep. Ties go to the first
     element of the window in row-major order.
 
-    Takes the lean path under the same conditions as :func:`max_pool`;
-    otherwise it is ``max_pool(relu(inputs), ...)``.
+    Takes the same arguments as :func:`max_pool`, and falls back under the
+    same conditions, to ``max_pool(relu(inputs), ...)``.
 
     Example:
       >>> import jax.numpy as jnp
@@ -142,41 +145,31 @@ def relu_max_pool(
       >>> relu_max_pool(jnp.array([[-1.0, 2.0], [-3.0, -4.0]]).reshape(1, 2, 2, 1), (2, 2), (2, 2))
       Array([[[[2.]]]], dtype=float32)
     """
-    window_shape = tuple(window_shape)
-    strides = tuple(strides) if strides is not None else (1,) * len(window_shape)
-    if not _is_lean(inputs, window_shape, strides, padding):
+    pool = _Pool.of(inputs, window_shape, strides, padding)
+    if pool is None:
         return max_pool(relu(inputs), window_shape, strides, padding)
-    return _relu_max_pool(inputs, window_shape, inputs.shape)
+    return _relu_max_pool(inputs, pool, inputs.shape)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _relu_max_pool(x: jax.Array, window: tuple[int, ...], shape: tuple[int, ...]) -> jax.Array:
-    return relu(functools.reduce(jnp.maximum, _window_slices(x, window)))
+def _relu_max_pool(x: jax.Array, pool: _Pool, shape: tuple[int, ...]) -> jax.Array:
+    return relu(functools.reduce(jnp.maximum, pool.slices(x)))
 
 
-def _relu_max_pool_fwd(x, window, shape):
-    slices = _window_slices(x, window)
+def _relu_max_pool_fwd(x, pool, shape):
+    slices = pool.slices(x)
     pooled = relu(functools.reduce(jnp.maximum, slices))
     return pooled, (pooled, _first_max(slices))
 
 
-def _relu_max_pool_bwd(window, shape, residuals, g):
+def _relu_max_pool_bwd(pool, shape, residuals, g):
     pooled, first = residuals
     # A window whose maximum was not positive passed no gradient through the ReLU.
     g = jnp.where(pooled > 0, g, jnp.zeros((), g.dtype))
-    return (_route(g, first, window, shape),)
+    return (pool.route(g, first, shape),)
 
 
 _relu_max_pool.defvjp(_relu_max_pool_fwd, _relu_max_pool_bwd)
-
-
-def _is_lean(inputs, window_shape, strides, padding) -> bool:
-    return (
-        strides == window_shape
-        and padding == "VALID"
-        and inputs.ndim == len(window_shape) + 2
-        and all(s >= w for s, w in zip(inputs.shape[1:-1], window_shape))
-    )
 
 
 def _first_max(slices: list[jax.Array]) -> jax.Array:
@@ -188,37 +181,61 @@ def _first_max(slices: list[jax.Array]) -> jax.Array:
     return first
 
 
-def _route(g: jax.Array, first: jax.Array, window, shape) -> jax.Array:
-    """Puts each window's gradient at its first maximum, zeros elsewhere.
+@dataclasses.dataclass(frozen=True)
+class _Pool:
+    """A pool's static geometry: window, strides and ``(low, high)`` padding per spatial dimension."""
 
-    Interior padding places each window position's share: no scatter, and no
-    index tensor of the input's size.
-    """
-    zero = jnp.zeros((), g.dtype)
-    gx = jnp.zeros(shape, g.dtype)
-    for n, offset in enumerate(itertools.product(*map(range, window))):
-        gx = gx + jax.lax.pad(jnp.where(first == n, g, zero), zero, _spread(shape, window, offset))
-    return gx
+    window: tuple[int, ...]
+    strides: tuple[int, ...]
+    pads: tuple[tuple[int, int], ...]
 
+    @classmethod
+    def of(cls, inputs, window_shape, strides, padding) -> _Pool | None:
+        """The geometry, or ``None`` where the lean rules do not apply (see :func:`max_pool`)."""
+        window = tuple(int(k) for k in window_shape)
+        strides = tuple(int(s) for s in strides) if strides is not None else (1,) * len(window)
+        spatial = inputs.shape[1:-1]
+        if inputs.ndim != len(window) + 2 or not jnp.issubdtype(inputs.dtype, jnp.floating):
+            return None
+        if isinstance(padding, str):
+            pads = jax.lax.padtype_to_pads(spatial, window, strides, padding)
+        else:
+            pads = padding
+        pads = tuple((int(lo), int(hi)) for lo, hi in pads)
+        if len(pads) != len(window) or any(
+            lo >= k or hi >= k or n + lo + hi < k for (lo, hi), k, n in zip(pads, window, spatial)
+        ):
+            return None
+        return cls(window, strides, pads)
 
-def _window_slices(x: jax.Array, window: tuple[int, ...]) -> list[jax.Array]:
-    """One strided view of ``x`` per position in the window."""
-    views = []
-    for offset in itertools.product(*map(range, window)):
-        index = [slice(None)]
-        for size, k, o in zip(x.shape[1:-1], window, offset):
-            index.append(slice(o, o + (size // k) * k, k))
-        views.append(x[tuple(index + [slice(None)])])
-    return views
+    def slices(self, x: jax.Array) -> list[jax.Array]:
+        """One strided view of ``x``, padded with ``-inf``, per position in the window."""
+        if any(lo or hi for lo, hi in self.pads):
+            x = jnp.pad(x, [(0, 0), *self.pads, (0, 0)], constant_values=-jnp.inf)
+        views = []
+        for offset in itertools.product(*map(range, self.window)):
+            index = [slice(None)]
+            for size, k, s, o in zip(x.shape[1:-1], self.window, self.strides, offset):
+                index.append(slice(o, o + (size - k) // s * s + 1, s))
+            views.append(x[tuple(index + [slice(None)])])
+        return views
 
+    def route(self, g: jax.Array, first: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+        """Puts each window's gradient at its first maximum of an input of ``shape``.
 
-def _spread(shape, window, offset) -> list[tuple[int, int, int]]:
-    """lax.pad config that puts a pooled-size array back at ``offset`` in ``shape``."""
-    config = [(0, 0, 0)]
-    for size, k, o in zip(shape[1:-1], window, offset):
-        pooled = size // k
-        config.append((o, size - o - (pooled - 1) * k - 1, k - 1))
-    return config + [(0, 0, 0)]
+        Interior padding places each window position's share, and overlapping
+        windows add theirs: no scatter, and no index tensor of the input's size.
+        """
+        padded = [n + lo + hi for n, (lo, hi) in zip(shape[1:-1], self.pads)]
+        zero = jnp.zeros((), g.dtype)
+        gx = jnp.zeros((shape[0], *padded, shape[-1]), g.dtype)
+        for n, offset in enumerate(itertools.product(*map(range, self.window))):
+            config = [(0, 0, 0)]
+            for size, k, s, o in zip(padded, self.window, self.strides, offset):
+                config.append((o, size - o - (size - k) // s * s - 1, s - 1))
+            gx = gx + jax.lax.pad(jnp.where(first == n, g, zero), zero, config + [(0, 0, 0)])
+        index = [slice(lo, lo + n) for n, (lo, _) in zip(shape[1:-1], self.pads)]
+        return gx[(slice(None), *index, slice(None))]
 
 
 def batch_norm(

@@ -27,25 +27,40 @@ from jaxoffload.layers import (
 
 @st.composite
 def pool_cases(draw):
-    """A random NHWC input, odd sizes included, a window that fits it, and a seed."""
+    """A random NHWC input, odd sizes included, a pool that fits it, and a seed.
+
+    Strides up to the window's (overlapping windows when smaller) and every
+    kind of padding: "VALID", "SAME" and explicit pairs.
+    """
     shape = (draw(st.integers(1, 3)), draw(st.integers(2, 11)), draw(st.integers(2, 11)),
              draw(st.integers(1, 4)))  # fmt: skip
     window = draw(st.sampled_from([(2, 2), (3, 3), (2, 1), (1, 3), (3, 2)]))
     window = tuple(min(w, s) for w, s in zip(window, shape[1:3]))
+    strides = tuple(draw(st.integers(1, w)) for w in window)
+    padding = draw(
+        st.one_of(
+            st.sampled_from(["VALID", "SAME"]),
+            st.tuples(*[st.tuples(st.integers(0, w - 1), st.integers(0, w - 1)) for w in window]),
+        )
+    )
     seed = draw(st.integers(0, 2**16))
-    return jax.random.normal(jax.random.key(seed), shape), window, seed
+    return jax.random.normal(jax.random.key(seed), shape), (window, strides, padding), seed
+
+
+def _check_pool_against_flax(ours, flax, x, seed):
+    assert rel_err(ours(x), flax(x)) == 0.0
+    ct = jax.random.normal(jax.random.key(seed + 1), flax(x).shape)
+    grad = lambda f: jax.jit(jax.grad(lambda x: jnp.sum(f(x) * ct)))(x)  # noqa: E731
+    assert rel_err(grad(ours), grad(flax)) <= 1e-6
 
 
 @settings(deadline=None, max_examples=15)
 @given(pool_cases())
 def test_matches_flax_max_pool(case):
-    x, window, seed = case
-    ours = lambda x: max_pool(x, window, window)  # noqa: E731
-    flax = lambda x: nn.max_pool(x, window, strides=window)  # noqa: E731
-    assert rel_err(ours(x), flax(x)) == 0.0
-    ct = jax.random.normal(jax.random.key(seed + 1), flax(x).shape)
-    grad = lambda f: jax.jit(jax.grad(lambda x: jnp.sum(f(x) * ct)))(x)  # noqa: E731
-    assert rel_err(grad(ours), grad(flax)) <= 1e-6
+    x, (window, strides, padding), seed = case
+    ours = lambda x: max_pool(x, window, strides, padding)  # noqa: E731
+    flax = lambda x: nn.max_pool(x, window, strides=strides, padding=padding)  # noqa: E731
+    _check_pool_against_flax(ours, flax, x, seed)
 
 
 def test_ties_go_to_the_first_element_of_the_window():
@@ -54,11 +69,18 @@ def test_ties_go_to_the_first_element_of_the_window():
     np.testing.assert_array_equal(g[0, :, :, 0], [[1.0, 0.0], [0.0, 0.0]])
 
 
-def test_backward_keeps_no_input_sized_index_tensor():
+def test_overlapping_windows_add_their_gradients():
+    # 3 wide, stride 2: the middle element is the maximum of both windows.
+    x = jnp.array([0.0, 1.0, 5.0, 2.0, 3.0]).reshape(1, 5, 1, 1)
+    g = jax.grad(lambda x: max_pool(x, (3, 1), (2, 1)).sum())(x)
+    np.testing.assert_array_equal(g[0, :, 0, 0], [0.0, 0.0, 2.0, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("window, strides", [((2, 2), (2, 2)), ((3, 3), (2, 2))])
+def test_backward_keeps_no_input_sized_index_tensor(window, strides):
     x = jnp.ones((2, 8, 8, 4), jnp.bfloat16)
-    jaxpr = jax.make_jaxpr(
-        jax.grad(lambda x: max_pool(x, (2, 2), (2, 2)).astype(jnp.float32).sum())
-    )(x)
+    pool = lambda x: max_pool(x, window, strides, "SAME")  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x: pool(x).astype(jnp.float32).sum()))(x)
     integer_shapes = {
         v.aval.shape
         for eqn in jaxpr.jaxpr.eqns
@@ -69,12 +91,21 @@ def test_backward_keeps_no_input_sized_index_tensor():
     assert "select_and_scatter" not in str(jaxpr) and "select_and_gather" not in str(jaxpr)
 
 
-def test_overlapping_windows_fall_back_to_flax():
-    x = jax.random.normal(jax.random.key(0), (1, 6, 6, 2))
-    for kwargs in ({"strides": (1, 1)}, {"strides": (2, 2), "padding": "SAME"}):
-        np.testing.assert_array_equal(
-            max_pool(x, (3, 3), **kwargs), nn.max_pool(x, (3, 3), **kwargs)
-        )
+@pytest.mark.parametrize(
+    "x, kwargs",
+    [
+        (jnp.arange(36.0).reshape(6, 6, 1), {}),  # no batch dimension
+        (jnp.arange(36).reshape(1, 6, 6, 1), {}),  # integers: no -inf to pad with
+        (jnp.arange(36.0).reshape(1, 6, 6, 1), {"padding": ((3, 0), (0, 0))}),  # a padded window
+    ],
+)
+def test_what_the_lean_rules_do_not_take_falls_back_to_flax(x, kwargs):
+    np.testing.assert_array_equal(
+        max_pool(x, (3, 3), (1, 1), **kwargs), nn.max_pool(x, (3, 3), (1, 1), **kwargs)
+    )
+    assert "reduce_window" in str(
+        jax.make_jaxpr(lambda x: max_pool(x, (3, 3), (1, 1), **kwargs))(x)
+    )
 
 
 @settings(deadline=None, max_examples=20)
@@ -122,34 +153,25 @@ def test_relu_keeps_no_mask_of_its_own():
 @settings(deadline=None, max_examples=15)
 @given(pool_cases())
 def test_relu_max_pool_matches_flax(case):
-    x, window, seed = case
-    ours = lambda x: relu_max_pool(x, window, window)  # noqa: E731
-    flax = lambda x: nn.max_pool(jax.nn.relu(x), window, strides=window)  # noqa: E731
-    assert rel_err(ours(x), flax(x)) == 0.0
-    ct = jax.random.normal(jax.random.key(seed + 1), flax(x).shape)
-    grad = lambda f: jax.jit(jax.grad(lambda x: jnp.sum(f(x) * ct)))(x)  # noqa: E731
-    assert rel_err(grad(ours), grad(flax)) <= 1e-6
+    x, (window, strides, padding), seed = case
+    ours = lambda x: relu_max_pool(x, window, strides, padding)  # noqa: E731
+    flax = lambda x: nn.max_pool(jax.nn.relu(x), window, strides=strides, padding=padding)  # noqa: E731
+    _check_pool_against_flax(ours, flax, x, seed)
 
 
 def test_relu_max_pool_keeps_only_a_byte_index_beside_its_output():
     import jaxoffload
 
     x = jax.random.normal(jax.random.key(0), (2, 8, 8, 4), jnp.bfloat16)
-    f = jaxoffload.offload(lambda x: relu_max_pool(x, (2, 2), (2, 2)))
-    residuals = sorted((str(r.dtype), r.shape) for r in jaxoffload.saved_residuals(f, x))
-    assert residuals == [("bfloat16", (2, 4, 4, 4)), ("int8", (2, 4, 4, 4))]
+    for pool in ((2, 2), (2, 2), "VALID"), ((3, 3), (2, 2), "SAME"):  # ResNet's stem pool last
+        f = jaxoffload.offload(lambda x: relu_max_pool(x, *pool))  # noqa: B023
+        residuals = sorted((str(r.dtype), r.shape) for r in jaxoffload.saved_residuals(f, x))
+        assert residuals == [("bfloat16", (2, 4, 4, 4)), ("int8", (2, 4, 4, 4))]
     # A window with no positive value passes no gradient, as through jax.nn.relu.
     negative = -jnp.ones((1, 2, 2, 1))
     assert (
         float(jnp.abs(jax.grad(lambda x: relu_max_pool(x, (2, 2), (2, 2)).sum())(negative)).sum())
         == 0
-    )
-
-
-def test_relu_max_pool_falls_back_for_overlapping_windows():
-    x = jax.random.normal(jax.random.key(0), (1, 6, 6, 2))
-    np.testing.assert_array_equal(
-        relu_max_pool(x, (3, 3), (1, 1)), nn.max_pool(jax.nn.relu(x), (3, 3), strides=(1, 1))
     )
 
 

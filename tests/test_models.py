@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 from helpers import normal, rel_err
 
+import jaxoffload
 from jaxoffload import models
 from jaxoffload.benchmark import Workload, requested_host_bytes
+from jaxoffload.models import resnet
 from jaxoffload.models.vgg import num_conv_blocks
 
 
@@ -162,3 +164,33 @@ def test_lean_offload_asks_to_move_fewer_bytes(name, batch, at_most):
         for strategy in ("offload-plain", "offload")
     }
     assert 0 < requested["offload"] <= at_most * requested["offload-plain"], requested
+
+
+def test_resnet_stem_follows_the_blocks_unless_told():
+    x = jnp.ones((2, 32, 32, 3))
+    for strategies, expected in [
+        (("none", "none"), "none"),
+        (("lean", "offload"), "lean"),
+        (("offload", "lean"), "lean"),
+        (("offload", "offload"), "remat"),
+    ]:
+        assert resnet._stem_strategy("auto", strategies) == expected, strategies
+    assert resnet._stem_strategy("none", ("offload", "offload")) == "none"
+
+    def stem_sized_residuals(stem):
+        # Residuals of the stem convolution's output size (2, 16, 16, 64).
+        model = models.ResNet((1, 1), "basic", 10, block_strategies=("none",) * 2, stem=stem)
+        variables = model.init(jax.random.key(0), x, True)
+
+        def forward(params):
+            y, _ = model.apply({**variables, "params": params}, x, True, mutable=["batch_stats"])
+            return y
+
+        saved = jaxoffload.saved_residuals(jaxoffload.offload(forward), variables["params"])
+        return sorted(str(r.dtype) for r in saved if r.shape == (2, 16, 16, 64))
+
+    assert stem_sized_residuals("lean") == ["float32"]  # the convolution's output
+    assert stem_sized_residuals("remat") == []
+    assert len(stem_sized_residuals("none")) > 1
+    with pytest.raises(ValueError, match="Unknown stem 'big'"):
+        stem_sized_residuals("big")

@@ -15,6 +15,7 @@ from jaxoffload.models.common import SCHEDULED_STRATEGIES as SCHEDULED_STRATEGIE
 from jaxoffload.models.common import first_k as first_k
 from jaxoffload.models.common import wrap_block as wrap_block
 from jaxoffload.models.resnet import RESNETS
+from jaxoffload.models.resnet import STEM_STRATEGIES as STEM_STRATEGIES
 from jaxoffload.models.resnet import BasicBlock as BasicBlock
 from jaxoffload.models.resnet import BottleneckBlock as BottleneckBlock
 from jaxoffload.models.resnet import ResNet as ResNet
@@ -39,6 +40,7 @@ __all__ = [
     "OFFLOAD_STRATEGIES",
     "PLANNED_STRATEGIES",
     "SCHEDULED_STRATEGIES",
+    "STEM_STRATEGIES",
     "VGG",
     "VGG11",
     "VGG13",

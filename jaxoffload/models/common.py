@@ -35,7 +35,8 @@ BLOCK_STRATEGIES = {
     "remat-dots": "store conv and matmul outputs, recompute the rest (nn.remat, dots_saveable)",
     "jax-offload": "jax's save_and_offload_only_these_names on the named conv outputs",
     "offload-plain": "the plain layers, with their residuals in pinned host memory (scheduled)",
-    "offload": "the 'lean' layers, with their residuals in pinned host memory (scheduled)",
+    "offload": "the 'lean' layers, with their residuals in pinned host memory (scheduled); "
+    "a block with offload_names keeps only those values and its input, and recomputes the rest",
 }
 # Model-wide strategies whose block strategies a planner picks (see
 # jaxoffload.benchmark.hidden_offload_workload).
@@ -56,6 +57,12 @@ def wrap_block(
 ) -> type[nn.Module]:
     """Returns ``block`` transformed by the named strategy.
 
+    Under ``"offload"``, a block class with an ``offload_names`` attribute
+    keeps only its inputs and the values of those
+    :func:`~jax.ad_checkpoint.checkpoint_name` names, and recomputes the rest
+    in its backward pass (``jaxoffload.linen.offload``'s ``names``): fewer
+    bytes cross the link, for some recomputation.
+
     Args:
       block: a Module class.
       strategy: a key of ``BLOCK_STRATEGIES``.
@@ -66,7 +73,10 @@ def wrap_block(
       A Module class with the same variables as ``block``.
     """
     static_argnums = tuple(static_argnums)
-    if strategy in OFFLOAD_STRATEGIES:
+    if strategy == "offload":
+        names = getattr(block, "offload_names", None)
+        return offload_linen.offload(block, names=names, static_argnums=static_argnums)
+    if strategy == "offload-plain":
         return offload_linen.offload(block, static_argnums=static_argnums)
     if strategy == "lean":
         # Moves nothing, but computes each block's weight gradients before the
