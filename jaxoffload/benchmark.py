@@ -71,7 +71,8 @@ class Workload:
       blocks: how many blocks, from the input end, use ``strategy``; the rest use
         ``"none"``. ``None`` means all of them.
       num_classes: classifier outputs.
-      window: the :class:`jaxoffload.schedule` window of offloading blocks.
+      window: the :class:`jaxoffload.schedule` window of offloading blocks, or
+        one per stage of a ResNet (see ``jaxoffload.models.ResNet``).
       plan: one block strategy per block, overriding ``strategy`` and
         ``blocks``; set by the planner of a ``models.PLANNED_STRATEGIES`` entry.
     """
@@ -83,7 +84,7 @@ class Workload:
     strategy: str
     blocks: int | None = None
     num_classes: int = 1000
-    window: int = 1
+    window: int | tuple[int, ...] = 1
     plan: tuple[str, ...] | None = None
 
     def __post_init__(self):
@@ -102,8 +103,21 @@ class Workload:
             raise ValueError(f"batch must be at least 1, got {self.batch}.")
         if self.image_size < 32:
             raise ValueError(f"image_size must be at least 32, got {self.image_size}.")
-        if self.window < 1:
+        if isinstance(self.window, list):  # read back from JSON
+            object.__setattr__(self, "window", tuple(self.window))
+        windows = self.window if isinstance(self.window, tuple) else (self.window,)
+        if not windows or any(isinstance(w, bool) or not isinstance(w, int) for w in windows):
+            raise ValueError(f"window must be an int or a tuple of ints, got {self.window!r}.")
+        if min(windows) < 1:
             raise ValueError(f"window must be at least 1, got {self.window}.")
+        if isinstance(self.window, tuple):
+            if self.model not in models.RESNETS:
+                raise ValueError(f"{self.model} takes one window, not one per stage.")
+            stages = len(models.RESNETS[self.model][0])
+            if len(self.window) != stages:
+                raise ValueError(
+                    f"window has {len(self.window)} entries, but {self.model} has {stages} stages."
+                )
 
     @property
     def strategies(self) -> tuple[str, ...]:

@@ -45,11 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--window",
-        type=int,
+        type=_window,
         default=1,
         help="jaxoffload.schedule window of the blocks of 'lean', 'offload' and "
-        "'offload-plain' ('offload-hidden' plans its own; other strategies have no schedule, "
-        "and a window with none of the three is an error)",
+        "'offload-plain', or one per ResNet stage, e.g. 1,2,2,2 ('offload-hidden' plans its "
+        "own; other strategies have no schedule, and a window with none of the three is an "
+        "error)",
     )
     bench.add_argument("--out", default="bench-out", help="folder for records.json and pareto.png")
     bench.add_argument(
@@ -65,6 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="emulate a GPU with this much memory (sets XLA_PYTHON_CLIENT_MEM_FRACTION)",
     )
     return parser
+
+
+def _window(text: str) -> int | tuple[int, ...]:
+    """``--window``: ``2``, or one window per stage, ``1,2,2,2``."""
+    try:
+        windows = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a window or comma-separated windows, got {text!r}"
+        ) from None
+    return windows[0] if len(windows) == 1 else windows
 
 
 def main(argv: list[str] | None = None) -> None:

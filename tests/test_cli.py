@@ -28,6 +28,10 @@ REQUIRED = {
         (["--memory-cap", "12"], "--memory-cap needs a GPU"),
         (["--max-batch"], "--max-batch needs a GPU"),
         (["--strategies", "none,offload-hidden", "--window", "2"], "--window 2 has no effect"),
+        (["--window", "0"], "window must be at least 1"),
+        (["--window", "two"], "expected a window or comma-separated windows, got 'two'"),
+        (["--window", "1,2"], "window has 2 entries, but resnet18 has 4 stages"),
+        (["--model", "vgg11", "--window", "1,2,2,2"], "vgg11 takes one window, not one per stage"),
     ],
 )
 def test_bad_arguments_exit_with_a_message(argv, message, capsys):

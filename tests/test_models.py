@@ -69,6 +69,10 @@ def test_every_strategy_gives_the_plain_gradient(name):
                 ("offload, window 3", offload.clone(offload_window=3)),
                 ("offload-hidden-like", offload.clone(block_strategies=hidden, offload_window=2)),
             ]
+        if name == "bottleneck resnet":
+            variants += [
+                ("offload, a window per stage", offload.clone(offload_window=(1, 2, 2, 1)))
+            ]
         for strategy, model in variants:
             variables = model.init(jax.random.key(1), x, True)
 
@@ -194,3 +198,14 @@ def test_resnet_stem_follows_the_blocks_unless_told():
     assert len(stem_sized_residuals("none")) > 1
     with pytest.raises(ValueError, match="Unknown stem 'big'"):
         stem_sized_residuals("big")
+
+
+def test_resnet_takes_one_window_per_stage():
+    x = jnp.ones((1, 32, 32, 3))
+    model = models.ResNet((1, 1), "basic", 10, block_strategies=("offload",) * 2)
+    variables = model.clone(offload_window=(1, 2)).init(jax.random.key(0), x)
+    assert "block1" in variables["params"]
+    with pytest.raises(
+        ValueError, match="offload_window has 3 entries, but the model has 2 stages"
+    ):
+        model.clone(offload_window=(1, 2, 2)).init(jax.random.key(0), x)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -81,6 +82,17 @@ def _stem_strategy(stem: str, block_strategies: Sequence[str]) -> str:
             f"Unknown stem {stem!r}; choose 'auto' or one of {sorted(STEM_STRATEGIES)}."
         )
     return stem
+
+
+def _stage_windows(window: int | Sequence[int], num_stages: int) -> tuple[int, ...]:
+    if isinstance(window, int):
+        return (window,) * num_stages
+    window = tuple(window)
+    if len(window) != num_stages:
+        raise ValueError(
+            f"offload_window has {len(window)} entries, but the model has {num_stages} stages."
+        )
+    return window
 
 
 class _Stem(nn.Module):
@@ -206,7 +218,11 @@ class ResNet(nn.Module):
         follows ``stem``.
       offload_window: the :class:`jaxoffload.schedule` window of the blocks
         that ``jaxoffload.linen.offload`` wraps (``lean``, ``offload``,
-        ``offload-plain``; ``lean-unordered`` and the others have no schedule).
+        ``offload-plain``; ``lean-unordered`` and the others have no schedule),
+        or one window per stage. Consecutive stages with the same window share
+        one schedule. The first stage's blocks hold the largest residuals, so a
+        window of 1 there and 2 after it bounds the peak as window 1 does while
+        later stages overlap their transfers.
       stem: a key of ``STEM_STRATEGIES``, or ``"auto"``: ``"remat"`` if every
         block offloads (``"offload"``), ``"lean"`` if the first block uses
         lean layers, ``"none"`` otherwise.
@@ -217,7 +233,7 @@ class ResNet(nn.Module):
     num_classes: int = 1000
     dtype: Any = jnp.float32
     block_strategies: Sequence[str] = ()
-    offload_window: int = 1
+    offload_window: int | Sequence[int] = 1
     stem: str = "auto"
 
     @nn.compact
@@ -230,10 +246,13 @@ class ResNet(nn.Module):
         stem_module = nn.remat(_Stem, static_argnums=(2,)) if stem == "remat" else _Stem
         x = stem_module(self.dtype, stem != "none", name="stem")(x, train)
         strategies = iter(strategies)
-        n, owed = 0, False  # owed: a lean block left its final ReLU to its reader
-        with schedule(self.offload_window):
-            for stage, size in enumerate(self.stage_sizes):
-                for i in range(size):
+        windows = _stage_windows(self.offload_window, len(self.stage_sizes))
+        blocks = [(stage, i) for stage, size in enumerate(self.stage_sizes) for i in range(size)]
+        owed = False  # a lean block left its final ReLU to its reader
+        # Consecutive stages with the same window share one schedule.
+        for window, group in itertools.groupby(enumerate(blocks), lambda b: windows[b[1][0]]):
+            with schedule(window):
+                for n, (stage, i) in group:
                     strategy = next(strategies)
                     lean = uses_lean_layers(strategy)
                     if owed and not lean:
@@ -244,7 +263,7 @@ class ResNet(nn.Module):
                     x = block(
                         64 * 2**stage, strides, self.dtype, lean, owed, invert, name=f"block{n}"
                     )(x, train)
-                    n, owed = n + 1, lean
+                    owed = lean
         x = layers.relu(x) if owed else x
         x = jnp.mean(x, axis=(1, 2))
         return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)
