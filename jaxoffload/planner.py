@@ -30,7 +30,7 @@ def plan_hidden_offload(
     bwd_ms: float,
     d2h_gbps: float,
     h2d_gbps: float,
-    block_flops: Sequence[float] | None = None,
+    block_costs: Sequence[float] | None = None,
     margin: float = 0.8,
     max_window: int = 8,
 ) -> HiddenPlan:
@@ -41,10 +41,13 @@ def plan_hidden_offload(
     ``w - 1`` blocks after it compute their backward pass. A block is chosen
     when both transfers fit in ``margin`` of that compute, and chosen blocks
     are at least ``w`` apart, so that no two transfers share the link. Each
-    block's share of the compute time is its share of ``block_flops``
-    (:attr:`jaxoffload.OffloadedCall.flops`), or an equal share without
-    them. The window with the most bytes wins; ties go to the smaller window,
-    which holds fewer fetched residuals at once.
+    block's share of the compute time, forward and backward, is its share of
+    ``block_costs``, or an equal share without them. Measured times are the
+    better costs (:func:`jaxoffload.benchmark.time_offloaded_calls`): FLOPs
+    (:attr:`jaxoffload.OffloadedCall.flops`) give every ResNet-50 bottleneck
+    the same share, though on an H200 a 56² one computes 3.9 times as long as
+    a 7² one. The window with the most bytes wins; ties go to the smaller
+    window, which holds fewer fetched residuals at once.
 
     Args:
       block_bytes: residual bytes of each block when it offloads.
@@ -52,7 +55,8 @@ def plan_hidden_offload(
       bwd_ms: the rest of a training step's compute time.
       d2h_gbps: device-to-host bandwidth, in 10⁹ bytes per second.
       h2d_gbps: host-to-device bandwidth, likewise.
-      block_flops: each block's forward compute, in any unit; ``None`` for equal.
+      block_costs: each block's forward compute, in any unit (milliseconds,
+        FLOPs); ``None`` for equal.
       margin: the share of the hiding compute that transfers may use.
       max_window: the largest window tried.
 
@@ -72,13 +76,13 @@ def plan_hidden_offload(
         if not value > 0:
             raise ValueError(f"{name} must be positive, got {value}.")
     n = len(block_bytes)
-    if block_flops is None:
-        block_flops = [1.0] * n
-    if len(block_flops) != n or min(block_flops, default=0) < 0 or not sum(block_flops) > 0:
+    if block_costs is None:
+        block_costs = [1.0] * n
+    if len(block_costs) != n or min(block_costs, default=0) < 0 or not sum(block_costs) > 0:
         raise ValueError(
-            f"block_flops must give {n} non-negative numbers, not all 0; got {block_flops}."
+            f"block_costs must give {n} non-negative numbers, not all 0; got {block_costs}."
         )
-    share = [f / sum(block_flops) for f in block_flops]
+    share = [c / sum(block_costs) for c in block_costs]
     best = HiddenPlan((False,) * n, 1, 0)
     for window in range(2, min(max_window, n) + 1):
         chosen, i = [False] * n, 0

@@ -67,11 +67,15 @@ class OffloadedCall:
       residuals: what its backward pass reads, and where each value waits.
       flops: the floating-point operations of its forward pass's matrix
         products and convolutions (2 per multiply-add); elementwise work is
-        not counted. A planner weighs how long a call computes with it.
+        not counted.
+      forward: its forward pass as a closed jaxpr, on its own:
+        ``jax.extend.core.jaxpr_as_fun(call.forward)`` runs it, so that a
+        planner can time it (:func:`jaxoffload.benchmark.time_offloaded_calls`).
     """
 
     residuals: tuple[Residual, ...]
     flops: int
+    forward: Any = dataclasses.field(repr=False, compare=False, default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,14 +385,14 @@ def offloaded_calls(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
       ...  for c in calls]
       [(512, 384), (512, 384)]
     """
-    calls: list[tuple[list[Residual], int]] = []
+    calls: list[tuple[list[Residual], int, Any]] = []
     outer = getattr(_recording, "calls", None)
     _recording.calls = calls
     try:
         jax.make_jaxpr(fun)(*args, **kwargs)
     finally:
         _recording.calls = outer
-    return [OffloadedCall(tuple(residuals), flops) for residuals, flops in calls]
+    return [OffloadedCall(tuple(residuals), flops, forward) for residuals, flops, forward in calls]
 
 
 def residuals_per_call(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[list[Residual]]:
@@ -463,8 +467,8 @@ def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: lis
         )
     if record is None and getattr(_recording, "calls", None) is not None:
         record = []
-        flops = _matmul_flops(jax.make_jaxpr(call)(dynamic, kwargs).jaxpr)
-        _recording.calls.append((record, flops))
+        forward = jax.make_jaxpr(call)(dynamic, kwargs)
+        _recording.calls.append((record, _matmul_flops(forward.jaxpr), forward))
     # The backward pass needs the pytree structure of the forward pass's vjp
     # function; custom_vjp traces the two rules one after the other.
     saved: dict[str, Any] = {}

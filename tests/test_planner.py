@@ -22,7 +22,7 @@ LINK = {"d2h_gbps": 50.0, "h2d_gbps": 40.0}
 def test_every_planned_transfer_fits_behind_its_neighbours(block_bytes, fwd_ms, bwd_ms, weights):
     n = len(block_bytes)
     flops = None if weights is None else weights[:n]
-    plan = plan_hidden_offload(block_bytes, block_flops=flops, fwd_ms=fwd_ms, bwd_ms=bwd_ms, **LINK)
+    plan = plan_hidden_offload(block_bytes, block_costs=flops, fwd_ms=fwd_ms, bwd_ms=bwd_ms, **LINK)
     w = plan.window
     share = [f / sum(flops) for f in flops] if flops else [1 / n] * n
     chosen = [i for i, c in enumerate(plan.offload) if c]
@@ -43,7 +43,7 @@ def test_cheap_neighbours_hide_less():
     # Equal shares hide block 2's transfer; with its neighbours nearly free, nothing does.
     sizes, times = [0, 0, 10**8, 0, 0, 0], {"fwd_ms": 10, "bwd_ms": 20}
     assert plan_hidden_offload(sizes, **times, **LINK).offload[2]
-    cheap = plan_hidden_offload(sizes, block_flops=[100, 100, 1, 1, 1, 1], **times, **LINK)
+    cheap = plan_hidden_offload(sizes, block_costs=[100, 100, 1, 1, 1, 1], **times, **LINK)
     assert not any(cheap.offload)
 
 
@@ -58,8 +58,8 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="fwd_ms must be positive"):
         plan_hidden_offload([1], fwd_ms=0, bwd_ms=1, **LINK)
     for flops in ([1, 2], [0], [-1]):
-        with pytest.raises(ValueError, match="block_flops must give 1"):
-            plan_hidden_offload([1], block_flops=flops, fwd_ms=1, bwd_ms=1, **LINK)
+        with pytest.raises(ValueError, match="block_costs must give 1"):
+            plan_hidden_offload([1], block_costs=flops, fwd_ms=1, bwd_ms=1, **LINK)
 
 
 def test_hidden_workload_plans_from_each_blocks_residual_bytes():
