@@ -236,8 +236,8 @@ def hidden_offload_workload(
 def time_offloaded_calls(calls: Sequence[OffloadedCall], runs: int = 5) -> list[float]:
     """Each offloaded call's forward pass, run alone on the default device: median ms.
 
-    A planner's per-block compute. On an H200, ResNet-50's bottlenecks all do
-    the same FLOPs, yet a 56² one computes 1.28 ms forward and a 7² one 0.33:
+    A planner's per-block compute. On an H200, ResNet-50's identity bottlenecks
+    all do the same FLOPs, yet a 56² one computes 1.28 ms forward and a 7² one 0.33:
     BatchNorm and ReLU passes over memory, which scale with the activations,
     take much of a block's time. Calls with the same forward program are
     timed once. The inputs are zeros: a convolution's time does not depend on

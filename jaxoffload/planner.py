@@ -44,8 +44,8 @@ def plan_hidden_offload(
     block's share of the compute time, forward and backward, is its share of
     ``block_costs``, or an equal share without them. Measured times are the
     better costs (:func:`jaxoffload.benchmark.time_offloaded_calls`): FLOPs
-    (:attr:`jaxoffload.OffloadedCall.flops`) give every ResNet-50 bottleneck
-    the same share, though on an H200 a 56² one computes 3.9 times as long as
+    (:attr:`jaxoffload.OffloadedCall.flops`) give every ResNet-50 identity
+    bottleneck the same share, though on an H200 a 56² one computes 3.9 times as long as
     a 7² one. The window with the most bytes wins; ties go to the smaller
     window, which holds fewer fetched residuals at once.
 

@@ -75,7 +75,7 @@ class OffloadedCall:
 
     residuals: tuple[Residual, ...]
     flops: int
-    forward: Any = dataclasses.field(repr=False, compare=False, default=None)
+    forward: Any = dataclasses.field(repr=False, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)

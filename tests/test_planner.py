@@ -1,5 +1,6 @@
 """jaxoffload.planner: which blocks' transfers hide behind compute."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 from hypothesis import given, settings
@@ -95,3 +96,13 @@ def test_residuals_per_call_gives_one_list_per_block():
     for call in calls:
         host = [r for r in call if r.placement == "pinned_host"]
         assert host and all(r.dtype in (jnp.bfloat16, jnp.float32, jnp.int8) for r in host)
+
+
+def test_each_call_is_timed_alone_and_equal_programs_once():
+    layer = jaxoffload.offload(lambda w, x: jnp.tanh(x @ w), device_argnums=0)
+    wide = jaxoffload.offload(lambda w, x: jnp.tanh(x @ w) @ w.T, device_argnums=0)
+    step = jax.grad(lambda w, x: wide(w, layer(w, layer(w, x))).sum())
+    calls = jaxoffload.offloaded_calls(step, jnp.ones((64, 64)), jnp.ones((32, 64)))
+    times = benchmark.time_offloaded_calls(calls, runs=2)
+    assert len(times) == 3 and min(times) > 0
+    assert times[0] == times[1]  # one program, timed once
