@@ -1,6 +1,6 @@
 """Time one training-step variant on a GPU, and optionally profile it. One variant per process.
 
-    python benchmarks/trace_probe.py run NAME --strategy lean [--window 8] [--offload 8]
+    python benchmarks/trace_probe.py run NAME --strategy lean [--window 8 | 1,2,2,2] [--offload 8]
         [--min-bytes 8000000] [--trace]
     python benchmarks/trace_probe.py read NAME [--folder DIR]
 
@@ -146,6 +146,8 @@ def read(args):
 
 
 def main(argv):
+    from jaxoffload.cli import parse_window
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     run_parser = commands.add_parser("run")
@@ -154,7 +156,8 @@ def main(argv):
     run_parser.add_argument("--batch", type=int, default=256)
     run_parser.add_argument("--image-size", type=int, default=224)
     run_parser.add_argument("--strategy", default="lean")
-    run_parser.add_argument("--window", type=int, default=1)
+    # One window, or one per ResNet stage ("1,2,2,2"), as `jaxoffload bench --window` takes.
+    run_parser.add_argument("--window", type=parse_window, default=1)
     run_parser.add_argument("--offload", type=int, default=None)
     run_parser.add_argument("--min-bytes", type=int, default=0)
     run_parser.add_argument("--trace", action="store_true")

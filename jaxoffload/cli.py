@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--window",
-        type=_window,
+        type=parse_window,
         default=1,
         help="jaxoffload.schedule window of the blocks of 'lean', 'offload' and "
         "'offload-plain', or one per ResNet stage, e.g. 1,2,2,2 ('offload-hidden' plans its "
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _window(text: str) -> int | tuple[int, ...]:
+def parse_window(text: str) -> int | tuple[int, ...]:
     """``--window``: ``2``, or one window per stage, ``1,2,2,2``."""
     try:
         windows = tuple(int(w) for w in text.split(","))
