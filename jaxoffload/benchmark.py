@@ -43,6 +43,7 @@ __all__ = [
     "measure_link",
     "measure_all",
     "measure_in_subprocess",
+    "plan_in_subprocess",
     "probe_device",
     "requested_host_bytes",
     "time_offloaded_calls",
@@ -271,7 +272,6 @@ def measure(
     reference: str | None = None,
     time_forward: bool = False,
     probe_link: bool = False,
-    hidden_budget: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Compiles and runs a workload in this process; returns one record.
 
@@ -291,13 +291,14 @@ def measure(
         the runtime peak is read.
       probe_link: also measure the host link (``d2h_gbps``, ``h2d_gbps``, see
         :func:`measure_link`), after the runtime peak is read.
-      hidden_budget: for ``"offload-hidden"``, the keyword arguments of
-        :func:`hidden_offload_workload` that plan it.
+
+    A planned strategy's workload must carry its plan (:func:`plan_in_subprocess`).
     """
     if workload.strategy in models.PLANNED_STRATEGIES and workload.plan is None:
-        if hidden_budget is None:
-            raise ValueError(f"{workload.strategy!r} needs hidden_budget to plan it.")
-        workload = hidden_offload_workload(workload, **hidden_budget)
+        raise ValueError(
+            f"{workload.strategy!r} needs a plan first: see plan_in_subprocess, whose "
+            "timing runs would otherwise count in this process's peak."
+        )
     step, state, batch, loss_fn = train_step(workload)
     # Donation consumes the initial state; keep a host copy for the gradient check.
     initial = jax.device_get(state[:2]) if reference else None
@@ -504,7 +505,9 @@ def measure_all(
     record with ``"out_of_memory": True``; one whose process fails otherwise
     gives a record with its ``"error"``. Records of strategies that move
     residuals to the host get the transfer bound (:func:`add_transfer_bounds`)
-    when their :data:`COMPUTE_TWIN` is among the workloads.
+    when their :data:`COMPUTE_TWIN` is among the workloads. A planned strategy
+    is planned in a process of its own (:func:`plan_in_subprocess`), from its
+    twin's record, which must come before it.
 
     Args:
       workloads: what to measure, the reference first.
@@ -521,9 +524,8 @@ def measure_all(
             if on_start is not None:
                 on_start(w)
             try:
-                options = {}
                 if w.strategy in models.PLANNED_STRATEGIES:
-                    options["hidden_budget"] = _hidden_budget(w, records)
+                    w = plan_in_subprocess(w, env=env, **_hidden_budget(w, records))
                 records.append(
                     measure_in_subprocess(
                         w,
@@ -533,7 +535,6 @@ def measure_all(
                         time_forward=w.strategy in COMPUTE_TWIN.values(),
                         # Twins measure the link too: a planner takes it from them.
                         probe_link=w.strategy in {*COMPUTE_TWIN, *COMPUTE_TWIN.values()},
-                        **options,
                     )
                 )
                 continue
@@ -554,6 +555,20 @@ def measure_all(
             )
     add_transfer_bounds(records)
     return records
+
+
+def plan_in_subprocess(
+    workload: Workload, *, env: dict[str, str] | None = None, **budget: float
+) -> Workload:
+    """:func:`hidden_offload_workload` in a fresh Python process.
+
+    Planning times each block on the device; in a process of its own, that
+    does not count in the runtime peak of the process that then measures the
+    planned step. ``budget`` holds ``fwd_ms``, ``bwd_ms``, ``d2h_gbps`` and
+    ``h2d_gbps``.
+    """
+    planned = _child(["plan", json.dumps(dataclasses.asdict(workload)), json.dumps(budget)], env)
+    return dataclasses.replace(workload, plan=tuple(planned["plan"]), window=planned["window"])
 
 
 def _hidden_budget(workload: Workload, records: list[dict[str, Any]]) -> dict[str, float]:
@@ -642,6 +657,9 @@ def _probe() -> dict[str, Any]:
 def _main(argv: list[str]) -> None:
     if argv[0] == "probe":
         print(json.dumps(_probe()), flush=True)
+    elif argv[0] == "plan":
+        planned = hidden_offload_workload(Workload(**json.loads(argv[1])), **json.loads(argv[2]))
+        print(json.dumps({"plan": planned.plan, "window": planned.window}), flush=True)
     elif argv[0] == "measure":
         record = measure(Workload(**json.loads(argv[1])), **json.loads(argv[2]))
         print(json.dumps(record), flush=True)

@@ -232,31 +232,42 @@ def test_requested_host_bytes_match_the_traced_step_and_allocate_nothing():
 
 
 def test_planned_strategy_failures_and_empty_plans_are_reported(monkeypatch, tmp_path, capsys):
+    import dataclasses
+
     from jaxoffload import benchmark
 
-    failing = []
+    failing = ""  # which process runs out of memory: "plan", "measure" or neither
 
-    def fake(workload, *, steps, reference, env, **options):
-        if workload.strategy == "offload-hidden" and failing:
+    def fake_plan(workload, *, env, **budget):
+        if failing == "plan":
             raise benchmark.OutOfMemory("RESOURCE_EXHAUSTED")
+        return dataclasses.replace(workload, plan=("lean",) * 8, window=2)
+
+    def fake_measure(workload, *, steps, reference, env, **options):
         planned = workload.strategy == "offload-hidden"
+        if planned and failing == "measure":
+            raise benchmark.OutOfMemory("RESOURCE_EXHAUSTED")
         return {
             "strategy": workload.strategy, "grad_rel_err": 0.0, "step_time_ms": 1.0,
             "compiled_temp_bytes": 1, "compiled_host_temp_bytes": 0, "peak_bytes_in_use": None,
             "images_per_s": 2.0, "model": "vgg11", "batch": 2, "image_size": 32,
             "dtype": "float32", "device": "cpu", "forward_ms": 0.5, "d2h_gbps": 1.0,
-            "h2d_gbps": 1.0, "plan": ["lean"] * 8 if planned else None,
-            "offloaded_blocks": 0, "window": 1, "device_to_host_bytes": 0, "host_to_device_bytes": 0,
+            "h2d_gbps": 1.0, "plan": list(workload.plan) if planned else None,
+            "offloaded_blocks": 0, "window": workload.window, "device_to_host_bytes": 0,
+            "host_to_device_bytes": 0,
         }  # fmt: skip
 
-    monkeypatch.setattr(benchmark, "measure_in_subprocess", fake)
+    monkeypatch.setattr(benchmark, "plan_in_subprocess", fake_plan)
+    monkeypatch.setattr(benchmark, "measure_in_subprocess", fake_measure)
     monkeypatch.setattr(benchmark, "probe_device", lambda env=None: {"platform": "cpu"})
     argv = ["bench", "--model", "vgg11", "--strategies", "offload-hidden"]
     # A plan that offloads nothing is said, not left for the reader to spot.
     cli.main([*argv, "--out", str(tmp_path / "empty")])
     assert "'offload-hidden' offloads nothing here" in capsys.readouterr().err
-    # A planned strategy that fails still gives its record (its block count is unknown).
-    failing.append(True)
-    cli.main([*argv, "--out", str(tmp_path / "failing")])
-    records = json.loads((tmp_path / "failing" / "records.json").read_text())
-    assert records[-1]["out_of_memory"] and records[-1]["offloaded_blocks"] is None
+    # A planned strategy that fails still gives its record: with its plan if the
+    # planning process finished, with no block count if it did not.
+    for failing in ("measure", "plan"):
+        cli.main([*argv, "--out", str(tmp_path / failing)])
+        record = json.loads((tmp_path / failing / "records.json").read_text())[-1]
+        assert record["out_of_memory"], failing
+        assert record["offloaded_blocks"] == (0 if failing == "measure" else None), failing
