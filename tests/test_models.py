@@ -209,3 +209,28 @@ def test_resnet_takes_one_window_per_stage():
         ValueError, match="offload_window has 3 entries, but the model has 2 stages"
     ):
         model.clone(offload_window=(1, 2, 2)).init(jax.random.key(0), x)
+
+
+def test_stages_with_equal_windows_share_one_chain():
+    # Gates link consecutive calls of one chain; each adds barriers to the step.
+    x = jnp.ones((1, 32, 32, 3))
+
+    def barriers(window):
+        model = models.ResNet((1, 1, 1, 1), "basic", 10, block_strategies=("offload",) * 4)
+        model = model.clone(offload_window=window)
+        variables = model.init(jax.random.key(0), x)
+
+        def loss(params):
+            y, _ = model.apply({**variables, "params": params}, x, True, mutable=["batch_stats"])
+            return jnp.sum(y)
+
+        return str(jax.make_jaxpr(jax.grad(loss))(variables["params"])).count(
+            "optimization_barrier"
+        )
+
+    # Window 1 has no gates; one chain of four calls at window 2 has three; with 2,2,1,1
+    # the first two stages share a chain (one gate) and the last two start another.
+    ungated, three, one = barriers((1, 1, 1, 1)), barriers((2, 2, 2, 2)), barriers((2, 2, 1, 1))
+    assert ungated < one < three
+    assert three - ungated == 3 * (one - ungated)
+    assert barriers(1) == ungated and barriers(2) == three
