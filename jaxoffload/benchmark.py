@@ -247,6 +247,19 @@ def time_offloaded_calls(calls: Sequence[OffloadedCall], runs: int = 5) -> list[
     Args:
       calls: from :func:`jaxoffload.offloaded_calls`.
       runs: timed runs per distinct call, after one to compile and warm up.
+
+    Returns:
+      One time per call, in call order.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxoffload import offload, offloaded_calls
+      >>> layer = offload(lambda w, x: jnp.tanh(x @ w), device_argnums=0)
+      >>> step = jax.grad(lambda w, x: layer(w, layer(w, x)).sum())
+      >>> calls = offloaded_calls(step, jnp.ones((8, 8)), jnp.ones((4, 8)))
+      >>> first, second = time_offloaded_calls(calls, runs=2)
+      >>> first == second  # the same program, timed once
+      True
     """
     times: dict[str, float] = {}
     for call in calls:
@@ -564,8 +577,20 @@ def plan_in_subprocess(
 
     Planning times each block on the device; in a process of its own, that
     does not count in the runtime peak of the process that then measures the
-    planned step. ``budget`` holds ``fwd_ms``, ``bwd_ms``, ``d2h_gbps`` and
-    ``h2d_gbps``.
+    planned step.
+
+    Args:
+      workload: a workload of a ``models.PLANNED_STRATEGIES`` strategy.
+      env: extra environment variables for the child process.
+      **budget: ``fwd_ms``, ``bwd_ms``, ``d2h_gbps`` and ``h2d_gbps``, as
+        :func:`hidden_offload_workload` takes them.
+
+    Returns:
+      The workload with its ``plan`` and ``window``.
+
+    Raises:
+      OutOfMemory: if the child ran out of device memory.
+      RuntimeError: if it failed otherwise.
     """
     planned = _child(["plan", json.dumps(dataclasses.asdict(workload)), json.dumps(budget)], env)
     return dataclasses.replace(workload, plan=tuple(planned["plan"]), window=planned["window"])

@@ -69,7 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_window(text: str) -> int | tuple[int, ...]:
-    """``--window``: ``2``, or one window per stage, ``1,2,2,2``."""
+    """Parses ``--window``: one window, or one per ResNet stage.
+
+    Example:
+      >>> parse_window("2"), parse_window("1,2,2,2")
+      (2, (1, 2, 2, 2))
+    """
     try:
         windows = tuple(int(w) for w in text.split(","))
     except ValueError:
