@@ -261,14 +261,14 @@ def time_offloaded_calls(calls: Sequence[OffloadedCall], runs: int = 5) -> list[
       >>> first == second  # the same program, timed once
       True
     """
+    programs = [str(call.forward) for call in calls]
     times: dict[str, float] = {}
-    for call in calls:
-        program = str(call.forward)
+    for call, program in zip(calls, programs):
         if program not in times:
             args = [_zeros(v.aval) for v in call.forward.jaxpr.invars]
             forward = jax.jit(jex_core.jaxpr_as_fun(call.forward))
             times[program] = _median_ms(forward, *args, runs=runs)
-    return [times[str(call.forward)] for call in calls]
+    return [times[program] for program in programs]
 
 
 def _zeros(aval) -> jax.Array:

@@ -73,11 +73,10 @@ def wrap_block(
       A Module class with the same variables as ``block``.
     """
     static_argnums = tuple(static_argnums)
-    if strategy == "offload":
-        names = getattr(block, "offload_names", None)
+    if strategy in OFFLOAD_STRATEGIES:
+        # Only the lean blocks recompute; "offload-plain" moves every residual.
+        names = getattr(block, "offload_names", None) if strategy == "offload" else None
         return offload_linen.offload(block, names=names, static_argnums=static_argnums)
-    if strategy == "offload-plain":
-        return offload_linen.offload(block, static_argnums=static_argnums)
     if strategy == "lean":
         # Moves nothing, but computes each block's weight gradients before the
         # next block's backward pass, as offloading blocks do.

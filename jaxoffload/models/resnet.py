@@ -245,7 +245,6 @@ class ResNet(nn.Module):
         stem = _stem_strategy(self.stem, strategies)
         stem_module = nn.remat(_Stem, static_argnums=(2,)) if stem == "remat" else _Stem
         x = stem_module(self.dtype, stem != "none", name="stem")(x, train)
-        strategies = iter(strategies)
         windows = _stage_windows(self.offload_window, len(self.stage_sizes))
         blocks = [(stage, i) for stage, size in enumerate(self.stage_sizes) for i in range(size)]
         owed = False  # a lean block left its final ReLU to its reader
@@ -253,7 +252,7 @@ class ResNet(nn.Module):
         for window, group in itertools.groupby(enumerate(blocks), lambda b: windows[b[1][0]]):
             with schedule(window):
                 for n, (stage, i) in group:
-                    strategy = next(strategies)
+                    strategy = strategies[n]
                     lean = uses_lean_layers(strategy)
                     if owed and not lean:
                         x, owed = layers.relu(x), False
