@@ -11,17 +11,18 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
     "BatchNorm",
     "batch_norm",
-    "batch_norm_add",
     "batch_norm_relu_conv",
     "conv_after",
     "max_pool",
     "relu",
-    "relu_conv",
     "relu_max_pool",
+    "residual_tail",
+    "tail_conv",
 ]
 
 
@@ -223,9 +224,19 @@ class _Pool:
     def route(self, g: jax.Array, first: jax.Array, shape: tuple[int, ...]) -> jax.Array:
         """Puts each window's gradient at its first maximum of an input of ``shape``.
 
-        Interior padding places each window position's share, and overlapping
-        windows add theirs: no scatter, and no index tensor of the input's size.
+        No scatter, and no index tensor of the input's size. Windows that do
+        not overlap are placed by interior padding, one share per window
+        position; overlapping ones by phases (:meth:`_route_by_phases`). On
+        an H200, each way measured faster where it is used: padding keeps
+        VGG19's lean device temp 0.95 GiB lower at batch 128, and phases cut
+        the backward pass of ResNet-50's stem pool from 1.43 to 1.24 ms at
+        batch 256.
         """
+        if all(s >= k for k, s in zip(self.window, self.strides)):
+            return self._route_by_padding(g, first, shape)
+        return self._route_by_phases(g, first, shape)
+
+    def _route_by_padding(self, g, first, shape):
         padded = [n + lo + hi for n, (lo, hi) in zip(shape[1:-1], self.pads)]
         zero = jnp.zeros((), g.dtype)
         gx = jnp.zeros((shape[0], *padded, shape[-1]), g.dtype)
@@ -234,8 +245,49 @@ class _Pool:
             for size, k, s, o in zip(padded, self.window, self.strides, offset):
                 config.append((o, size - o - (size - k) // s * s - 1, s - 1))
             gx = gx + jax.lax.pad(jnp.where(first == n, g, zero), zero, config + [(0, 0, 0)])
+        return self._unpad(gx, shape)
+
+    def _unpad(self, gx, shape):
         index = [slice(lo, lo + n) for n, (lo, _) in zip(shape[1:-1], self.pads)]
         return gx[(slice(None), *index, slice(None))]
+
+    def _route_by_phases(self, g, first, shape):
+        """Input position ``q * stride + r`` (per spatial dimension, padded) can
+        only be window position ``r + t * stride`` of window ``q - t``: each
+        residue ``r`` (phase) is a sum of a few shifted copies of ``g``, of the
+        pooled size, and interleaving the phases gives the input's gradient.
+        Each input element reads only the windows that can cover it.
+        """
+        padded = [n + lo + hi for n, (lo, hi) in zip(shape[1:-1], self.pads)]
+        per_dim = list(zip(padded, self.window, self.strides, g.shape[1:-1]))
+        phase_sizes = [-(-size // s) for size, _, s, _ in per_dim]
+        zero = jnp.zeros((), g.dtype)
+        phases = []
+        for residues in itertools.product(*(range(s) for s in self.strides)):
+            phase = jnp.zeros((g.shape[0], *phase_sizes, g.shape[-1]), g.dtype)
+            shifts = [range(-(-(k - r) // s)) for r, (_, k, s, _) in zip(residues, per_dim)]
+            for ts in itertools.product(*shifts):
+                offset = [r + t * s for r, t, s in zip(residues, ts, self.strides)]
+                n = int(np.ravel_multi_index(offset, self.window))
+                share = jnp.where(first == n, g, zero)
+                # share[q - t] at q: shift right by t, and cut or fill to the phase's size.
+                pads = [(0, 0)]
+                for t, q, (_, _, _, j) in zip(ts, phase_sizes, per_dim):
+                    pads.append((t, q - j - t))
+                phase = phase + jax.lax.pad(
+                    share, zero, [(lo, hi, 0) for lo, hi in pads + [(0, 0)]]
+                )
+            phases.append(phase)
+        # (batch, q1, ..., channels) per phase -> (batch, q1, r1, q2, r2, ..., channels).
+        d = len(self.strides)
+        gx = jnp.stack(phases, axis=-2).reshape(
+            g.shape[0], *phase_sizes, *self.strides, g.shape[-1]
+        )
+        order = [0, *(a for i in range(d) for a in (1 + i, 1 + d + i)), 1 + 2 * d]
+        gx = gx.transpose(order).reshape(
+            g.shape[0], *(q * s for q, s in zip(phase_sizes, self.strides)), g.shape[-1]
+        )
+        return self._unpad(gx, shape)
 
 
 def batch_norm(
@@ -434,174 +486,128 @@ def _batch_norm_relu_conv_bwd(epsilon, dtype, conv, residuals, cotangents):
 _batch_norm_relu_conv.defvjp(_batch_norm_relu_conv_fwd, _batch_norm_relu_conv_bwd)
 
 
-def relu_conv(
-    lhs: jax.Array, rhs: jax.Array, window_strides: Sequence[int], padding: Any, **conv_kwargs: Any
-) -> jax.Array:
-    """``jax.lax.conv_general_dilated(relu(lhs), rhs, ...)`` that keeps ``lhs``, not ``relu(lhs)``.
-
-    The same size either way, but ``lhs`` may be kept anyway: in a ResNet
-    whose blocks end before their ReLU, it is the previous block's output,
-    which that block's :func:`batch_norm_add` keeps. The backward pass
-    recomputes ``relu(lhs)``. Takes the arguments of
-    ``jax.lax.conv_general_dilated``, so it can be given to
-    ``flax.linen.Conv(conv_general_dilated=relu_conv)``.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from jaxoffload.layers import relu_conv
-      >>> x = jnp.array([-1.0, 2.0]).reshape(1, 1, 2, 1)
-      >>> relu_conv(x, jnp.ones((1, 2, 1, 1)), (1, 1), "VALID",
-      ...           dimension_numbers=("NHWC", "HWIO", "NHWC"))[0, 0, 0, 0]
-      Array(2., dtype=float32)
-    """
-    conv = dict(window_strides=window_strides, padding=padding, **conv_kwargs)
-    return _relu_conv(lhs, rhs, _conv_spec(conv))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _relu_conv(x, kernel, conv):
-    return _convolve(_positive(x), kernel, conv)
-
-
-def _relu_conv_fwd(x, kernel, conv):
-    return _relu_conv(x, kernel, conv), (x, kernel)
-
-
-def _relu_conv_bwd(conv, residuals, g_y):
-    x, kernel = residuals
-    (x,), g_y = jax.lax.optimization_barrier(((x,), g_y))  # see _batch_norm_relu_conv_bwd
-    g_a, g_kernel = _convolve_grads(_positive(x), kernel, conv, g_y)
-    return jnp.where(x > 0, g_a, jnp.zeros((), g_a.dtype)), g_kernel
-
-
-_relu_conv.defvjp(_relu_conv_fwd, _relu_conv_bwd)
-
-
-def batch_norm_add(
+def residual_tail(
     x: jax.Array,
     shortcut: jax.Array,
     scale: jax.Array,
     bias: jax.Array,
+    kernel: jax.Array,
+    out_scale: jax.Array,
+    out_bias: jax.Array,
     *,
     epsilon: float = 1e-5,
-    relu_shortcut: bool = False,
     shortcut_scale: jax.Array | None = None,
     shortcut_bias: jax.Array | None = None,
     dtype: Any = None,
+    **conv_kwargs: Any,
 ) -> tuple[jax.Array, ...]:
-    """``batch_norm(x) + s`` that keeps the sum and the shortcut, not ``x``.
+    """``relu(batch_norm(conv(relu(batch_norm(x)))) + s)``, a ResNet block's end, that keeps ``x`` and its output.
 
-    The end of a ResNet block. ``s`` is ``shortcut``, ``relu(shortcut)`` if
-    ``relu_shortcut``, or, given ``shortcut_scale`` and ``shortcut_bias``,
-    ``batch_norm(shortcut)`` with its own batch statistics (a block whose
-    shortcut is a convolution). The sum is the next block's input, which
-    that block keeps anyway, and the shortcut is this block's input or the
-    shortcut convolution's output, which is kept anyway too. The backward
-    pass recomputes ``s`` and inverts the normalisation, in the style of
-    in-place activated BatchNorm (Rota Bulò et al., 2018):
-    ``normalised = (sum - s - bias) / scale``. That drops one full-size
-    residual per block.
-
-    The inversion divides by ``scale``: channels whose ``scale`` is near zero
-    get inaccurate gradients (exactly zero gives inf or NaN). Do not use it
-    with BatchNorms initialised at ``scale = 0`` ("zero-init residual").
+    ``s`` is ``shortcut``, or ``batch_norm(shortcut)`` given ``shortcut_scale``
+    and ``shortcut_bias`` (a block whose shortcut is a convolution). The
+    output is the next block's input, which that block keeps anyway, and it
+    is also this rule's ReLU mask. The backward pass recomputes the
+    convolution's input (elementwise, from ``x``) and the convolution's
+    output (one convolution), so the block stores neither: a ResNet
+    bottleneck keeps its input, the outputs of its first two convolutions
+    and, with a shortcut convolution, that convolution's output.
 
     Args:
-      x: ``(..., features)``, as in :func:`batch_norm`.
+      x: ``(..., features)``: the last convolution's input, before its
+        BatchNorm (``scale``, ``bias``) and ReLU.
       shortcut: the array added, of the output's shape.
-      scale, bias, epsilon, dtype: as in :func:`batch_norm`.
-      relu_shortcut: add ``relu(shortcut)``.
+      scale, bias: the first BatchNorm's parameters.
+      kernel: the convolution's kernel.
+      out_scale, out_bias: the BatchNorm after the convolution.
+      epsilon, dtype: as in :func:`batch_norm`, for every BatchNorm here.
       shortcut_scale, shortcut_bias: normalise the shortcut with these.
+      **conv_kwargs: the other arguments of ``jax.lax.conv_general_dilated``.
 
     Returns:
-      ``(y, mean, var)``: the sum, and the float32 batch statistics of ``x``;
-      with a normalised shortcut, its statistics follow:
-      ``(y, mean, var, shortcut_mean, shortcut_var)``.
+      ``(y, mean, var, out_mean, out_var)``: the output and the float32
+      batch statistics of both BatchNorms; with a normalised shortcut, its
+      statistics follow.
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from jaxoffload.layers import batch_norm_add
-      >>> y, mean, var = batch_norm_add(jnp.array([[1.0], [3.0]]), jnp.array([[-5.0], [5.0]]),
-      ...                               jnp.ones(1), jnp.zeros(1), relu_shortcut=True)
-      >>> y[:, 0]
-      Array([-0.999995,  5.999995], dtype=float32)
+      >>> from jaxoffload.layers import residual_tail
+      >>> x, kernel = jnp.arange(8.0).reshape(1, 2, 2, 2), jnp.ones((1, 1, 2, 2))
+      >>> y, *stats = residual_tail(x, jnp.ones((1, 2, 2, 2)), jnp.ones(2), jnp.zeros(2),
+      ...     kernel, jnp.ones(2), jnp.zeros(2), window_strides=(1, 1), padding="SAME",
+      ...     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+      >>> y.shape, len(stats)
+      ((1, 2, 2, 2), 4)
     """
     if (shortcut_scale is None) != (shortcut_bias is None):
         raise ValueError("give both shortcut_scale and shortcut_bias, or neither.")
-    if relu_shortcut and shortcut_scale is not None:
-        raise ValueError("relu_shortcut applies to a shortcut that is not normalised.")
-    if shortcut.shape[:-1] != x.shape[:-1]:
-        raise ValueError(f"shortcut has shape {shortcut.shape}; x has {x.shape}.")
     dtype = jnp.dtype(x.dtype if dtype is None else dtype)
-    out, stats = _batch_norm_add(
-        x, shortcut, scale, bias, shortcut_scale, shortcut_bias,
-        epsilon, relu_shortcut, dtype, x.dtype,
-    )  # fmt: skip
+    if shortcut_scale is None:
+        shortcut = shortcut.astype(dtype)  # its gradient is the output's
+    params = (scale, bias, kernel, out_scale, out_bias, shortcut_scale, shortcut_bias)
+    out, stats = _residual_tail(x, shortcut, *params, epsilon, dtype, _conv_spec(conv_kwargs))
     return (out, *stats)
 
 
-def _added(shortcut, relu_shortcut):
-    return _positive(shortcut) if relu_shortcut else shortcut
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _batch_norm_add(
-    x, shortcut, scale, bias, s_scale, s_bias, epsilon, relu_shortcut, dtype, x_dtype
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
+def _residual_tail(
+    x, shortcut, scale, bias, kernel, o_scale, o_bias, s_scale, s_bias, epsilon, dtype, conv
 ):
-    args = (x, shortcut, scale, bias, s_scale, s_bias, epsilon, relu_shortcut, dtype, x_dtype)
-    return _batch_norm_add_fwd(*args)[0]
+    args = (x, shortcut, scale, bias, kernel, o_scale, o_bias, s_scale, s_bias)
+    return _residual_tail_fwd(*args, epsilon, dtype, conv)[0]
 
 
-def _batch_norm_add_fwd(
-    x, shortcut, scale, bias, s_scale, s_bias, epsilon, relu_shortcut, dtype, x_dtype
+def _residual_tail_fwd(
+    x, shortcut, scale, bias, kernel, o_scale, o_bias, s_scale, s_bias, epsilon, dtype, conv
 ):
-    y, mean, var, inv_std = _batch_norm_forward(x, scale, bias, epsilon, False, dtype)
+    a, mean, var, inv_std = _batch_norm_forward(x, scale, bias, epsilon, True, dtype)
+    y, o_mean, o_var, o_inv_std = _batch_norm_forward(
+        _convolve(a, kernel, conv), o_scale, o_bias, epsilon, False, dtype
+    )
+    if shortcut.shape != y.shape:
+        raise ValueError(f"shortcut has shape {shortcut.shape}; the convolution gives {y.shape}.")
     if s_scale is None:
-        added, s_stats, s_saved = _added(shortcut, relu_shortcut), (), ()
+        added, s_stats, s_saved = shortcut, (), None
     else:
         added, s_mean, s_var, s_inv_std = _batch_norm_forward(
             shortcut, s_scale, s_bias, epsilon, False, dtype
         )
-        s_stats, s_saved = (s_mean, s_var), (s_mean, s_inv_std)
-    out = y + added
-    residuals = (out, shortcut, inv_std, scale, bias, s_saved, s_scale, s_bias)
-    return (out, (mean, var, *s_stats)), residuals
+        # A normalised shortcut's backward pass needs its input.
+        s_stats, s_saved = (s_mean, s_var), (shortcut, s_mean, s_inv_std)
+    out = _positive(y + added)
+    params = (scale, bias, kernel, o_scale, o_bias, s_scale, s_bias)
+    residuals = (x, mean, inv_std, o_mean, o_inv_std, out, s_saved, params)
+    return (out, (mean, var, o_mean, o_var, *s_stats)), residuals
 
 
-def _batch_norm_add_bwd(epsilon, relu_shortcut, dtype, x_dtype, residuals, cotangents):
-    out, shortcut, inv_std, scale, bias, s_saved, s_scale, s_bias = residuals
-    g, (g_mean, g_var, *g_s_stats) = cotangents
+def _residual_tail_bwd(epsilon, dtype, conv, residuals, cotangents):
+    x, mean, inv_std, o_mean, o_inv_std, out, s_saved, params = residuals
+    scale, bias, kernel, o_scale, o_bias, s_scale, s_bias = params
+    g, (g_mean, g_var, g_o_mean, g_o_var, *g_s_stats) = cotangents
     # See _batch_norm_relu_conv_bwd.
-    (out, shortcut, inv_std, s_saved), g = jax.lax.optimization_barrier(
-        ((out, shortcut, inv_std, s_saved), g)
+    (x, mean, inv_std, o_mean, o_inv_std, out, s_saved), g = jax.lax.optimization_barrier(
+        ((x, mean, inv_std, o_mean, o_inv_std, out, s_saved), g)
     )
-    if s_scale is None:
-        added = _added(shortcut, relu_shortcut)
-    else:
-        # The forward pass's expression, so that the sum minus it is x's normalised value.
-        added = _normalised(shortcut, *s_saved, s_scale, s_bias, relu=False).astype(dtype)
-    f32 = inv_std.dtype
-    normalised = (out.astype(f32) - added.astype(f32) - bias) / scale
-    g_x, g_scale, g_bias = _normalised_grads(
-        normalised, inv_std, scale, g.astype(f32), g_mean, g_var
+    a = _normalised(x, mean, inv_std, scale, bias, relu=True).astype(dtype)
+    g_sum = jnp.where(out > 0, g, jnp.zeros((), g.dtype))
+    g_c, g_o_scale, g_o_bias = _batch_norm_grads(
+        _convolve(a, kernel, conv), o_mean, o_inv_std, o_scale, o_bias, False, g_sum,
+        g_o_mean, g_o_var,
+    )  # fmt: skip
+    g_a, g_kernel = _convolve_grads(a, kernel, conv, g_c)
+    g_x, g_scale, g_bias = _batch_norm_grads(
+        x, mean, inv_std, scale, bias, True, g_a, g_mean, g_var
     )
-    if s_scale is None:
-        g_shortcut = jnp.where(shortcut > 0, g, jnp.zeros((), g.dtype)) if relu_shortcut else g
-        s_grads = (None, None)
+    if s_saved is None:
+        g_shortcut, s_grads = g_sum, (None, None)
     else:
+        shortcut, s_mean, s_inv_std = s_saved
         g_shortcut, *s_grads = _batch_norm_grads(
-            shortcut, *s_saved, s_scale, s_bias, False, g, *g_s_stats
+            shortcut, s_mean, s_inv_std, s_scale, s_bias, False, g_sum, *g_s_stats
         )
-    return (
-        g_x.astype(x_dtype),
-        g_shortcut.astype(shortcut.dtype),
-        g_scale.astype(scale.dtype),
-        g_bias.astype(bias.dtype),
-        *s_grads,
-    )
+    return (g_x, g_shortcut, g_scale, g_bias, g_kernel, g_o_scale, g_o_bias, *s_grads)
 
 
-_batch_norm_add.defvjp(_batch_norm_add_fwd, _batch_norm_add_bwd)
+_residual_tail.defvjp(_residual_tail_fwd, _residual_tail_bwd)
 
 
 class BatchNorm(nn.Module):
@@ -636,64 +642,27 @@ class BatchNorm(nn.Module):
         use_running_average: bool | None = None,
         *,
         conv_kernel: jax.Array | None = None,
-        shortcut: jax.Array | None = None,
-        relu_shortcut: bool = False,
-        shortcut_norm: BatchNorm | None = None,
         **conv_kwargs: Any,
     ) -> jax.Array:
         """Normalises ``x``; with ``conv_kernel``, convolves the result too (see :func:`conv_after`).
 
         ``conv_kernel`` needs ``relu=True``; ``conv_kwargs`` are the other
         arguments of ``jax.lax.conv_general_dilated``.
-
-        With ``shortcut``, adds it to the result, through
-        :func:`batch_norm_add` (which needs ``relu=False``): as it is,
-        ``relu(shortcut)`` if ``relu_shortcut``, or ``shortcut_norm(shortcut)``
-        given another ``BatchNorm`` (made where it would be called, so that
-        it is named as flax would name it; same ``epsilon`` and ``dtype``).
         """
         use_running_average = nn.merge_param(
             "use_running_average", self.use_running_average, use_running_average
         )
         if conv_kernel is not None and not self.relu:
             raise ValueError("BatchNorm convolves its output (conv_kernel) only with relu=True.")
-        if shortcut is not None and (self.relu or conv_kernel is not None):
-            raise ValueError("BatchNorm adds a shortcut only with relu=False and no conv_kernel.")
-        if (relu_shortcut or shortcut_norm is not None) and shortcut is None:
-            raise ValueError("relu_shortcut and shortcut_norm need a shortcut.")
-        if shortcut_norm is not None and (
-            shortcut_norm.relu
-            or (shortcut_norm.epsilon, shortcut_norm.dtype) != (self.epsilon, self.dtype)
-        ):
-            raise ValueError(
-                "shortcut_norm needs relu=False and this BatchNorm's epsilon and dtype."
-            )
         scale, bias, ra_mean, ra_var = self._variables(x.shape[-1])
         dtype = self.dtype or jnp.result_type(x, scale, bias)
         if use_running_average:
             y = self._normalise_with_running_statistics(x, scale, bias, ra_mean, ra_var, dtype)
             y = relu(y) if self.relu else y
-            if shortcut_norm is not None:
-                variables = shortcut_norm._variables(shortcut.shape[-1])
-                return y + self._normalise_with_running_statistics(shortcut, *variables, dtype)
-            if shortcut is not None:
-                return y + _added(shortcut, relu_shortcut)
             if conv_kernel is None:
                 return y
             return jax.lax.conv_general_dilated(y, conv_kernel, **conv_kwargs)
-        if shortcut_norm is not None:
-            s_scale, s_bias, s_ra_mean, s_ra_var = shortcut_norm._variables(shortcut.shape[-1])
-            y, mean, var, s_mean, s_var = batch_norm_add(
-                x, shortcut, scale, bias, epsilon=self.epsilon, shortcut_scale=s_scale,
-                shortcut_bias=s_bias, dtype=dtype,
-            )  # fmt: skip
-            shortcut_norm._update(s_ra_mean, s_ra_var, s_mean, s_var)
-        elif shortcut is not None:
-            y, mean, var = batch_norm_add(
-                x, shortcut, scale, bias, epsilon=self.epsilon, relu_shortcut=relu_shortcut,
-                dtype=dtype,
-            )  # fmt: skip
-        elif conv_kernel is None:
+        if conv_kernel is None:
             y, mean, var = batch_norm(
                 x, scale, bias, epsilon=self.epsilon, relu=self.relu, dtype=dtype
             )
@@ -721,6 +690,75 @@ class BatchNorm(nn.Module):
         if not self.is_initializing():
             ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean
             ra_var.value = self.momentum * ra_var.value + (1 - self.momentum) * var
+
+
+def tail_conv(
+    before: BatchNorm, after: BatchNorm, shortcut: jax.Array, shortcut_norm: BatchNorm | None = None
+) -> Callable[..., jax.Array]:
+    """A ``conv_general_dilated`` for ``flax.linen.Conv`` that ends a ResNet block.
+
+    ``nn.Conv(..., conv_general_dilated=tail_conv(before, after, s))(x)``
+    computes ``relu(after(nn.Conv(...)(before(x))) + s)``, or with
+    ``shortcut_norm``, ``relu(after(...) + shortcut_norm(s))``, through
+    :func:`residual_tail`, with flax's variables. ``before`` needs
+    ``relu=True``; ``after`` and ``shortcut_norm`` need ``relu=False``, and
+    all need the same ``epsilon``, ``dtype`` and ``use_running_average``.
+    Make them where flax would make them, so that they are named as it would
+    name them.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn
+      >>> from jaxoffload.layers import BatchNorm, tail_conv
+      >>> class Tail(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x):
+      ...         before = BatchNorm(use_running_average=False, relu=True)
+      ...         after = BatchNorm(use_running_average=False)
+      ...         return nn.Conv(2, (1, 1), conv_general_dilated=tail_conv(before, after, x))(x)
+      >>> variables = Tail().init(jax.random.key(0), jnp.ones((1, 5, 5, 2)))
+      >>> sorted(variables["params"])
+      ['BatchNorm_0', 'BatchNorm_1', 'Conv_0']
+    """
+    norms = (before, after) if shortcut_norm is None else (before, after, shortcut_norm)
+    if before.use_running_average is None:
+        raise ValueError("tail_conv's BatchNorms need use_running_average set.")
+    if not before.relu or any(n.relu for n in norms[1:]):
+        raise ValueError("tail_conv needs before.relu=True, and relu=False for the others.")
+    if len({(n.epsilon, n.dtype, n.use_running_average) for n in norms}) > 1:
+        raise ValueError(
+            "tail_conv's BatchNorms need the same epsilon, dtype and use_running_average."
+        )
+
+    def conv_general_dilated(lhs, rhs, window_strides, padding, **conv_kwargs):
+        conv_kwargs = dict(window_strides=window_strides, padding=padding, **conv_kwargs)
+        scale, bias, ra_mean, ra_var = before._variables(lhs.shape[-1])
+        o_scale, o_bias, o_ra_mean, o_ra_var = after._variables(rhs.shape[-1])
+        s_vars = () if shortcut_norm is None else shortcut_norm._variables(shortcut.shape[-1])
+        dtype = before.dtype or jnp.result_type(lhs, scale, bias)
+        if before.use_running_average:
+            a = before._normalise_with_running_statistics(lhs, scale, bias, ra_mean, ra_var, dtype)
+            y = jax.lax.conv_general_dilated(relu(a), rhs, **conv_kwargs)
+            y = after._normalise_with_running_statistics(
+                y, o_scale, o_bias, o_ra_mean, o_ra_var, dtype
+            )
+            s = (
+                shortcut
+                if shortcut_norm is None
+                else (shortcut_norm._normalise_with_running_statistics(shortcut, *s_vars, dtype))
+            )
+            return relu(y + s)
+        out, mean, var, o_mean, o_var, *s_stats = residual_tail(
+            lhs, shortcut, scale, bias, rhs, o_scale, o_bias, epsilon=before.epsilon,
+            shortcut_scale=s_vars[0] if s_vars else None,
+            shortcut_bias=s_vars[1] if s_vars else None, dtype=dtype, **conv_kwargs,
+        )  # fmt: skip
+        before._update(ra_mean, ra_var, mean, var)
+        after._update(o_ra_mean, o_ra_var, o_mean, o_var)
+        if s_vars:
+            shortcut_norm._update(s_vars[2], s_vars[3], *s_stats)
+        return out
+
+    return conv_general_dilated
 
 
 def conv_after(norm: BatchNorm) -> Callable[..., jax.Array]:

@@ -21,6 +21,7 @@ def offload(
     *,
     names: Sequence[str] | None = None,
     min_bytes: int = 0,
+    device_argnums: int | Sequence[int] = (),
     static_argnums: int | Sequence[int] = (),
     to_host: bool = True,
     variables: Any = True,
@@ -49,6 +50,10 @@ def offload(
         given, only those values (and the inputs) are kept and moved, and the
         rest is recomputed, as with ``save_only_these_names``.
       min_bytes: residuals smaller than this stay on the device.
+      device_argnums: positions of arguments, counting ``self`` as 0, whose
+        values stay on the device if they are residuals: for instance an
+        input that the layer before keeps on the device anyway, so that
+        moving it would free nothing.
       static_argnums: as in ``nn.remat``: positions of non-array arguments,
         counting ``self`` as 0.
       to_host: ``False`` keeps the residuals on the device; the calls still
@@ -71,8 +76,11 @@ def offload(
       True
     """
     static_argnums = transform._check_argnums("static_argnums", static_argnums)
-    if any(i == 0 for i in static_argnums):
-        raise ValueError("static_argnums counts `self` as 0, and `self` cannot be static.")
+    device_argnums = transform._check_argnums("device_argnums", device_argnums)
+    if any(i == 0 for i in static_argnums + device_argnums):
+        raise ValueError(
+            "static_argnums and device_argnums: each counts `self` as 0, which cannot be in them."
+        )
     return linen_transforms.lift_transform(
         _lifted_offload,
         target,
@@ -82,6 +90,7 @@ def offload(
         min_bytes=min_bytes,
         to_host=to_host,
         # The lifted function takes (variables, rngs, *args): `self` becomes two.
+        device_argnums=tuple(i + 1 if i > 0 else i for i in device_argnums),
         static_argnums=tuple(i + 1 if i > 0 else i for i in static_argnums),
         methods=methods,
     )
@@ -94,6 +103,7 @@ def _lifted_offload(
     names: Sequence[str] | None = None,
     min_bytes: int = 0,
     to_host: bool = True,
+    device_argnums: tuple[int, ...] = (),
     static_argnums: tuple[int, ...] = (),
 ) -> Callable[..., Any]:
     """``offload`` lifted over Flax scopes, as ``flax.core.lift.checkpoint`` is."""
@@ -104,7 +114,7 @@ def _lifted_offload(
             names=names,
             min_bytes=min_bytes,
             to_host=to_host,
-            device_argnums=(0, 1),
+            device_argnums=(0, 1, *device_argnums),
             static_argnums=static_argnums,
         )
         @functools.wraps(fn)

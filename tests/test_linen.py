@@ -174,3 +174,24 @@ def test_static_argnums_count_self():
     assert y.shape == (2, 6, 6, 8)
     with pytest.raises(ValueError, match="counts `self` as 0"):
         jaxoffload.linen.offload(Block, static_argnums=0)
+    with pytest.raises(ValueError, match="counts `self` as 0"):
+        jaxoffload.linen.offload(Block, device_argnums=0)
+
+
+def test_device_argnums_keep_an_input_on_the_device():
+    x = normal(0, (2, 6, 6, 3))
+    rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    variables = Block(features=8).init(rngs, x)
+
+    def placements(**kwargs):
+        module = jaxoffload.linen.offload(Block, **kwargs)(features=8)
+
+        def loss(v, x):
+            rngs = {"dropout": jax.random.key(2)}
+            return module.apply(v, x, rngs=rngs, mutable=["batch_stats"])[0].sum()
+
+        (call,) = jaxoffload.offloaded_calls(jax.grad(loss, argnums=(0, 1)), variables, x)
+        return [r.placement for r in call.residuals if r.shape == x.shape]
+
+    assert placements() == ["pinned_host"]
+    assert placements(device_argnums=1) == ["device"]

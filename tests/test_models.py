@@ -170,6 +170,25 @@ def test_lean_offload_asks_to_move_fewer_bytes(name, batch, at_most):
     assert 0 < requested["offload"] <= at_most * requested["offload-plain"], requested
 
 
+def test_an_offloading_block_leaves_on_the_device_an_input_kept_there_anyway():
+    # After a lean block, whose fused tail keeps its output (this block's
+    # input), or after the lean stem, which keeps its pooled output.
+    def host_bytes(plan):
+        workload = Workload("resnet50", 2, 64, "bfloat16", "offload-hidden", plan=plan)
+        step, state, batch, _ = jaxoffload.benchmark.train_step(workload, abstract=True)
+        calls = jaxoffload.offloaded_calls(step, state, batch)
+        return [sum(r.nbytes for r in c.residuals if r.placement == "pinned_host") for c in calls]
+
+    every = host_bytes(("offload",) * 16)
+    between_lean = host_bytes(("offload", "lean", "offload") + ("lean",) * 13)
+    # Block 1 moves its input (the sum of block 0, which keeps nothing on the
+    # device) and its 3x3 convolution's output, 256 and 64 channels at 16x16.
+    assert every[1] == 2 * 16 * 16 * (256 + 64) * 2
+    # Blocks 0 and 2, between lean layers, move only the 3x3 convolution's output.
+    assert between_lean[0] == between_lean[2] == 2 * 16 * 16 * 64 * 2
+    assert between_lean[1] == 0
+
+
 def test_resnet_stem_follows_the_blocks_unless_told():
     x = jnp.ones((2, 32, 32, 3))
     for strategies, expected in [

@@ -53,7 +53,10 @@ SCHEDULED_STRATEGIES = ("lean", *OFFLOAD_STRATEGIES)
 
 
 def wrap_block(
-    block: type[nn.Module], strategy: str, static_argnums: Sequence[int] = ()
+    block: type[nn.Module],
+    strategy: str,
+    static_argnums: Sequence[int] = (),
+    device_argnums: Sequence[int] = (),
 ) -> type[nn.Module]:
     """Returns ``block`` transformed by the named strategy.
 
@@ -68,6 +71,8 @@ def wrap_block(
       strategy: a key of ``BLOCK_STRATEGIES``.
       static_argnums: non-array arguments of ``block.__call__``, counting
         ``self`` as 0, as in ``nn.remat``.
+      device_argnums: arguments that an offloading block keeps on the device
+        (``jaxoffload.linen.offload``'s ``device_argnums``).
 
     Returns:
       A Module class with the same variables as ``block``.
@@ -76,7 +81,9 @@ def wrap_block(
     if strategy in OFFLOAD_STRATEGIES:
         # Only the lean blocks recompute; "offload-plain" moves every residual.
         names = getattr(block, "offload_names", None) if strategy == "offload" else None
-        return offload_linen.offload(block, names=names, static_argnums=static_argnums)
+        return offload_linen.offload(
+            block, names=names, static_argnums=static_argnums, device_argnums=device_argnums
+        )
     if strategy == "lean":
         # Moves nothing, but computes each block's weight gradients before the
         # next block's backward pass, as offloading blocks do.

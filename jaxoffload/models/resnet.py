@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -17,9 +17,9 @@ from jaxoffload.transform import schedule
 
 __all__ = ["BasicBlock", "BottleneckBlock", "ResNet", "RESNETS", "STEM_STRATEGIES"]
 
-# Lean blocks that keep their sums on the device, where the next block shares
-# them (see _ResidualBlock's invert_last_norm).
-_INVERTING = ("lean", "lean-unordered")
+# Lean blocks that keep their outputs on the device, where the next block
+# shares them (see _ResidualBlock's fuse_tail).
+_FUSED_TAIL = ("lean", "lean-unordered")
 
 # name: (blocks per stage, block kind)
 RESNETS = {
@@ -112,26 +112,24 @@ class _Stem(nn.Module):
 
 
 class _ResidualBlock(nn.Module):
-    """What both block kinds share: the fields, the shortcut and the final ReLU.
+    """What both block kinds share: the fields, the last convolution, the shortcut and the final ReLU.
 
-    Subclasses give the branch (:meth:`branch`), up to its last convolution;
-    its BatchNorm, the shortcut and the sum are made here.
+    Subclasses give the branch (:meth:`branch`) up to the input of its last
+    convolution, and that convolution's arguments; the last convolution, its
+    BatchNorms, the shortcut, the sum and the ReLU are made here.
 
     ``lean`` uses :class:`jaxoffload.layers.BatchNorm`, fused with the ReLU
-    and the convolution that follow it, and moves the final ReLU to the start
-    of the next block: a lean block applies it to its input if
-    ``relu_input``, and returns the sum before the ReLU. It then keeps the
-    ReLU's output (its own mask, the first convolution's input and the
-    shortcut), each convolution's output, and the shortcut convolution's
-    output if it has one.
+    and the convolution that follow it. A lean block that offloads
+    (``relu_input``) moves its final ReLU to the start of the next block: it
+    applies it to its input if ``relu_input``, and returns the sum before the
+    ReLU, so that the one tensor it keeps at the boundary is the sum.
 
-    ``invert_last_norm`` (lean blocks only) keeps the block's input and its
-    sum instead of its input's ReLU and its last convolution's output: the
-    ReLU is recomputed, and :func:`jaxoffload.layers.batch_norm_add`
-    recovers the last BatchNorm's input from the sum. The sum is the next
-    block's input, so on the device a chain of such blocks stores each sum
-    once, one full-size residual fewer per block. Offloaded, each block would
-    move its own copy of the sum, so offloading blocks do not invert.
+    ``fuse_tail`` (lean blocks only) makes the last convolution, the
+    BatchNorms around it, the sum and the ReLU one rule
+    (:func:`jaxoffload.layers.residual_tail`), which keeps the block's output
+    (the next block's input, kept there anyway) and recomputes the last
+    convolution's input and output. A bottleneck then keeps its input, its
+    first two convolutions' outputs and its shortcut convolution's output.
     """
 
     features: int
@@ -139,55 +137,61 @@ class _ResidualBlock(nn.Module):
     dtype: Any = jnp.float32
     lean: bool = False
     relu_input: bool = False
-    invert_last_norm: bool = False
+    fuse_tail: bool = False
+
+    # How many convolutions the branch has: the shortcut's is named after them.
+    branch_convs: ClassVar[int]
 
     @nn.compact
     def __call__(self, x, train: bool = True):
-        if (self.relu_input or self.invert_last_norm) and not self.lean:
-            raise ValueError("only lean blocks take relu_input or invert_last_norm")
+        if (self.relu_input or self.fuse_tail) and not self.lean:
+            raise ValueError("only lean blocks take relu_input or fuse_tail")
         conv, norm, norm_relu_conv, relu = _layers(self.dtype, train, self.lean)
-        input_conv, relu_shortcut = conv, False
-        if self.relu_input and self.invert_last_norm:
-            # Convolutions of relu(x) that keep x, not relu(x).
-            input_conv = functools.partial(conv, conv_general_dilated=layers.relu_conv)
-            relu_shortcut = True
-        elif self.relu_input:
+        if self.relu_input:
             x = relu(x)
         strides = (self.strides, self.strides)
-        y = self.branch(x, strides, input_conv, norm_relu_conv)
+        y, (features, *last_args), last_kwargs = self.branch(x, strides, conv, norm_relu_conv)
+        projects = x.shape[-1] != features or self.strides != 1
+        if self.fuse_tail:
+            before, after = norm(relu=True), norm()
+            shortcut_norm = norm() if projects else None
+            shortcut = x
+            if projects:
+                name = f"Conv_{self.branch_convs}"
+                shortcut = conv(features, (1, 1), strides, name=name)(x)
+            tail = layers.tail_conv(before, after, shortcut, shortcut_norm)
+            return conv(features, *last_args, conv_general_dilated=tail, **last_kwargs)(y)
+        y = checkpoint_name(norm_relu_conv(y, features, *last_args, **last_kwargs), CONV_NAME)
         # Made after the branch's layers, so that they are named after them.
-        last_norm = norm()
-        if x.shape == y.shape:
-            if self.invert_last_norm:
-                return last_norm(y, shortcut=x, relu_shortcut=relu_shortcut)
-            y = x + last_norm(y)
-            return y if self.lean else relu(y)
-        shortcut_norm = norm()
-        shortcut = input_conv(y.shape[-1], (1, 1), strides)(x)
-        if self.invert_last_norm:
-            return last_norm(y, shortcut=shortcut, shortcut_norm=shortcut_norm)
-        y = shortcut_norm(shortcut) + last_norm(y)
+        y = norm()(y)
+        if projects:
+            shortcut_norm = norm()
+            x = shortcut_norm(conv(features, (1, 1), strides)(x))
+        y = x + y
         return y if self.lean else relu(y)
 
     def branch(self, x, strides, conv, norm_relu_conv):
+        """``(y, last_args, last_kwargs)``: the last convolution's input and its ``nn.Conv`` arguments."""
         raise NotImplementedError
 
 
 class BasicBlock(_ResidualBlock):
     """Two 3x3 convolutions with BatchNorm, and the shortcut (ResNet-18 and -34).
 
-    ``lean``, ``relu_input`` and ``invert_last_norm``: see ``_ResidualBlock``.
+    ``lean``, ``relu_input`` and ``fuse_tail``: see ``_ResidualBlock``.
     """
+
+    branch_convs = 2
 
     def branch(self, x, strides, conv, norm_relu_conv):
         y = checkpoint_name(conv(self.features, (3, 3), strides, padding=1)(x), CONV_NAME)
-        return checkpoint_name(norm_relu_conv(y, self.features, (3, 3), padding=1), CONV_NAME)
+        return y, (self.features, (3, 3)), {"padding": 1}
 
 
 class BottleneckBlock(_ResidualBlock):
     """1x1, 3x3 (strided) and 1x1 convolutions with BatchNorm, and the shortcut.
 
-    ``lean``, ``relu_input`` and ``invert_last_norm``: see ``_ResidualBlock``.
+    ``lean``, ``relu_input`` and ``fuse_tail``: see ``_ResidualBlock``.
 
     Offloaded (``models.wrap_block``), a block keeps its input and the 3x3
     convolution's output (``offload_names``), and recomputes the rest: the
@@ -195,6 +199,7 @@ class BottleneckBlock(_ResidualBlock):
     to compute. On ResNet-50 this moves 3.6 GB per step at batch 256, not 8.2.
     """
 
+    branch_convs = 3
     offload_names = ("bottleneck_3x3",)
 
     def branch(self, x, strides, conv, norm_relu_conv):
@@ -202,7 +207,7 @@ class BottleneckBlock(_ResidualBlock):
         y = norm_relu_conv(y, self.features, (3, 3), strides, padding=1)
         (kept,) = self.offload_names
         y = checkpoint_name(checkpoint_name(y, CONV_NAME), kept)
-        return checkpoint_name(norm_relu_conv(y, self.features * 4, (1, 1)), CONV_NAME)
+        return y, (self.features * 4, (1, 1)), {}
 
 
 class ResNet(nn.Module):
@@ -256,13 +261,18 @@ class ResNet(nn.Module):
                     lean = uses_lean_layers(strategy)
                     if owed and not lean:
                         x, owed = layers.relu(x), False
-                    block = wrap_block(kind, strategy, static_argnums=(2,))
+                    # Moving an input that the layer before keeps on the device
+                    # would free nothing there.
+                    kept = strategies[n - 1] in _FUSED_TAIL if n else stem == "lean"
+                    block = wrap_block(
+                        kind, strategy, static_argnums=(2,), device_argnums=(1,) if kept else ()
+                    )
                     strides = 2 if stage > 0 and i == 0 else 1
-                    invert = strategy in _INVERTING
+                    fuse = strategy in _FUSED_TAIL
                     x = block(
-                        64 * 2**stage, strides, self.dtype, lean, owed, invert, name=f"block{n}"
+                        64 * 2**stage, strides, self.dtype, lean, owed, fuse, name=f"block{n}"
                     )(x, train)
-                    owed = lean
+                    owed = lean and not fuse
         x = layers.relu(x) if owed else x
         x = jnp.mean(x, axis=(1, 2))
         return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)
