@@ -741,12 +741,10 @@ def tail_conv(
             y = after._normalise_with_running_statistics(
                 y, o_scale, o_bias, o_ra_mean, o_ra_var, dtype
             )
-            s = (
-                shortcut
-                if shortcut_norm is None
-                else (shortcut_norm._normalise_with_running_statistics(shortcut, *s_vars, dtype))
-            )
-            return relu(y + s)
+            added = shortcut
+            if shortcut_norm is not None:
+                added = shortcut_norm._normalise_with_running_statistics(shortcut, *s_vars, dtype)
+            return relu(y + added)
         out, mean, var, o_mean, o_var, *s_stats = residual_tail(
             lhs, shortcut, scale, bias, rhs, o_scale, o_bias, epsilon=before.epsilon,
             shortcut_scale=s_vars[0] if s_vars else None,

@@ -112,17 +112,17 @@ class _Stem(nn.Module):
 
 
 class _ResidualBlock(nn.Module):
-    """What both block kinds share: the fields, the last convolution, the shortcut and the final ReLU.
+    """What both block kinds share: the last convolution, the shortcut and the final ReLU.
 
     Subclasses give the branch (:meth:`branch`) up to the input of its last
     convolution, and that convolution's arguments; the last convolution, its
     BatchNorms, the shortcut, the sum and the ReLU are made here.
 
     ``lean`` uses :class:`jaxoffload.layers.BatchNorm`, fused with the ReLU
-    and the convolution that follow it. A lean block that offloads
-    (``relu_input``) moves its final ReLU to the start of the next block: it
-    applies it to its input if ``relu_input``, and returns the sum before the
-    ReLU, so that the one tensor it keeps at the boundary is the sum.
+    and the convolution that follow it. Without ``fuse_tail`` (the
+    ``offload`` strategy's blocks), a lean block returns its sum before the
+    final ReLU, and the block after it applies that ReLU to its input
+    (``relu_input``): the one tensor kept at the boundary is the sum.
 
     ``fuse_tail`` (lean blocks only) makes the last convolution, the
     BatchNorms around it, the sum and the ReLU one rule
