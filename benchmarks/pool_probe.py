@@ -21,34 +21,18 @@ import json
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxoffload import layers
 from jaxoffload.benchmark import _median_ms
 
 
 def route_phases_per_dim(pool, g, first, shape):
-    padded = [n + lo + hi for n, (lo, hi) in zip(shape[1:-1], pool.pads)]
-    per_dim = list(zip(padded, pool.window, pool.strides, g.shape[1:-1]))
-    qs = [-(-size // s) for size, _, s, _ in per_dim]
-    zero = jnp.zeros((), g.dtype)
-
-    def phase(residues):
-        out = jnp.zeros((g.shape[0], *qs, g.shape[-1]), g.dtype)
-        shifts = [range(-(-(k - r) // s)) for r, (_, k, s, _) in zip(residues, per_dim)]
-        for ts in itertools.product(*shifts):
-            offset = [r + t * s for r, t, s in zip(residues, ts, pool.strides)]
-            n = int(np.ravel_multi_index(offset, pool.window))
-            share = jnp.where(first == n, g, zero)
-            config = [(0, 0, 0)]
-            config += [(t, q - j - t, 0) for t, q, (_, _, _, j) in zip(ts, qs, per_dim)]
-            out = out + jax.lax.pad(share, zero, config + [(0, 0, 0)])
-        return out
+    phases, _ = pool._phases(g, first, shape)
 
     def interleave(prefix):
         dim = len(prefix)
         if dim == len(pool.strides):
-            return phase(prefix)
+            return phases[prefix]
         x = jnp.stack([interleave((*prefix, r)) for r in range(pool.strides[dim])], 2 + dim)
         shape_ = list(x.shape)
         return x.reshape(
@@ -59,7 +43,7 @@ def route_phases_per_dim(pool, g, first, shape):
 
 
 def route_wide_bitcast(pool, g, first, shape):
-    padded = [n + lo + hi for n, (lo, hi) in zip(shape[1:-1], pool.pads)]
+    padded = pool._padded(shape)
     qs = [-(-size // s) for size, s in zip(padded, pool.strides)]
     zero = jnp.zeros((), g.dtype)
     wide = [g.shape[0], *(x for q, s in zip(qs, pool.strides) for x in (q, s)), g.shape[-1]]

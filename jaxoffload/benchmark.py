@@ -233,7 +233,7 @@ def hidden_offload_workload(
             raise RuntimeError(f"expected one offloaded call per block, traced {len(traced)}.")
         calls[parity::2] = traced[parity::2]
     plan = plan_hidden_offload(
-        [sum(r.nbytes for r in call.residuals if r.placement == "pinned_host") for call in calls],
+        [call.host_bytes for call in calls],
         block_costs=time_offloaded_calls(calls),
         fwd_ms=fwd_ms,
         bwd_ms=bwd_ms,

@@ -237,7 +237,7 @@ class _Pool:
         return self._route_by_phases(g, first, shape)
 
     def _route_by_padding(self, g, first, shape):
-        padded = [n + lo + hi for n, (lo, hi) in zip(shape[1:-1], self.pads)]
+        padded = self._padded(shape)
         zero = jnp.zeros((), g.dtype)
         gx = jnp.zeros((shape[0], *padded, shape[-1]), g.dtype)
         for n, offset in enumerate(itertools.product(*map(range, self.window))):
@@ -247,47 +247,55 @@ class _Pool:
             gx = gx + jax.lax.pad(jnp.where(first == n, g, zero), zero, config + [(0, 0, 0)])
         return self._unpad(gx, shape)
 
+    def _padded(self, shape) -> list[int]:
+        """The padded input's spatial sizes."""
+        return [n + lo + hi for n, (lo, hi) in zip(shape[1:-1], self.pads)]
+
     def _unpad(self, gx, shape):
         index = [slice(lo, lo + n) for n, (lo, _) in zip(shape[1:-1], self.pads)]
         return gx[(slice(None), *index, slice(None))]
 
     def _route_by_phases(self, g, first, shape):
-        """Input position ``q * stride + r`` (per spatial dimension, padded) can
+        """Interleaves the phases (:meth:`_phases`) into the input's gradient."""
+        phases, sizes = self._phases(g, first, shape)
+        # (batch, q1, ..., channels) per phase -> (batch, q1, r1, q2, r2, ..., channels).
+        d = len(self.strides)
+        gx = jnp.stack(list(phases.values()), axis=-2).reshape(
+            g.shape[0], *sizes, *self.strides, g.shape[-1]
+        )
+        order = [0, *(a for i in range(d) for a in (1 + i, 1 + d + i)), 1 + 2 * d]
+        gx = gx.transpose(order).reshape(
+            g.shape[0], *(q * s for q, s in zip(sizes, self.strides)), g.shape[-1]
+        )
+        return self._unpad(gx, shape)
+
+    def _phases(self, g, first, shape):
+        """``({residues: phase}, phase sizes)``: the input's gradient, split by position mod stride.
+
+        Input position ``q * stride + r`` (per spatial dimension, padded) can
         only be window position ``r + t * stride`` of window ``q - t``: each
-        residue ``r`` (phase) is a sum of a few shifted copies of ``g``, of the
-        pooled size, and interleaving the phases gives the input's gradient.
-        Each input element reads only the windows that can cover it.
+        residue ``r`` (phase) is a sum of a few shifted copies of ``g``,
+        ``ceil(padded size / stride)`` long. Each input element reads
+        only the windows that can cover it. Phases come in row-major order of
+        their residues.
         """
-        padded = [n + lo + hi for n, (lo, hi) in zip(shape[1:-1], self.pads)]
-        per_dim = list(zip(padded, self.window, self.strides, g.shape[1:-1]))
-        phase_sizes = [-(-size // s) for size, _, s, _ in per_dim]
+        per_dim = list(zip(self._padded(shape), self.window, self.strides, g.shape[1:-1]))
+        sizes = [-(-size // s) for size, _, s, _ in per_dim]
         zero = jnp.zeros((), g.dtype)
-        phases = []
+        phases = {}
         for residues in itertools.product(*(range(s) for s in self.strides)):
-            phase = jnp.zeros((g.shape[0], *phase_sizes, g.shape[-1]), g.dtype)
+            phase = jnp.zeros((g.shape[0], *sizes, g.shape[-1]), g.dtype)
             shifts = [range(-(-(k - r) // s)) for r, (_, k, s, _) in zip(residues, per_dim)]
             for ts in itertools.product(*shifts):
                 offset = [r + t * s for r, t, s in zip(residues, ts, self.strides)]
                 n = int(np.ravel_multi_index(offset, self.window))
                 share = jnp.where(first == n, g, zero)
                 # share[q - t] at q: shift right by t, and cut or fill to the phase's size.
-                pads = [(0, 0)]
-                for t, q, (_, _, _, j) in zip(ts, phase_sizes, per_dim):
-                    pads.append((t, q - j - t))
-                phase = phase + jax.lax.pad(
-                    share, zero, [(lo, hi, 0) for lo, hi in pads + [(0, 0)]]
-                )
-            phases.append(phase)
-        # (batch, q1, ..., channels) per phase -> (batch, q1, r1, q2, r2, ..., channels).
-        d = len(self.strides)
-        gx = jnp.stack(phases, axis=-2).reshape(
-            g.shape[0], *phase_sizes, *self.strides, g.shape[-1]
-        )
-        order = [0, *(a for i in range(d) for a in (1 + i, 1 + d + i)), 1 + 2 * d]
-        gx = gx.transpose(order).reshape(
-            g.shape[0], *(q * s for q, s in zip(phase_sizes, self.strides)), g.shape[-1]
-        )
-        return self._unpad(gx, shape)
+                config = [(0, 0, 0)]
+                config += [(t, q - j - t, 0) for t, q, (_, _, _, j) in zip(ts, sizes, per_dim)]
+                phase = phase + jax.lax.pad(share, zero, config + [(0, 0, 0)])
+            phases[residues] = phase
+        return phases, sizes
 
 
 def batch_norm(
@@ -733,7 +741,9 @@ def tail_conv(
         conv_kwargs = dict(window_strides=window_strides, padding=padding, **conv_kwargs)
         scale, bias, ra_mean, ra_var = before._variables(lhs.shape[-1])
         o_scale, o_bias, o_ra_mean, o_ra_var = after._variables(rhs.shape[-1])
-        s_vars = () if shortcut_norm is None else shortcut_norm._variables(shortcut.shape[-1])
+        s_scale = s_bias = None
+        if shortcut_norm is not None:
+            s_scale, s_bias, *s_running = shortcut_norm._variables(shortcut.shape[-1])
         dtype = before.dtype or jnp.result_type(lhs, scale, bias)
         if before.use_running_average:
             a = before._normalise_with_running_statistics(lhs, scale, bias, ra_mean, ra_var, dtype)
@@ -743,17 +753,18 @@ def tail_conv(
             )
             added = shortcut
             if shortcut_norm is not None:
-                added = shortcut_norm._normalise_with_running_statistics(shortcut, *s_vars, dtype)
+                added = shortcut_norm._normalise_with_running_statistics(
+                    shortcut, s_scale, s_bias, *s_running, dtype
+                )
             return relu(y + added)
         out, mean, var, o_mean, o_var, *s_stats = residual_tail(
             lhs, shortcut, scale, bias, rhs, o_scale, o_bias, epsilon=before.epsilon,
-            shortcut_scale=s_vars[0] if s_vars else None,
-            shortcut_bias=s_vars[1] if s_vars else None, dtype=dtype, **conv_kwargs,
+            shortcut_scale=s_scale, shortcut_bias=s_bias, dtype=dtype, **conv_kwargs,
         )  # fmt: skip
         before._update(ra_mean, ra_var, mean, var)
         after._update(o_ra_mean, o_ra_var, o_mean, o_var)
-        if s_vars:
-            shortcut_norm._update(s_vars[2], s_vars[3], *s_stats)
+        if shortcut_norm is not None:
+            shortcut_norm._update(*s_running, *s_stats)
         return out
 
     return conv_general_dilated

@@ -77,6 +77,11 @@ class OffloadedCall:
     flops: int
     forward: Any = dataclasses.field(repr=False, compare=False)
 
+    @property
+    def host_bytes(self) -> int:
+        """The bytes of its residuals that wait in host memory: what it moves each way."""
+        return sum(r.nbytes for r in self.residuals if r.placement == "pinned_host")
+
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
@@ -381,8 +386,7 @@ def offloaded_calls(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
       >>> layer = offload(lambda w, x: jnp.tanh(x @ w), device_argnums=0)
       >>> step = jax.grad(lambda w, x: layer(w, layer(w, x)).sum())
       >>> calls = offloaded_calls(step, jnp.ones((8, 8)), jnp.ones((4, 8)))
-      >>> [(c.flops, sum(r.nbytes for r in c.residuals if r.placement == "pinned_host"))
-      ...  for c in calls]
+      >>> [(c.flops, c.host_bytes) for c in calls]
       [(512, 384), (512, 384)]
     """
     calls: list[tuple[list[Residual], int, Any]] = []
