@@ -6,8 +6,10 @@ The pool is ResNet's stem pool (3x3 window, stride 2, padding 1; bf16). Each way
 jitted, alone; the figure is the median of 30 runs after one to compile. Every way must
 give the same gradient (`max_abs_diff` against the first, exactly 0). The ways:
 
-- `phases`, `padding`: `jaxoffload.layers._Pool`'s two routes (the library uses
+- `phases`, `padding`: `jaxoffload.layers._Pool`'s two XLA routes (the library uses
   phases where windows overlap, padding where they do not);
+- `kernel` (GPUs only): the Pallas kernel that the library uses for this pool on CUDA
+  (`jaxoffload._pool_kernel`);
 - `phases_per_dim`: phases interleaved one dimension at a time, without a transpose;
 - `wide_bitcast`: every window position's share broadcast into a (batch, q, r, q, r,
   channels) array that reshapes to the input's shape without moving data;
@@ -22,7 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxoffload import layers
+from jaxoffload import _pool_kernel, layers
 from jaxoffload.benchmark import _median_ms
 
 
@@ -80,6 +82,8 @@ def main():
         "wide_bitcast": lambda g, f: route_wide_bitcast(pool, g, f, shape),
         "padding": lambda g, f: pool._route_by_padding(g, f, shape),
     }
+    if jax.default_backend() == "gpu":
+        ways["kernel"] = lambda g, f: _pool_kernel.route(g, f, shape)
     results, reference = {}, None
     for name, way in ways.items():
         f = jax.jit(way)

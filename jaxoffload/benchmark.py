@@ -52,6 +52,9 @@ __all__ = [
 
 DTYPES = ("float32", "bfloat16")
 
+# The share of a step's compute time that "offload-hidden" may add by recomputation.
+HIDDEN_RECOMPUTE_SHARE = 0.02
+
 # For each strategy that moves residuals to the host, the strategy that runs the
 # same layers without moving anything: its times are the compute in the
 # transfer bound (see :func:`add_transfer_bounds`).
@@ -207,34 +210,67 @@ def requested_host_bytes(workload: Workload) -> int:
 
 
 def hidden_offload_workload(
-    workload: Workload, *, fwd_ms: float, bwd_ms: float, d2h_gbps: float, h2d_gbps: float
+    workload: Workload,
+    *,
+    fwd_ms: float,
+    bwd_ms: float,
+    d2h_gbps: float,
+    h2d_gbps: float,
+    recompute_share: float = HIDDEN_RECOMPUTE_SHARE,
 ) -> Workload:
     """The workload with the plan of :func:`jaxoffload.planner.plan_hidden_offload`.
 
-    Each block's residual bytes are those it moves when it offloads and its
-    neighbours are ``"lean"``, as in the plans this makes: two traces, in
-    which every other block offloads (:func:`jaxoffload.offloaded_calls`).
-    A ResNet block between lean ones moves less than in a model that
-    offloads every block, since it leaves on the device the input that the
-    block before keeps anyway. Each block's share of the compute comes from
-    timing its forward pass alone on the default device
-    (:func:`time_offloaded_calls`). The step's compute times and the
+    The plan frees the most device memory whose transfers hide behind
+    compute and whose recomputation adds at most ``recompute_share`` of the
+    step's compute time (``fwd_ms + bwd_ms``). Per block, from traces alone
+    (:func:`jaxoffload.offloaded_calls`):
+
+    - the bytes it moves, and the device bytes it keeps, when it offloads
+      and its neighbours are ``"lean"``, as in the plans this makes: two
+      traces, in which every other block offloads. A ResNet block between
+      lean ones leaves on the device the input that the block before keeps
+      anyway;
+    - the device bytes it frees: what it keeps as a ``"lean"`` block (a
+      third trace), less what it keeps when it offloads, less the residuals
+      that are its own outputs, which the next block keeps as its input;
+    - its recomputation: its forward time times the extra FLOPs of its
+      backward pass over a lean block's, as a share of its forward FLOPs.
+
+    Each block's forward time comes from timing it alone on the default
+    device (:func:`time_offloaded_calls`). The step's compute times and the
     bandwidths are measured ones, e.g. those of the ``"lean"`` run.
     """
     n = models.num_blocks(workload.model)
-    calls: list[Any] = [None] * n
-    for parity in (0, 1):
-        alternate = tuple("offload" if i % 2 == parity else "lean" for i in range(n))
-        step, state, batch, _ = train_step(
-            dataclasses.replace(workload, plan=alternate), abstract=True
-        )
+
+    def traced_calls(plan):
+        step, state, batch, _ = train_step(dataclasses.replace(workload, plan=plan), abstract=True)
         traced = offloaded_calls(step, state, batch)
         if len(traced) != n:
             raise RuntimeError(f"expected one offloaded call per block, traced {len(traced)}.")
-        calls[parity::2] = traced[parity::2]
+        return traced
+
+    calls: list[Any] = [None] * n
+    for parity in (0, 1):
+        alternate = tuple("offload" if i % 2 == parity else "lean" for i in range(n))
+        calls[parity::2] = traced_calls(alternate)[parity::2]
+    lean = traced_calls(("lean",) * n)
+    forward_ms = time_offloaded_calls(calls)
+    freed = [
+        lean_call.device_bytes
+        - sum(r.nbytes for r in lean_call.residuals if r.output)
+        - call.device_bytes
+        for call, lean_call in zip(calls, lean)
+    ]
+    extra = [
+        ms * max(0, call.grad_flops - lean_call.grad_flops) / call.flops if call.flops else 0.0
+        for ms, call, lean_call in zip(forward_ms, calls, lean)
+    ]
     plan = plan_hidden_offload(
         [call.host_bytes for call in calls],
-        block_costs=time_offloaded_calls(calls),
+        block_costs=forward_ms,
+        freed_bytes=[max(0, f) for f in freed],
+        extra_ms=extra,
+        max_extra_ms=recompute_share * (fwd_ms + bwd_ms),
         fwd_ms=fwd_ms,
         bwd_ms=bwd_ms,
         d2h_gbps=d2h_gbps,

@@ -46,6 +46,8 @@ class Residual:
       placement: ``"pinned_host"`` if it waits in host memory between the
         forward and the backward pass, ``"device"`` if it stays on the device.
       reason: why it is placed there, in words.
+      output: whether it is also one of the call's outputs, which the next
+        layer usually keeps as its input.
     """
 
     shape: tuple[int, ...]
@@ -53,6 +55,7 @@ class Residual:
     nbytes: int
     placement: str
     reason: str
+    output: bool = False
 
     def __str__(self) -> str:
         dtype = np.dtype(self.dtype).name
@@ -68,6 +71,8 @@ class OffloadedCall:
       flops: the floating-point operations of its forward pass's matrix
         products and convolutions (2 per multiply-add); elementwise work is
         not counted.
+      grad_flops: the same, for its forward and backward passes together,
+        with what the backward pass recomputes.
       forward: its forward pass as a closed jaxpr, on its own:
         ``jax.extend.core.jaxpr_as_fun(call.forward)`` runs it, so that a
         planner can time it (:func:`jaxoffload.benchmark.time_offloaded_calls`).
@@ -75,12 +80,18 @@ class OffloadedCall:
 
     residuals: tuple[Residual, ...]
     flops: int
+    grad_flops: int
     forward: Any = dataclasses.field(repr=False, compare=False)
 
     @property
     def host_bytes(self) -> int:
         """The bytes of its residuals that wait in host memory: what it moves each way."""
         return sum(r.nbytes for r in self.residuals if r.placement == "pinned_host")
+
+    @property
+    def device_bytes(self) -> int:
+        """The bytes of its residuals that stay on the device."""
+        return sum(r.nbytes for r in self.residuals if r.placement == "device")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,14 +400,14 @@ def offloaded_calls(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
       >>> [(c.flops, c.host_bytes) for c in calls]
       [(512, 384), (512, 384)]
     """
-    calls: list[tuple[list[Residual], int, Any]] = []
+    calls: list[tuple[list[Residual], int, int, Any]] = []
     outer = getattr(_recording, "calls", None)
     _recording.calls = calls
     try:
         jax.make_jaxpr(fun)(*args, **kwargs)
     finally:
         _recording.calls = outer
-    return [OffloadedCall(tuple(residuals), flops, forward) for residuals, flops, forward in calls]
+    return [OffloadedCall(tuple(residuals), *rest) for residuals, *rest in calls]
 
 
 def residuals_per_call(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[list[Residual]]:
@@ -428,6 +439,22 @@ def _matmul_flops(jaxpr) -> int:
                 elif isinstance(sub, jex_core.Jaxpr):
                     total += _matmul_flops(sub)
     return total
+
+
+def _forward_and_backward(call):
+    """``call``'s forward pass, then its backward pass from a cotangent of zeros."""
+
+    def both(*args):
+        out, vjp_fun = jax.vjp(call, *args)
+        return vjp_fun(jax.tree.map(_zero_cotangent, out))
+
+    return both
+
+
+def _zero_cotangent(x):
+    if jax.dtypes.issubdtype(x.dtype, np.inexact):
+        return jax.numpy.zeros_like(x)
+    return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
 def _sum_outputs(out) -> jax.Array:
@@ -472,7 +499,9 @@ def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: lis
     if record is None and getattr(_recording, "calls", None) is not None:
         record = []
         forward = jax.make_jaxpr(call)(dynamic, kwargs)
-        _recording.calls.append((record, _matmul_flops(forward.jaxpr), forward))
+        both = jax.make_jaxpr(_forward_and_backward(call))(dynamic, kwargs)
+        flops = _matmul_flops(forward.jaxpr), _matmul_flops(both.jaxpr)
+        _recording.calls.append((record, *flops, forward))
     # The backward pass needs the pytree structure of the forward pass's vjp
     # function; custom_vjp traces the two rules one after the other.
     saved: dict[str, Any] = {}
@@ -489,6 +518,7 @@ def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: lis
         out, vjp_fun = jax.vjp(call, dynamic, kwargs)
         leaves, treedef = jax.tree.flatten(vjp_fun)
         kept_ids = {id(leaf) for n in keep for leaf in jax.tree.leaves(dynamic[n])}
+        out_ids = {id(leaf) for leaf in jax.tree.leaves(out)}
         used = _used_residuals(treedef, leaves, out)
         to_host, residuals, dead = [], [], {}
         for n, (leaf, is_used) in enumerate(zip(leaves, used)):
@@ -498,7 +528,7 @@ def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: lis
                 residuals.append(None)
                 continue
             if record is not None:
-                record.append(_describe(leaf, placement, reason))
+                record.append(_describe(leaf, placement, reason, id(leaf) in out_ids))
             if placement == "pinned_host":
                 to_host.append(len(residuals))
             residuals.append(leaf)
@@ -640,8 +670,9 @@ def _place(leaf, is_used: bool, kept_ids: set[int], config: _Config) -> tuple[st
     return "pinned_host", "offloaded"
 
 
-def _describe(leaf, placement: str, reason: str) -> Residual:
-    return Residual(tuple(np.shape(leaf)), np.dtype(leaf.dtype), _nbytes(leaf), placement, reason)
+def _describe(leaf, placement: str, reason: str, output: bool) -> Residual:
+    shape, dtype = tuple(np.shape(leaf)), np.dtype(leaf.dtype)
+    return Residual(shape, dtype, _nbytes(leaf), placement, reason, output)
 
 
 def _nbytes(leaf) -> int:

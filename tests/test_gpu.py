@@ -141,3 +141,26 @@ print(jax.devices()[0].memory_stats()["peak_bytes_in_use"])
     }
     # Arguments and outputs (weights, gradients) stay; the residuals leave.
     assert peaks["offload"] < 0.7 * peaks["plain"], peaks
+
+
+def test_stem_pool_gradient_comes_from_the_kernel_with_the_xla_routes_values():
+    from jaxoffload.layers import _first_max, _Pool, relu_max_pool
+
+    shape = (32, 112, 112, 64)
+    geometry = (3, 3), (2, 2), ((1, 1), (1, 1))
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, shape, jnp.bfloat16)
+    w = jax.random.normal(kw, (32, 56, 56, 64), jnp.bfloat16)  # sums of up to 4 round
+
+    def loss(x):
+        return (relu_max_pool(x, *geometry) * w).astype(jnp.float32).sum()
+
+    grad = jax.jit(jax.grad(loss))
+    assert "__gpu$xla.gpu.triton" in grad.lower(x).compile().as_text()
+
+    def by_phases(x):
+        pool = _Pool.of(x, *geometry)
+        g = jnp.where(relu_max_pool(x, *geometry) > 0, w, jnp.zeros((), w.dtype))
+        return pool._route_by_phases(g, _first_max(pool.slices(x)), shape)
+
+    assert jnp.array_equal(grad(x), jax.jit(by_phases)(x))

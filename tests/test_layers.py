@@ -12,8 +12,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import jaxoffload
+from jaxoffload import _pool_kernel
 from jaxoffload.layers import (
     BatchNorm,
+    _first_max,
+    _Pool,
     batch_norm,
     batch_norm_relu_conv,
     conv_after,
@@ -89,6 +92,47 @@ def test_backward_keeps_no_input_sized_index_tensor(window, strides):
     }
     assert integer_shapes <= {(2, 4, 4, 4)}  # one small index per pooled element at most
     assert "select_and_scatter" not in str(jaxpr) and "select_and_gather" not in str(jaxpr)
+
+
+@settings(deadline=None, max_examples=4)  # each example compiles the interpreter anew
+@given(
+    st.tuples(st.integers(1, 2), st.integers(1, 5), st.integers(1, 5), st.integers(1, 9)),
+    st.sampled_from([jnp.bfloat16, jnp.float32]),
+    st.integers(0, 2**16),
+)
+def test_pool_kernel_gives_the_xla_routes_values(half_shape, dtype, seed):
+    """The Pallas kernel (run by its interpreter here) against the phases, bit for bit.
+
+    Small integer inputs tie often; the cotangents span 13 binades, so sums round.
+    """
+    batch, rows, cols, channels = half_shape
+    shape = (batch, 2 * rows, 2 * cols, channels)
+    keys = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.randint(keys[0], shape, -2, 3).astype(dtype)
+    pool = _Pool.of(x, (3, 3), (2, 2), ((1, 1), (1, 1)))
+    first = _first_max(pool.slices(x))
+    scale = 2.0 ** jax.random.randint(keys[1], first.shape, -6, 7)
+    g = (jax.random.normal(keys[2], first.shape) * scale).astype(dtype)
+    got = _pool_kernel.route(g, first, shape, interpret=True)
+    want = pool._route_by_phases(g, first, shape)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize(
+    "shape, padding, kernel",
+    [
+        ((2, 8, 8, 4), ((1, 1), (1, 1)), True),  # ResNet's stem pool
+        ((2, 7, 8, 4), ((1, 1), (1, 1)), False),  # odd height
+        ((2, 8, 8, 4), "SAME", False),  # padding (0, 1)
+    ],
+)
+def test_the_stem_pool_routes_by_the_kernel_on_cuda(shape, padding, kernel):
+    x = jnp.ones(shape, jnp.bfloat16)
+    pool = lambda x: relu_max_pool(x, (3, 3), (2, 2), padding)  # noqa: E731
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda x: pool(x).astype(jnp.float32).sum()))(x))
+    assert ("pallas_call" in jaxpr) == kernel
+    assert ("platform_index" in jaxpr) == kernel  # the XLA route elsewhere
 
 
 @pytest.mark.parametrize(

@@ -189,6 +189,22 @@ def test_an_offloading_block_leaves_on_the_device_an_input_kept_there_anyway():
     assert between_lean[1] == 0
 
 
+@pytest.mark.parametrize(("after", "defers"), [("lean", False), ("offload", True), ("none", False)])
+def test_an_offloading_block_defers_its_relu_only_to_an_offloading_block(after, defers):
+    # Deferred to a lean block, the ReLU is one that XLA recomputes from the
+    # sum in the backward pass, keeping the sum alive (XLA's live-range dump on
+    # an H200); an offloading block moves the sum instead of its ReLU.
+    strategies = ("offload", after) + ("lean",) * 6
+    model = models.create("resnet18", strategy=strategies, num_classes=10)
+    x = normal(0, (2, 32, 32, 3))
+    variables = model.init(jax.random.key(0), x, True)
+    _, state = model.apply(
+        variables, x, True, mutable=["batch_stats", "intermediates"], capture_intermediates=True
+    )
+    (block0,) = state["intermediates"]["block0"]["__call__"]
+    assert bool((block0 < 0).any()) == defers
+
+
 def test_resnet_stem_follows_the_blocks_unless_told():
     x = jnp.ones((2, 32, 32, 3))
     for strategies, expected in [

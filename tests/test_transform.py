@@ -13,6 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jaxoffload
 from jaxoffload import offload, saved_residuals
+from jaxoffload.layers import relu
 
 # ---- the layers: each is f(params, x) -> y --------------------------------------------
 
@@ -141,6 +142,32 @@ def test_names_select_residuals_and_recompute_the_rest():
     assert len(residuals) == 2 and all(r.placement == "pinned_host" for r in residuals)
     ref = jax.grad(lambda x: f(x).sum())(x)
     assert rel_err(jax.jit(jax.grad(lambda x: g(x).sum()))(x), ref) <= 1e-6
+
+
+def test_calls_count_their_recomputation_and_mark_residuals_that_are_outputs():
+    w, x = normal(0, (8, 8)), normal(1, (4, 8))
+    matmul = 2 * 4 * 8 * 8
+
+    def f(w, x):
+        return jnp.tanh(x @ w) @ w
+
+    def calls(g):
+        return jaxoffload.offloaded_calls(jax.grad(lambda w, x: g(w, x).sum()), w, x)
+
+    (kept,) = calls(offload(f))
+    (recomputed,) = calls(offload(f, names=[]))
+    assert kept.flops == recomputed.flops == 2 * matmul
+    # Each product's backward pass is two products; names=[] recomputes x @ w too.
+    assert kept.grad_flops == 6 * matmul
+    assert recomputed.grad_flops == 7 * matmul
+    # relu keeps its output, which is the call's output; the matmul keeps its inputs.
+    (lean,) = calls(offload(lambda w, x: relu(x @ w), to_host=False))
+    assert sorted((r.shape, r.output) for r in lean.residuals) == [
+        ((4, 8), False),
+        ((4, 8), True),
+        ((8, 8), False),
+    ]
+    assert lean.device_bytes == 4 * (4 * 8 * 2 + 8 * 8) and lean.host_bytes == 0
 
 
 def test_bare_and_configured_decorators():
