@@ -280,11 +280,11 @@ class ResNet(nn.Module):
                     # H200 (live-range dump of one offloading block between lean ones).
                     last = n + 1 == len(strategies)
                     defer = lean and not fuse and (last or strategies[n + 1] in _DEFERS_RELU)
-                    x = block(
-                        64 * 2**stage, strides, self.dtype, lean, owed, fuse, defer,
-                        name=f"block{n}",
-                    )(x, train)  # fmt: skip
-                    owed = defer
+                    features = 64 * 2**stage
+                    module = block(
+                        features, strides, self.dtype, lean, owed, fuse, defer, name=f"block{n}"
+                    )
+                    x, owed = module(x, train), defer
         x = layers.relu(x) if owed else x
         x = jnp.mean(x, axis=(1, 2))
         return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)
