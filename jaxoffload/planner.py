@@ -104,7 +104,9 @@ def plan_hidden_offload(
     block_costs = _per_block("block_costs", block_costs, n, 1.0)
     if not sum(block_costs) > 0:
         raise ValueError(f"block_costs must give {n} non-negative numbers, not all 0.")
-    freed = _per_block("freed_bytes", freed_bytes, n, None) if freed_bytes else block_bytes
+    freed = (
+        list(block_bytes) if freed_bytes is None else _per_block("freed_bytes", freed_bytes, n, 0)
+    )
     extra = _per_block("extra_ms", extra_ms, n, 0.0)
     share = [c / sum(block_costs) for c in block_costs]
     best = HiddenPlan((False,) * n, 1, 0)

@@ -98,6 +98,8 @@ def test_bad_arguments_are_named():
         plan_hidden_offload([1], fwd_ms=1, bwd_ms=1, margin=0, **LINK)
     with pytest.raises(ValueError, match="fwd_ms must be positive"):
         plan_hidden_offload([1], fwd_ms=0, bwd_ms=1, **LINK)
+    with pytest.raises(ValueError, match="freed_bytes must give 1"):
+        plan_hidden_offload([1], freed_bytes=[], fwd_ms=1, bwd_ms=1, **LINK)
     for flops in ([1, 2], [0], [-1]):
         with pytest.raises(ValueError, match="block_costs must give 1"):
             plan_hidden_offload([1], block_costs=flops, fwd_ms=1, bwd_ms=1, **LINK)
