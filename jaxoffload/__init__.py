@@ -1,31 +1,41 @@
 """jaxoffload: train CNNs whose activations do not fit in GPU memory."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from jaxoffload import linen as linen
 from jaxoffload.report import MemoryReport as MemoryReport
 from jaxoffload.report import OffloadDroppedError as OffloadDroppedError
 from jaxoffload.report import OffloadWarning as OffloadWarning
 from jaxoffload.report import memory_report as memory_report
+from jaxoffload.strategies import Lean as Lean
+from jaxoffload.strategies import Offload as Offload
+from jaxoffload.strategies import Remat as Remat
+from jaxoffload.strategies import Store as Store
+from jaxoffload.strategies import Strategy as Strategy
 from jaxoffload.transform import OffloadedCall as OffloadedCall
 from jaxoffload.transform import Residual as Residual
 from jaxoffload.transform import offload as offload
 from jaxoffload.transform import offloaded_calls as offloaded_calls
 from jaxoffload.transform import residuals_per_call as residuals_per_call
 from jaxoffload.transform import saved_residuals as saved_residuals
-from jaxoffload.transform import schedule as schedule
+from jaxoffload.transform import wrap as wrap
 
 __all__ = [
+    "Lean",
     "MemoryReport",
+    "Offload",
     "OffloadDroppedError",
     "OffloadWarning",
     "OffloadedCall",
+    "Remat",
     "Residual",
+    "Store",
+    "Strategy",
     "linen",
     "memory_report",
     "offload",
     "offloaded_calls",
     "residuals_per_call",
     "saved_residuals",
-    "schedule",
+    "wrap",
 ]

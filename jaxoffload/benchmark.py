@@ -30,10 +30,13 @@ import jaxoffload
 from jaxoffload import models
 from jaxoffload.planner import plan_hidden_offload
 from jaxoffload.report import analyze, requested_host_transfers
+from jaxoffload.strategies import Lean, Offload, Remat, Store, Strategy
 from jaxoffload.transform import OffloadedCall, offloaded_calls
 
 __all__ = [
     "COMPUTE_TWIN",
+    "PLANNED_STRATEGIES",
+    "STRATEGIES",
     "OutOfMemory",
     "Workload",
     "find_max_batch",
@@ -52,6 +55,30 @@ __all__ = [
 
 DTYPES = ("float32", "bfloat16")
 
+# The command line's strategy names, and the values they stand for.
+STRATEGIES: dict[str, Strategy] = {
+    "none": Store(),
+    "lean": Lean(),
+    "remat": Remat(),
+    "remat-dots": Remat(jax.checkpoint_policies.dots_saveable),
+    "offload": Offload(),
+    "offload-inputs": Offload(recompute=True),
+    # jax's own offload, of the convolution outputs that the reference models name.
+    "jax-offload": Remat(
+        jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=[models.common.CONV_NAME],
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+    ),
+}
+# Strategies whose per-block values a planner picks (see hidden_offload_workload).
+PLANNED_STRATEGIES = {
+    "offload-hidden": "Offload() only the blocks whose transfers the compute can hide "
+    "(jaxoffload.planner), the others Lean()",
+}
+
 # The share of a step's compute time that "offload-hidden" may add by recomputation.
 HIDDEN_RECOMPUTE_SHARE = 0.02
 
@@ -59,9 +86,9 @@ HIDDEN_RECOMPUTE_SHARE = 0.02
 # same layers without moving anything: its times are the compute in the
 # transfer bound (see :func:`add_transfer_bounds`).
 COMPUTE_TWIN = {
-    "offload-plain": "none",
     "jax-offload": "none",
     "offload": "lean",
+    "offload-inputs": "remat",
     "offload-hidden": "lean",
 }
 
@@ -75,14 +102,14 @@ class Workload:
       batch: images per step.
       image_size: height and width of the square input.
       dtype: compute dtype, ``"float32"`` or ``"bfloat16"``.
-      strategy: a key of ``jaxoffload.models.BLOCK_STRATEGIES``.
-      blocks: how many blocks, from the input end, use ``strategy``; the rest use
-        ``"none"``. ``None`` means all of them.
+      strategy: a key of :data:`STRATEGIES` or :data:`PLANNED_STRATEGIES`.
+      blocks: how many blocks, from the input end, use ``strategy``; the rest
+        use ``"none"``. ``None`` means all of them. Reference models only.
       num_classes: classifier outputs.
-      window: the :class:`jaxoffload.schedule` window of offloading blocks, or
-        one per stage of a ResNet (see ``jaxoffload.models.ResNet``).
-      plan: one block strategy per block, overriding ``strategy`` and
-        ``blocks``; set by the planner of a ``models.PLANNED_STRATEGIES`` entry.
+      window: the ``Offload`` window of offloading blocks, or one per stage of
+        a reference ResNet.
+      plan: one strategy name per block, overriding ``strategy`` and
+        ``blocks``; set by the planner of a :data:`PLANNED_STRATEGIES` entry.
     """
 
     model: str
@@ -100,10 +127,10 @@ class Workload:
             raise ValueError(
                 f"Unknown model {self.model!r}; choose one of {', '.join(models.MODEL_NAMES)}."
             )
-        if self.strategy not in {**models.BLOCK_STRATEGIES, **models.PLANNED_STRATEGIES}:
+        if self.strategy not in {**STRATEGIES, **PLANNED_STRATEGIES}:
             raise ValueError(
                 f"Unknown strategy {self.strategy!r}; choose one of "
-                f"{', '.join([*models.BLOCK_STRATEGIES, *models.PLANNED_STRATEGIES])}."
+                f"{', '.join([*STRATEGIES, *PLANNED_STRATEGIES])}."
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
@@ -113,35 +140,59 @@ class Workload:
             raise ValueError(f"image_size must be at least 32, got {self.image_size}.")
         if isinstance(self.window, list):  # read back from JSON
             object.__setattr__(self, "window", tuple(self.window))
-        windows = self.window if isinstance(self.window, tuple) else (self.window,)
-        if not windows or any(isinstance(w, bool) or not isinstance(w, int) for w in windows):
-            raise ValueError(f"window must be an int or a tuple of ints, got {self.window!r}.")
-        if min(windows) < 1:
-            raise ValueError(f"window must be at least 1, got {self.window}.")
-        if isinstance(self.window, tuple):
-            if self.model not in models.RESNETS:
-                raise ValueError(f"{self.model} takes one window, not one per stage.")
-            stages = len(models.RESNETS[self.model][0])
-            if len(self.window) != stages:
-                raise ValueError(
-                    f"window has {len(self.window)} entries, but {self.model} has {stages} stages."
-                )
+        if isinstance(self.plan, list):
+            object.__setattr__(self, "plan", tuple(self.plan))
+        plain = models.is_plain(self.model)
+        if plain and (self.strategy in PLANNED_STRATEGIES or self.blocks is not None):
+            raise ValueError(
+                f"{self.model} wraps one block class, so all its blocks take one strategy: "
+                f"{self.strategy!r}{' with blocks' if self.blocks is not None else ''} needs a "
+                "reference model."
+            )
+        if plain and self.strategy == "jax-offload":
+            raise ValueError(
+                f"'jax-offload' offloads the values that the reference models name with "
+                f"checkpoint_name; {self.model} names none."
+            )
+        if isinstance(self.window, tuple) and self.model not in models.RESNETS:
+            raise ValueError(f"{self.model} takes one window, not one per stage.")
+        self.block_strategies  # noqa: B018 -- checks the windows, once
 
     @property
-    def strategies(self) -> tuple[str, ...]:
-        if self.plan is not None:
-            return tuple(self.plan)
-        if self.strategy in models.PLANNED_STRATEGIES:
-            raise ValueError(f"{self.strategy!r} needs a plan: see hidden_offload_workload.")
+    def block_strategies(self) -> tuple[Strategy, ...]:
+        """One strategy value per block, with the windows applied to the offloading ones."""
         n = models.num_blocks(self.model)
-        return models.first_k(self.strategy, n if self.blocks is None else self.blocks, n)
+        if self.plan is not None:
+            names = self.plan
+        elif self.strategy in PLANNED_STRATEGIES:
+            raise ValueError(f"{self.strategy!r} needs a plan: see hidden_offload_workload.")
+        else:
+            k = n if self.blocks is None else self.blocks
+            if not 0 <= k <= n:
+                raise ValueError(f"blocks must be between 0 and {n}, got {k}.")
+            names = (self.strategy,) * k + ("none",) * (n - k)
+        windows = self.window if isinstance(self.window, tuple) else (self.window,)
+        if isinstance(self.window, tuple):
+            stages = models.RESNETS[self.model][0]
+            if len(windows) != len(stages):
+                raise ValueError(
+                    f"window has {len(windows)} entries, but {self.model} has {len(stages)} stages."
+                )
+            windows = [w for w, size in zip(windows, stages) for _ in range(size)]
+        else:
+            windows = windows * n
+        return tuple(
+            dataclasses.replace(STRATEGIES[s], window=w) if isinstance(STRATEGIES[s], Offload)
+            else STRATEGIES[s]
+            for s, w in zip(names, windows)
+        )  # fmt: skip
 
     @property
     def offloaded_blocks(self) -> int | None:
         """How many blocks offload; ``None`` for a planned strategy not yet planned."""
-        if self.strategy in models.PLANNED_STRATEGIES and self.plan is None:
+        if self.strategy in PLANNED_STRATEGIES and self.plan is None:
             return None
-        return sum(s in models.OFFLOAD_STRATEGIES for s in self.strategies)
+        return sum(isinstance(s, Offload) for s in self.block_strategies)
 
 
 def train_step(workload: Workload, *, abstract: bool = False):
@@ -160,26 +211,28 @@ def train_step(workload: Workload, *, abstract: bool = False):
     dtype = jnp.dtype(workload.dtype)
     model = models.create(
         workload.model,
-        strategy=workload.strategies,
+        strategy=workload.block_strategies,
         dtype=dtype,
         num_classes=workload.num_classes,
-        offload_window=workload.window,
     )
     tx = optax.sgd(1e-3, momentum=0.9)
+    # Models with dropout draw from this stream; the same key every step keeps
+    # the gradients of different strategies comparable.
+    rngs = {"dropout": jax.random.key(2)}
 
     def init():
         key = jax.random.key(0)
         shape = (workload.batch, workload.image_size, workload.image_size, 3)
         x = jax.random.normal(key, shape, dtype)
         labels = jax.random.randint(key, (workload.batch,), 0, workload.num_classes)
-        variables = model.init(jax.random.key(1), x[:1], True)
+        variables = model.init({"params": jax.random.key(1), **rngs}, x[:1], True)
         params = variables.pop("params")
         return (params, dict(variables), tx.init(params)), (x, labels)
 
     def loss_fn(params, model_state, batch):
         x, labels = batch
         logits, new_state = model.apply(
-            {"params": params, **model_state}, x, True, mutable=list(model_state)
+            {"params": params, **model_state}, x, True, mutable=list(model_state), rngs=rngs
         )
         loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
         return loss.mean(), new_state
@@ -353,7 +406,7 @@ def measure(
 
     A planned strategy's workload must carry its plan (:func:`plan_in_subprocess`).
     """
-    if workload.strategy in models.PLANNED_STRATEGIES and workload.plan is None:
+    if workload.strategy in PLANNED_STRATEGIES and workload.plan is None:
         raise ValueError(
             f"{workload.strategy!r} needs a plan first: see plan_in_subprocess, whose "
             "timing runs would otherwise count in this process's peak."
@@ -556,6 +609,7 @@ def measure_all(
     steps: int = 10,
     env: dict[str, str] | None = None,
     on_start: Any = None,
+    on_record: Any = None,
 ) -> list[dict[str, Any]]:
     """Measures each workload in its own process, with gradients compared to the first.
 
@@ -573,6 +627,8 @@ def measure_all(
       steps: timed steps per workload.
       env: extra environment variables for the child processes.
       on_start: called with each workload before it starts (for progress).
+      on_record: called with the records so far after each one, so that an
+        interrupted run loses nothing already measured.
     """
     if not workloads or workloads[0].strategy != "none":
         raise ValueError("the first workload must use the 'none' strategy: it is the reference.")
@@ -583,7 +639,7 @@ def measure_all(
             if on_start is not None:
                 on_start(w)
             try:
-                if w.strategy in models.PLANNED_STRATEGIES:
+                if w.strategy in PLANNED_STRATEGIES:
                     w = plan_in_subprocess(w, env=env, **_hidden_budget(w, records))
                 records.append(
                     measure_in_subprocess(
@@ -596,6 +652,8 @@ def measure_all(
                         probe_link=w.strategy in {*COMPUTE_TWIN, *COMPUTE_TWIN.values()},
                     )
                 )
+                if on_record is not None:
+                    on_record(records)
                 continue
             except OutOfMemory:
                 failure = {"out_of_memory": True}
@@ -612,6 +670,8 @@ def measure_all(
                     **failure,
                 }
             )
+            if on_record is not None:
+                on_record(records)
     add_transfer_bounds(records)
     return records
 
@@ -626,7 +686,7 @@ def plan_in_subprocess(
     planned step.
 
     Args:
-      workload: a workload of a ``models.PLANNED_STRATEGIES`` strategy.
+      workload: a workload of a ``PLANNED_STRATEGIES`` strategy.
       env: extra environment variables for the child process.
       **budget: ``fwd_ms``, ``bwd_ms``, ``d2h_gbps`` and ``h2d_gbps``, as
         :func:`hidden_offload_workload` takes them.

@@ -15,11 +15,13 @@ import shlex
 import sys
 from typing import Any
 
-from jaxoffload import models
+from jaxoffload import benchmark, models
+from jaxoffload.strategies import Offload
 
-STRATEGIES = (*models.BLOCK_STRATEGIES, *models.PLANNED_STRATEGIES)
-# All but the two that only show what the default ones improve on.
-DEFAULT_STRATEGIES = ",".join(s for s in STRATEGIES if s not in ("lean-unordered", "offload-plain"))
+STRATEGIES = (*benchmark.STRATEGIES, *benchmark.PLANNED_STRATEGIES)
+DEFAULT_MODEL = "flax-resnet18"
+# What a plain-Flax model takes: one strategy for all its blocks, no checkpoint names.
+DEFAULT_STRATEGIES = "none,lean,remat,remat-dots,offload,offload-inputs"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         "gradient error on one model, each in a fresh process. The defaults run on CPU.",
     )
     bench.add_argument(
-        "--model", default="resnet18", help=f"one of: {', '.join(models.MODEL_NAMES)}"
+        "--model", default=DEFAULT_MODEL, help=f"one of: {', '.join(models.MODEL_NAMES)}"
     )
     bench.add_argument("--batch", type=int, default=8)
     bench.add_argument("--image-size", type=int, default=32)
@@ -47,10 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--window",
         type=parse_window,
         default=1,
-        help="jaxoffload.schedule window of the blocks of 'lean', 'offload' and "
-        "'offload-plain', or one per ResNet stage, e.g. 1,2,2,2 ('offload-hidden' plans its "
-        "own; other strategies have no schedule, and a window with none of the three is an "
-        "error)",
+        help="the Offload window of offloading blocks, or one per stage of a reference "
+        "ResNet, e.g. 1,2,2,2 ('offload-hidden' plans its own; a window with no offloading "
+        "strategy is an error)",
     )
     bench.add_argument("--out", default="bench-out", help="folder for records.json and pareto.png")
     bench.add_argument(
@@ -105,8 +106,6 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
       args: the parsed command line.
       command: the command as typed, stored in each record so it can be rerun.
     """
-    from jaxoffload import benchmark
-
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown or not strategies:
@@ -115,10 +114,11 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
         )
     if args.steps < 1:
         raise BenchError(f"--steps must be at least 1, got {args.steps}")
-    if args.window != 1 and not set(strategies) & set(models.SCHEDULED_STRATEGIES):
+    windowed = [s for s in benchmark.STRATEGIES if isinstance(benchmark.STRATEGIES[s], Offload)]
+    if args.window != 1 and not set(strategies) & set(windowed):
         raise BenchError(
             f"--window {args.window} has no effect on {', '.join(strategies)}: only "
-            f"{', '.join(models.SCHEDULED_STRATEGIES)} take it"
+            f"{', '.join(windowed)} take it"
         )
     try:
         workloads = [
@@ -129,6 +129,12 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
         ]
     except ValueError as e:
         raise BenchError(str(e)) from None
+    out = pathlib.Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "records.json").touch()
+    except OSError as e:
+        raise BenchError(f"--out {args.out}: cannot write records there ({e.strerror})") from None
     device = benchmark.probe_device()
     platform = device["platform"]
     env = {}
@@ -154,7 +160,7 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
     for needed, why in [("none", "gradients are compared with it")] + [
         (benchmark.COMPUTE_TWIN[s], f"{s!r} is planned from its run")
         for s in strategies
-        if s in models.PLANNED_STRATEGIES
+        if s in benchmark.PLANNED_STRATEGIES
     ]:
         if needed not in strategies:
             console.print(f"note: adding the {needed!r} strategy: {why}.")
@@ -162,7 +168,7 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
             strategies.append(needed)
     # The plain model runs first: it is every other strategy's gradient reference.
     # Planned strategies run last: they are planned from their twin's run.
-    workloads.sort(key=lambda w: (w.strategy != "none", w.strategy in models.PLANNED_STRATEGIES))
+    workloads.sort(key=lambda w: (w.strategy != "none", w.strategy in benchmark.PLANNED_STRATEGIES))
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("measuring", total=len(workloads) * (1 + args.max_batch))
 
@@ -171,7 +177,12 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
             if w is not workloads[0]:
                 progress.advance(task)
 
-        records = benchmark.measure_all(workloads, steps=args.steps, env=env, on_start=on_start)
+        def on_record(records):
+            (out / "records.json").write_text(json.dumps(records, indent=1) + "\n")
+
+        records = benchmark.measure_all(
+            workloads, steps=args.steps, env=env, on_start=on_start, on_record=on_record
+        )
         progress.advance(task)
         for w, r in zip(workloads, records):
             r["memory_cap_gib"] = args.memory_cap
@@ -182,15 +193,13 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
                     w = dataclasses.replace(w, plan=tuple(r["plan"]), window=r["window"])
                 r["max_batch"] = benchmark.find_max_batch(w, env=env)
                 progress.advance(task)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "records.json").write_text(json.dumps(records, indent=1) + "\n")
     out_console = Console()
     if not out_console.is_terminal:  # a file or a pipe: no width to fit, so do not squeeze
         out_console = Console(width=120)
     out_console.print(_table(records))
     for r in records:
-        if r["strategy"] in models.PLANNED_STRATEGIES and r.get("offloaded_blocks") == 0:
+        if r["strategy"] in benchmark.PLANNED_STRATEGIES and r.get("offloaded_blocks") == 0:
             console.print(
                 f"[yellow]note:[/] {r['strategy']!r} offloads nothing here: no block's transfers "
                 f"fit behind the compute around it, so it ran as {r['plan'][0]!r}."

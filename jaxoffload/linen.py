@@ -1,4 +1,4 @@
-"""``offload`` for Flax linen Modules, shaped like ``nn.remat``."""
+"""Strategies for Flax linen Modules: ``wrap`` and ``offload``, shaped like ``nn.remat``."""
 
 from __future__ import annotations
 
@@ -6,65 +6,121 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import flax.linen as nn
 from flax.core import lift
 from flax.linen import transforms as linen_transforms
 
 from jaxoffload import transform
+from jaxoffload.strategies import Offload, Store, Strategy, check_strategy
 
-__all__ = ["offload"]
+__all__ = ["offload", "wrap"]
 
 Target = TypeVar("Target")
 
 
-def offload(
+def wrap(
     target: Target,
+    strategy: Strategy,
     *,
-    names: Sequence[str] | None = None,
-    min_bytes: int = 0,
-    device_argnums: int | Sequence[int] = (),
     static_argnums: int | Sequence[int] = (),
-    to_host: bool = True,
+    device_argnums: int | Sequence[int] = (),
     variables: Any = True,
     rngs: Any = True,
     methods: Sequence[str] | None = None,
 ) -> Target:
-    """Offloads the residuals of a Module's calls to pinned host memory.
+    """Applies a strategy to a Module's calls: ``nn.remat``'s shape, for every strategy.
 
-    ``jaxoffload.linen.offload`` has the shape of ``nn.remat``: give it a Module
-    class (or a ``functools.partial`` of one) and it returns a Module class; use
-    it on a method inside a class body and it returns a method. The variable
-    tree does not change, so one ``init`` serves the plain, the remat and the
-    offloaded model. Switching between them is one word::
+    Give it a Module class (or a ``functools.partial`` of one) and it returns
+    a Module class; use it on a method inside a class body and it returns a
+    method. The class keeps its name, so auto-named instances keep theirs
+    (``Block_0``): the variable tree, its names and its initial values are
+    the plain model's, and variables trained without jaxoffload load as they
+    are. Switching strategies is one value::
 
-        Block = nn.remat(ConvBlock)            # recompute the residuals
-        Block = jaxoffload.linen.offload(ConvBlock)  # move them to the host
+        Block = jaxoffload.linen.wrap(ResNetBlock, jaxoffload.Lean())
+        Block = jaxoffload.linen.wrap(ResNetBlock, jaxoffload.Offload(window=2))
 
-    Variables (parameters, ``batch_stats``) are never moved: they live on the
-    device for the whole step anyway. Every other residual follows the rules
-    of :func:`jaxoffload.offload`. Mutable collections such as ``batch_stats``
-    and RNG streams such as ``dropout`` work as under ``nn.remat``.
+    Variables (parameters, ``batch_stats``) never move, and cost nothing to
+    keep: they live on the device for the whole step. ``batch_stats`` updates
+    and RNG streams such as ``dropout`` work as under ``nn.remat``. A lean
+    block uses leaner rules than jax's for the ReLUs and max-pools it calls,
+    with no edit to its code (:mod:`jaxoffload.rewrite`).
 
     Args:
       target: a Module class, a ``functools.partial`` of one, or a method.
-      names: optional :func:`~jax.ad_checkpoint.checkpoint_name` names; if
-        given, only those values (and the inputs) are kept and moved, and the
-        rest is recomputed, as with ``save_only_these_names``.
-      min_bytes: residuals smaller than this stay on the device.
-      device_argnums: positions of arguments, counting ``self`` as 0, whose
-        values stay on the device if they are residuals: for instance an
-        input that the layer before keeps on the device anyway, so that
-        moving it would free nothing.
+      strategy: :class:`~jaxoffload.Store`, :class:`~jaxoffload.Lean`,
+        :class:`~jaxoffload.Remat` or :class:`~jaxoffload.Offload`.
       static_argnums: as in ``nn.remat``: positions of non-array arguments,
         counting ``self`` as 0.
-      to_host: ``False`` keeps the residuals on the device; the calls still
-        take their turn in a :class:`jaxoffload.schedule`.
+      device_argnums: positions of arguments, counting ``self`` as 0, kept on
+        the device anyway: for instance an input that the layer before keeps,
+        so that moving it would free nothing.
       variables: the variable collections that are lifted (all by default).
       rngs: the RNG streams that are lifted (all by default).
       methods: the methods to transform when ``target`` is a class; by default
         ``__call__``.
 
     Returns:
-      The transformed Module class or method.
+      The transformed Module class or method; ``target`` itself for ``Store()``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn
+      >>> import jaxoffload
+      >>> class Model(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x):
+      ...         return jaxoffload.linen.wrap(nn.Dense, jaxoffload.Lean())(4)(x)
+      >>> v = Model().init(jax.random.key(0), jnp.ones((2, 3)))
+      >>> list(v["params"])
+      ['Dense_0']
+    """
+    strategy = check_strategy(strategy)
+    static_argnums = transform._check_argnums("static_argnums", static_argnums)
+    device_argnums = transform._check_argnums("device_argnums", device_argnums)
+    if any(i == 0 for i in static_argnums + device_argnums):
+        raise ValueError(
+            "static_argnums and device_argnums count `self` as 0, which cannot be in them; "
+            "the first argument after self is 1."
+        )
+    if isinstance(target, nn.Module):
+        raise TypeError(
+            f"wrap takes a Module class or a method, not an instance: write "
+            f"wrap({type(target).__name__}, ...)(...) rather than wrap({type(target).__name__}(...), ...)."
+        )
+    if isinstance(strategy, Store):
+        return target
+    transformed = linen_transforms.lift_transform(
+        _lifted,
+        target,
+        strategy=strategy,
+        variables=variables,
+        rngs=rngs,
+        # The lifted function takes (variables, rngs, *args): `self` becomes two.
+        device_argnums=tuple(i + 1 for i in device_argnums),
+        static_argnums=tuple(i + 1 for i in static_argnums),
+        methods=methods,
+    )
+    return _named_like(transformed, target)
+
+
+def offload(
+    target: Target,
+    *,
+    names: Sequence[str] | None = None,
+    recompute: bool = False,
+    min_bytes: int = 0,
+    max_recompute: float = 0.25,
+    window: int = 1,
+    static_argnums: int | Sequence[int] = (),
+    device_argnums: int | Sequence[int] = (),
+    variables: Any = True,
+    rngs: Any = True,
+    methods: Sequence[str] | None = None,
+) -> Target:
+    """``wrap(target, Offload(...))``: the Module's residuals wait in pinned host memory.
+
+    The keyword arguments are those of :class:`jaxoffload.Offload` and of
+    :func:`wrap`.
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -75,54 +131,57 @@ def offload(
       >>> jax.tree.map(jnp.shape, v) == jax.tree.map(jnp.shape, nn.Dense(4).init(jax.random.key(0), x))
       True
     """
-    static_argnums = transform._check_argnums("static_argnums", static_argnums)
-    device_argnums = transform._check_argnums("device_argnums", device_argnums)
-    if any(i == 0 for i in static_argnums + device_argnums):
-        raise ValueError(
-            "static_argnums and device_argnums: each counts `self` as 0, which cannot be in them."
-        )
-    return linen_transforms.lift_transform(
-        _lifted_offload,
+    strategy = Offload(
+        names=names,
+        recompute=recompute,
+        min_bytes=min_bytes,
+        max_recompute=max_recompute,
+        window=window,
+    )
+    return wrap(
         target,
+        strategy,
+        static_argnums=static_argnums,
+        device_argnums=device_argnums,
         variables=variables,
         rngs=rngs,
-        names=names,
-        min_bytes=min_bytes,
-        to_host=to_host,
-        # The lifted function takes (variables, rngs, *args): `self` becomes two.
-        device_argnums=tuple(i + 1 if i > 0 else i for i in device_argnums),
-        static_argnums=tuple(i + 1 if i > 0 else i for i in static_argnums),
         methods=methods,
     )
 
 
-def _lifted_offload(
+def _named_like(transformed, target):
+    """A transformed Module class under ``target``'s name, so that Flax names instances as it would."""
+    cls = transformed.func if isinstance(transformed, functools.partial) else transformed
+    original = target.func if isinstance(target, functools.partial) else target
+    if isinstance(cls, type):
+        cls.__name__ = original.__name__
+        cls.__qualname__ = original.__qualname__
+    return transformed
+
+
+def _lifted(
     fn: Callable[..., Any],
+    strategy: Strategy,
     variables: Any = True,
     rngs: Any = True,
-    names: Sequence[str] | None = None,
-    min_bytes: int = 0,
-    to_host: bool = True,
     device_argnums: tuple[int, ...] = (),
     static_argnums: tuple[int, ...] = (),
 ) -> Callable[..., Any]:
-    """``offload`` lifted over Flax scopes, as ``flax.core.lift.checkpoint`` is."""
+    """``transform.wrap`` lifted over Flax scopes, as ``flax.core.lift.checkpoint`` lifts ``jax.checkpoint``."""
 
     def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
         @functools.partial(
-            transform.offload,
-            names=names,
-            min_bytes=min_bytes,
-            to_host=to_host,
+            transform.wrap,
+            strategy=strategy,
             device_argnums=(0, 1, *device_argnums),
             static_argnums=static_argnums,
         )
         @functools.wraps(fn)
-        def offloaded(variable_groups, rng_groups, *args, **kwargs):
+        def wrapped(variable_groups, rng_groups, *args, **kwargs):
             scope = scope_fn(variable_groups, rng_groups)
             y = fn(scope, *args, **kwargs)
             return y, repack_fn(scope)
 
-        return offloaded(variable_groups, rng_groups, *args, **kwargs)
+        return wrapped(variable_groups, rng_groups, *args, **kwargs)
 
-    return lift.pack(inner, (variables,), (variables,), (rngs,), name="offload")
+    return lift.pack(inner, (variables,), (variables,), (rngs,), name=type(strategy).__name__.lower())

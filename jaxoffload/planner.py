@@ -11,11 +11,11 @@ __all__ = ["HiddenPlan", "plan_hidden_offload"]
 
 @dataclasses.dataclass(frozen=True)
 class HiddenPlan:
-    """Which blocks offload, and the :class:`jaxoffload.schedule` window they need.
+    """Which blocks offload, and the ``Offload`` window they need.
 
     Attributes:
       offload: one flag per block, from the input end.
-      window: the schedule window, counted in blocks.
+      window: the ``Offload`` window, counted in blocks.
       offloaded_bytes: the bytes that cross the link each way.
       freed_bytes: the device bytes that the offloading blocks free, by the
         planner's estimate.
@@ -45,7 +45,7 @@ def plan_hidden_offload(
 ) -> HiddenPlan:
     """Picks blocks whose transfers fit behind the compute of the blocks next to them.
 
-    In a schedule of window ``w``, a block's host copy runs while the next
+    With an ``Offload`` window ``w``, a block's host copy runs while the next
     ``w - 1`` blocks compute their forward pass (its residuals exist only
     once it has run), and its fetch while they compute their backward pass. A block can be
     chosen when both transfers fit in ``margin`` of that compute, and chosen

@@ -1,11 +1,15 @@
-"""The ``offload`` transform: a function's residuals wait in pinned host memory."""
+"""Function transforms that choose what a function keeps for its backward pass, and where.
+
+:func:`offload` keeps a function's residuals in pinned host memory between its
+two passes; :func:`wrap` applies any strategy value of
+:mod:`jaxoffload.strategies` to a function. Both are shaped like
+:func:`jax.checkpoint`.
+"""
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
-import math
 import operator
 import threading
 import warnings
@@ -16,7 +20,10 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
+from jaxoffload import cut as cut_lib
+from jaxoffload import rewrite
 from jaxoffload.report import OffloadWarning
+from jaxoffload.strategies import Lean, Offload, Remat, Store, Strategy, check_strategy
 
 __all__ = [
     "OffloadedCall",
@@ -25,7 +32,7 @@ __all__ = [
     "offloaded_calls",
     "residuals_per_call",
     "saved_residuals",
-    "schedule",
+    "wrap",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -37,7 +44,7 @@ _barrier = jax.lax.optimization_barrier
 
 @dataclasses.dataclass(frozen=True)
 class Residual:
-    """One value that the backward pass of an offloaded function reads.
+    """One value that the backward pass of a wrapped function reads.
 
     Attributes:
       shape: the residual's shape.
@@ -45,9 +52,11 @@ class Residual:
       nbytes: its size in bytes.
       placement: ``"pinned_host"`` if it waits in host memory between the
         forward and the backward pass, ``"device"`` if it stays on the device.
-      reason: why it is placed there, in words.
+      reason: why it is kept, and why it is placed there, in words.
       output: whether it is also one of the call's outputs, which the next
         layer usually keeps as its input.
+      where: the operation that computes it, with its layer's name
+        (``"Block_0/Conv_1: conv_general_dilated"``), or ``"input"``.
     """
 
     shape: tuple[int, ...]
@@ -56,15 +65,17 @@ class Residual:
     placement: str
     reason: str
     output: bool = False
+    where: str = ""
 
     def __str__(self) -> str:
         dtype = np.dtype(self.dtype).name
-        return f"{dtype}{list(self.shape)} {self.nbytes:,} B -> {self.placement} ({self.reason})"
+        where = f" [{self.where}]" if self.where else ""
+        return f"{dtype}{list(self.shape)} {self.nbytes:,} B -> {self.placement} ({self.reason}){where}"
 
 
 @dataclasses.dataclass(frozen=True)
 class OffloadedCall:
-    """One offloaded call in a traced function (see :func:`offloaded_calls`).
+    """One wrapped call in a traced function (see :func:`offloaded_calls`).
 
     Attributes:
       residuals: what its backward pass reads, and where each value waits.
@@ -73,15 +84,17 @@ class OffloadedCall:
         not counted.
       grad_flops: the same, for its forward and backward passes together,
         with what the backward pass recomputes.
+      rewrites: where lean rules replaced jax's, and where they could not.
       forward: its forward pass as a closed jaxpr, on its own:
         ``jax.extend.core.jaxpr_as_fun(call.forward)`` runs it, so that a
-        planner can time it (:func:`jaxoffload.benchmark.time_offloaded_calls`).
+        planner can time it.
     """
 
     residuals: tuple[Residual, ...]
     flops: int
     grad_flops: int
-    forward: Any = dataclasses.field(repr=False, compare=False)
+    rewrites: tuple[rewrite.Rewrite, ...] = ()
+    forward: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def host_bytes(self) -> int:
@@ -94,114 +107,62 @@ class OffloadedCall:
         return sum(r.nbytes for r in self.residuals if r.placement == "device")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Config:
-    names: tuple[str, ...] | None
-    min_bytes: int
-    device_argnums: tuple[int, ...]
-    static_argnums: tuple[int, ...]
-    to_host: bool
+def wrap(
+    fun: F,
+    strategy: Strategy,
+    *,
+    device_argnums: int | Sequence[int] = (),
+    static_argnums: int | Sequence[int] = (),
+) -> F:
+    """Applies a strategy of :mod:`jaxoffload.strategies` to a function.
 
-
-class schedule:
-    """Chains the offloaded calls made inside it, so their transfers overlap compute.
-
-    On its own, each :func:`offload` call waits for its own transfers: its
-    outputs wait for the host copies of its residuals, and its backward pass
-    fetches them only once its output cotangent exists. Inside
-    ``with schedule(window=w)``, the offloaded calls form one chain, in call
-    order, and up to ``w`` of them have transfers in flight:
-
-    - forward: call ``i``'s outputs wait for the host copies of call
-      ``i - w + 1``, so each copy runs while the next ``w - 1`` calls compute;
-    - backward: call ``i``'s residuals are fetched as soon as call
-      ``i + w - 1`` starts its backward pass, so each fetch runs while the
-      ``w - 1`` calls between compute theirs. The last ``w - 1`` calls have
-      no such later call, and nothing orders their fetches (gating them on
-      their own backward pass instead raised the device temp of a 16-layer
-      chain at window 2 from 1.34 to 1.61 GB on an H200).
-
-    Device memory for residuals in flight is therefore bounded by ``w``
-    calls' residuals, whatever the depth. ``window=1`` is the behaviour
-    without a schedule. Calls made with ``to_host=False`` move nothing but
-    still take their turn, so that the window counts them.
-
-    The chain links calls with scalar tokens, each one element of a value the
-    earlier call made, tied to the later call by an ``optimization_barrier``
-    (``FINDINGS.md`` §4, rules 2 and 3). XLA drops a barrier operand whose
-    output is never read, so each call reads its gates' far sides: one of
-    its gradients, a small one that a training step reads, adds zero times
-    each of them. Measured on an H200, each step of the window adds one
-    layer's residuals to device temp, and depth adds nothing
-    (``tests/test_gpu.py``, ``benchmarks/README.md``).
-    Use the context inside the differentiated function, around the layers
-    (a model's ``__call__`` is a good place). Calls traced under a different
-    JAX trace (inside a ``scan`` body, say) start a chain of their own.
+    ``Store()`` returns ``fun``; ``Remat(policy)`` is ``jax.checkpoint``;
+    ``Lean()`` keeps the fewest residual bytes on the device, recomputing
+    cheap values in the backward pass; ``Offload(...)`` keeps them in
+    pinned host memory (see :func:`offload`).
 
     Args:
-      window: how many offloaded calls may have transfers in flight, at least 1.
+      fun: the function to wrap.
+      strategy: what it keeps for its backward pass.
+      device_argnums: positional arguments that are kept on the device anyway,
+        typically parameters: they cost nothing to keep and never move.
+      static_argnums: positional arguments that are not arrays, as with
+        :func:`jax.checkpoint`.
+
+    Returns:
+      A function with ``fun``'s signature, outputs and gradients.
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from jaxoffload import offload, schedule
-      >>> layer = offload(lambda w, x: jnp.tanh(x @ w), device_argnums=0)
-      >>> def loss(ws, x):
-      ...     with schedule(window=2):
-      ...         for w in ws:
-      ...             x = layer(w, x)
-      ...     return x.sum()
-      >>> ws = [jnp.eye(4) / 2] * 3
-      >>> g = jax.grad(loss)(ws, jnp.ones((2, 4)))
-      >>> [gi.shape for gi in g]
-      [(4, 4), (4, 4), (4, 4)]
+      >>> from jaxoffload import Lean, wrap
+      >>> layer = wrap(lambda w, x: jax.nn.relu(x @ w), Lean(), device_argnums=0)
+      >>> w, x = jnp.eye(3), jnp.arange(6.0).reshape(2, 3) - 2
+      >>> g = jax.grad(lambda w, x: layer(w, x).sum(), argnums=1)(w, x)
+      >>> g.tolist()
+      [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
     """
+    strategy = check_strategy(strategy)
+    if not callable(fun):
+        raise TypeError(f"wrap expects a callable, got {fun!r} of type {type(fun).__name__}.")
+    device_argnums = _check_argnums("device_argnums", device_argnums)
+    static_argnums = _check_argnums("static_argnums", static_argnums)
+    if isinstance(strategy, Store):
+        return fun
+    if isinstance(strategy, Remat):
+        return jax.checkpoint(
+            fun,
+            policy=strategy.policy,
+            prevent_cse=strategy.prevent_cse,
+            static_argnums=static_argnums,
+        )
+    argnums = _Argnums(device=device_argnums, static=static_argnums)
 
-    _active = threading.local()
+    @functools.wraps(fun)
+    def wrapped(*args, **kwargs):
+        return _wrapped_call(fun, strategy, argnums, args, kwargs)
 
-    def __init__(self, window: int = 2):
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be an int of at least 1, got {window!r}.")
-        self.window = window
-        self._tokens: collections.deque = collections.deque()
-        self._trace = None
-
-    def __enter__(self) -> schedule:
-        stack = schedule._stack()
-        if self in stack:
-            raise RuntimeError("this schedule is already active; make a new one to nest.")
-        stack.append(self)
-        self._tokens.clear()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        schedule._stack().pop()
-        self._tokens.clear()
-
-    @staticmethod
-    def _stack() -> list[schedule]:
-        if not hasattr(schedule._active, "stack"):
-            schedule._active.stack = []
-        return schedule._active.stack
-
-    @staticmethod
-    def current() -> schedule | None:
-        """The innermost active schedule, or ``None``."""
-        stack = schedule._stack()
-        return stack[-1] if stack else None
-
-    def _next_gate(self):
-        """The token of the call ``window - 1`` calls back, if this call waits on one."""
-        trace = jex_core.get_opaque_trace_state(convention="jaxoffload")
-        if trace != self._trace:  # a new trace: its calls cannot use the old tokens
-            self._tokens.clear()
-            self._trace = trace
-        if self.window > 1 and len(self._tokens) == self.window - 1:
-            return self._tokens.popleft()
-        return None
-
-    def _push(self, token) -> None:
-        if self.window > 1:
-            self._tokens.append(token)
+    wrapped.__jaxoffload__ = (fun, strategy, argnums)  # type: ignore[attr-defined]
+    return wrapped  # type: ignore[return-value]
 
 
 @overload
@@ -209,10 +170,12 @@ def offload(
     fun: F,
     *,
     names: Sequence[str] | None = None,
+    recompute: bool = False,
     min_bytes: int = 0,
+    max_recompute: float = 0.25,
+    window: int = 1,
     device_argnums: int | Sequence[int] = (),
     static_argnums: int | Sequence[int] = (),
-    to_host: bool = True,
 ) -> F: ...
 
 
@@ -221,10 +184,12 @@ def offload(
     fun: None = None,
     *,
     names: Sequence[str] | None = None,
+    recompute: bool = False,
     min_bytes: int = 0,
+    max_recompute: float = 0.25,
+    window: int = 1,
     device_argnums: int | Sequence[int] = (),
     static_argnums: int | Sequence[int] = (),
-    to_host: bool = True,
 ) -> Callable[[F], F]: ...
 
 
@@ -232,73 +197,64 @@ def offload(
     fun=None,
     *,
     names=None,
+    recompute=False,
     min_bytes=0,
+    max_recompute=0.25,
+    window=1,
     device_argnums=(),
     static_argnums=(),
-    to_host=True,
 ):
     """Keeps ``fun``'s residuals in pinned host memory between its two passes.
 
     ``offload`` is shaped like :func:`jax.checkpoint`. Where ``jax.checkpoint``
     throws residuals away and recomputes them, ``offload`` moves them to
-    ``pinned_host`` memory at the end of ``fun``'s forward pass and brings them
-    back when ``fun``'s backward pass starts. Outputs and gradients are those of
-    ``fun``; only where the residuals wait changes.
+    ``pinned_host`` memory at the end of ``fun``'s forward pass and brings
+    them back when its backward pass starts. Outputs and gradients are
+    ``fun``'s; only where the residuals wait changes. It is
+    ``wrap(fun, Offload(...))``: the arguments are those of
+    :class:`jaxoffload.Offload`.
 
-    Which residuals move is decided by these rules, in order (see
-    :func:`saved_residuals` to list them for given arguments):
-
-    1. with ``to_host=False``, none: the call keeps its residuals on the
-       device but still takes its turn in a :class:`schedule`;
-    2. residuals that *are* leaves of the arguments in ``device_argnums`` stay
-       on the device: those arrays live on the device anyway (parameters);
-    3. residuals smaller than ``min_bytes`` stay on the device;
-    4. every other residual moves to the host.
-
-    If a function has residuals but none of them moves although ``to_host``
-    is true, an :class:`~jaxoffload.OffloadWarning` says so when it is
-    differentiated.
-
-    With ``names``, ``fun`` is first wrapped in ``jax.checkpoint`` with
-    ``save_only_these_names(*names)``: the residuals are then the values named
-    with :func:`jax.ad_checkpoint.checkpoint_name` and the arguments, and all
-    else is recomputed in the backward pass.
+    What moves is what a lean function would keep (:class:`jaxoffload.Lean`):
+    the cheapest set of values from which the backward pass can recompute the
+    rest, so that cheap values (elementwise results, BatchNorm's normalised
+    copies, masks) are recomputed, not moved. Of those, values in
+    ``device_argnums`` and values under ``min_bytes`` stay on the device.
+    :func:`saved_residuals` lists them, and why each is kept where it is.
 
     XLA:GPU deletes a host round trip that nothing forces, and its scheduler
     lets fetched residuals and weight-gradient work pile up. The transfers are
-    therefore tied into the data flow with ``jax.lax.optimization_barrier``:
+    tied into the data flow with ``jax.lax.optimization_barrier``:
 
     - the host copy is separated from its way back, so the pair is kept;
-    - ``fun``'s outputs wait for the host copies of its residuals, so a
-      residual's device buffer dies before the next layer runs;
-    - the residuals are fetched only once the output cotangent has arrived,
-      and the input cotangent leaves together with the parameter cotangents,
-      so the previous offloaded function fetches only after this one's
-      weight gradients exist.
+    - ``fun``'s outputs wait for the host copies of its residuals (or, with
+      ``window`` ``w``, the outputs of the call ``w - 1`` calls later do), so
+      a residual's device buffer dies early;
+    - the residuals are fetched only once the output cotangent has arrived
+      (or the call ``w - 1`` calls later starts its backward pass), and the
+      input cotangent leaves together with the parameter cotangents, so the
+      previous call fetches only after this one's weight gradients exist.
 
-    So on its own, an offloaded call waits for its transfers. Inside a
-    :class:`schedule`, consecutive calls are chained instead, and each
-    transfer overlaps the compute of the calls around it.
-    ``tests/test_gpu.py`` checks on a GPU that the copies are kept and that
-    device memory falls.
+    The calls of one trace form a chain in call order, so a window spans the
+    wrapped calls that follow, whatever wraps them. ``tests/test_gpu.py``
+    checks on a GPU that the copies are kept and that device memory falls.
 
-    ``offload`` is built on :func:`jax.custom_vjp`, so it supports reverse-mode
-    differentiation (``grad``, ``vjp``, ``value_and_grad``), ``jit``, ``vmap``
-    and sharding, but not forward mode (``jvp``, ``linearize``, ``hessian``).
+    ``offload`` is built on :func:`jax.custom_vjp`: it supports reverse-mode
+    differentiation, ``jit``, ``vmap`` and sharding, but not forward mode.
 
     Args:
-      fun: the function to wrap. Its array arguments are differentiated as
-        with :func:`jax.vjp`; integer arguments get ``float0`` cotangents.
-      names: optional names of :func:`~jax.ad_checkpoint.checkpoint_name`
-        values to keep; everything else is recomputed.
+      fun: the function to wrap.
+      names: keep and move only the :func:`~jax.ad_checkpoint.checkpoint_name`
+        values with these names, and the arguments; recompute the rest.
+      recompute: move only the arguments, and recompute everything else.
       min_bytes: residuals smaller than this stay on the device.
-      device_argnums: positional arguments whose leaves stay on the device when
-        they are residuals, typically parameters.
+      max_recompute: the FLOPs of convolutions and matrix products that may
+        be recomputed to move fewer bytes, as a share of the forward pass's.
+      window: how many consecutive wrapped calls may have transfers in
+        flight; 1 waits for this call's own transfers.
+      device_argnums: positional arguments kept on the device anyway
+        (parameters): they never move.
       static_argnums: positional arguments that are not arrays; they must be
         hashable, as with :func:`jax.jit`.
-      to_host: ``False`` keeps every residual on the device; the call still
-        orders its backward pass as above and counts in a :class:`schedule`'s
-        window.
 
     Returns:
       A function with ``fun``'s signature and outputs.
@@ -314,35 +270,29 @@ def offload(
       >>> bool(jnp.allclose(g, jax.grad(lambda w, x: jnp.tanh(x @ w).sum(), argnums=1)(w, x)))
       True
     """
-    config = _Config(
-        names=_check_names(names),
-        min_bytes=_check_min_bytes(min_bytes),
-        device_argnums=_check_argnums("device_argnums", device_argnums),
-        static_argnums=_check_argnums("static_argnums", static_argnums),
-        to_host=_check_to_host(to_host),
+    strategy = Offload(
+        names=names,
+        recompute=recompute,
+        min_bytes=min_bytes,
+        max_recompute=max_recompute,
+        window=window,
     )
-    if fun is None:
-        return functools.partial(_offload, config=config)
-    return _offload(fun, config=config)
+
+    def decorate(fun):
+        return wrap(fun, strategy, device_argnums=device_argnums, static_argnums=static_argnums)
+
+    return decorate if fun is None else decorate(fun)
 
 
-def _offload(fun: F, *, config: _Config) -> F:
-    if not callable(fun):
-        raise TypeError(f"offload expects a callable, got {fun!r} of type {type(fun).__name__}.")
-
-    @functools.wraps(fun)
-    def offloaded(*args, **kwargs):
-        return _offloaded_call(fun, config, args, kwargs, record=None)
-
-    offloaded.__jaxoffload__ = (fun, config)  # type: ignore[attr-defined]
-    return offloaded  # type: ignore[return-value]
+# ---- listing residuals ------------------------------------------------------------------
 
 
 def saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Residual]:
-    """Lists the residuals of an offloaded function and where each one waits.
+    """Lists the residuals of a wrapped function, where each one waits, and why.
 
     Args:
-      fun: a function made by :func:`offload`.
+      fun: a function made by :func:`wrap` or :func:`offload` with ``Lean`` or
+        ``Offload``.
       *args: arguments, as arrays or :class:`jax.ShapeDtypeStruct`.
       **kwargs: keyword arguments, likewise.
 
@@ -355,41 +305,41 @@ def saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
       >>> f = offload(lambda w, x: jnp.sin(x @ w), device_argnums=0)
       >>> for r in saved_residuals(f, jnp.ones((8, 8)), jnp.ones((4, 8))):
       ...     print(r)
-      float32[8, 8] 256 B -> device (argument in device_argnums)
-      float32[4, 8] 128 B -> pinned_host (offloaded)
-      float32[4, 8] 128 B -> pinned_host (offloaded)
+      float32[8, 8] 256 B -> device (argument in device_argnums) [input]
+      float32[4, 8] 128 B -> pinned_host (offloaded) [input]
+      float32[4, 8] 128 B -> pinned_host (offloaded) [dot_general]
     """
     try:
-        inner, config = fun.__jaxoffload__  # type: ignore[attr-defined]
+        inner, strategy, argnums = fun.__jaxoffload__  # type: ignore[attr-defined]
     except AttributeError:
         raise TypeError(
-            f"saved_residuals expects a function made by jaxoffload.offload, got {fun!r}."
+            "saved_residuals expects a function made by jaxoffload.wrap or jaxoffload.offload "
+            f"with Lean or Offload, got {fun!r}."
         ) from None
-    found: list[Residual] = []
-
-    def trace(*args, **kwargs):
-        jax.grad(
-            lambda *a: _sum_outputs(_offloaded_call(inner, config, a, kwargs, record=found)),
-            argnums=tuple(i for i in range(len(args)) if i not in set(config.static_argnums)),
-            allow_int=True,
-        )(*args)
-
-    jax.make_jaxpr(trace, static_argnums=config.static_argnums)(*args, **kwargs)
-    return found
+    calls = offloaded_calls(
+        lambda args, kwargs: jax.vjp(lambda *a: fun(*a, **kwargs), *args), args, kwargs
+    )
+    return list(calls[0].residuals)
 
 
 _recording = threading.local()
 
 
 def offloaded_calls(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[OffloadedCall]:
-    """Lists every offloaded call that ``fun`` differentiates: its residuals and its compute.
+    """Traces ``fun`` and describes every wrapped call that it differentiates.
 
-    ``fun`` is traced, not run, so arguments may be
-    :class:`jax.ShapeDtypeStruct`. It must take gradients itself, as a
-    training step does: residuals exist only under differentiation.
+    Nothing is compiled or run: ``fun`` is traced with ``jax.make_jaxpr``, so
+    its arguments may be :class:`jax.ShapeDtypeStruct`\\ s of any size. A
+    call appears once per differentiation, in call order.
+
+    Args:
+      fun: a function that differentiates calls made by :func:`wrap` or
+        :func:`offload` (a training step, say).
+      *args: arguments, as arrays or :class:`jax.ShapeDtypeStruct`.
+      **kwargs: keyword arguments, likewise.
 
     Returns:
-      One :class:`OffloadedCall` per offloaded call, in call order.
+      One :class:`OffloadedCall` per wrapped call, in call order.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -398,47 +348,487 @@ def offloaded_calls(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
       >>> step = jax.grad(lambda w, x: layer(w, layer(w, x)).sum())
       >>> calls = offloaded_calls(step, jnp.ones((8, 8)), jnp.ones((4, 8)))
       >>> [(c.flops, c.host_bytes) for c in calls]
-      [(512, 384), (512, 384)]
+      [(512, 256), (512, 256)]
     """
-    calls: list[tuple[list[Residual], int, int, Any]] = []
+    calls: list[OffloadedCall] = []
     outer = getattr(_recording, "calls", None)
     _recording.calls = calls
     try:
         jax.make_jaxpr(fun)(*args, **kwargs)
     finally:
         _recording.calls = outer
-    return [OffloadedCall(tuple(residuals), *rest) for residuals, *rest in calls]
+    return calls
 
 
 def residuals_per_call(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[list[Residual]]:
-    """Lists, for every offloaded call that ``fun`` differentiates, its residuals.
+    """Lists, for every wrapped call that ``fun`` differentiates, its residuals.
 
-    ``[list(call.residuals) for call in offloaded_calls(fun, *args, **kwargs)]``:
-    one list per offloaded call, in call order (see :func:`offloaded_calls`).
+    ``[list(call.residuals) for call in offloaded_calls(fun, *args, **kwargs)]``.
     """
-    return [list(call.residuals) for call in offloaded_calls(fun, *args, **kwargs)]
+    calls = offloaded_calls(fun, *args, **kwargs)
+    if not calls:
+        warnings.warn(
+            "residuals_per_call: the traced function differentiates no call made by "
+            "jaxoffload.wrap or jaxoffload.offload; pass a function that takes a gradient.",
+            OffloadWarning,
+            stacklevel=2,
+        )
+    return [list(call.residuals) for call in calls]
 
 
-def _matmul_flops(jaxpr) -> int:
-    """2 × the multiply-adds of the matrix products and convolutions in ``jaxpr``, nested ones too."""
-    total = 0
-    for eqn in jaxpr.eqns:
-        out = eqn.outvars[0].aval.shape if eqn.outvars else ()
-        if eqn.primitive.name == "dot_general":
-            (contracting, _), _ = eqn.params["dimension_numbers"]
-            lhs = eqn.invars[0].aval.shape
-            total += 2 * math.prod(out) * math.prod(lhs[d] for d in contracting)
-        elif eqn.primitive.name == "conv_general_dilated":
-            rhs = eqn.invars[1].aval.shape
-            out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
-            total += 2 * math.prod(out) * (math.prod(rhs) // out_features)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                if isinstance(sub, jex_core.ClosedJaxpr):
-                    total += _matmul_flops(sub.jaxpr)
-                elif isinstance(sub, jex_core.Jaxpr):
-                    total += _matmul_flops(sub)
-    return total
+# ---- arguments ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Argnums:
+    device: tuple[int, ...]
+    static: tuple[int, ...]
+
+    def split(self, args: tuple, kwargs: dict):
+        """``(dynamic, rebuild, device)``: the array arguments, a function of them, and
+        the positions among them of ``device_argnums``."""
+        n = len(args)
+        for what, argnums in (("static_argnums", self.static), ("device_argnums", self.device)):
+            bad = [i for i in argnums if not -n <= i < n]
+            if bad:
+                raise ValueError(
+                    f"{what}={argnums} names positions {bad} that this call does not have: it "
+                    f"passes {n} positional arguments"
+                    + (f" and the keywords {sorted(kwargs)}" if kwargs else "")
+                    + f". {what} counts positional arguments only; pass those arguments "
+                    "positionally."
+                )
+        static = {i % n for i in self.static}
+        both = static & {i % n for i in self.device}
+        if both:
+            raise ValueError(
+                f"arguments {sorted(both)} are in both static_argnums and device_argnums; "
+                "a static argument is not an array, so it cannot be kept on the device."
+            )
+        positions = [i for i in range(n) if i not in static]
+        dynamic = tuple(args[i] for i in positions)
+        device = tuple(positions.index(i % n) for i in self.device)
+
+        def rebuild(dynamic, kwargs):
+            values = dict(zip(positions, dynamic))
+            return [values[i] if i in values else args[i] for i in range(n)], kwargs
+
+        return dynamic, rebuild, device
+
+
+def _check_argnums(what: str, argnums) -> tuple[int, ...]:
+    if isinstance(argnums, bool) or not isinstance(argnums, int | Sequence):
+        raise TypeError(f"{what} must be an int or a sequence of ints, got {argnums!r}.")
+    argnums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    bad = [a for a in argnums if isinstance(a, bool) or not isinstance(a, int)]
+    if bad:
+        raise TypeError(f"{what} must be ints, got {bad!r} in {argnums!r}.")
+    return argnums
+
+
+# ---- the chain of calls in one trace ----------------------------------------------------
+
+
+class _Chain:
+    """The wrapped calls of one trace, in call order, and the transfers still in flight.
+
+    A call with window ``w`` lets the next ``w - 1`` calls run before its
+    host copies must be done: the outputs of call ``i + w - 1`` wait for
+    call ``i``'s copies (its token), and call ``i``'s fetch starts when call
+    ``i + w - 1`` starts its backward pass (the token's cotangent). So the
+    device memory held by transfers in flight is bounded by the windows,
+    whatever the depth. The last calls have no such later call, and nothing
+    orders their fetches.
+    """
+
+    _current = threading.local()
+
+    def __init__(self, trace):
+        self.trace = trace
+        self.index = 0
+        self.pending: dict[int, list[jax.Array]] = {}  # call index -> tokens it gates on
+
+    @classmethod
+    def of_current_trace(cls) -> _Chain:
+        trace = jex_core.get_opaque_trace_state(convention="jaxoffload")
+        chain = getattr(cls._current, "chain", None)
+        if chain is None or chain.trace != trace:  # a new trace starts a new chain
+            chain = cls._current.chain = cls(trace)
+        return chain
+
+    def next_gates(self) -> tuple[int, list[jax.Array]]:
+        """This call's index, and the tokens of earlier calls whose outputs must wait here."""
+        index = self.index
+        self.index += 1
+        return index, self.pending.pop(index, [])
+
+    def push(self, index: int, window: int, token: jax.Array) -> None:
+        if window > 1:
+            self.pending.setdefault(index + window - 1, []).append(token)
+
+
+# ---- what a call keeps ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What one call keeps for its backward pass: made once per trace of its forward pass.
+
+    Attributes:
+      forward: flat inputs -> flat outputs, then the saved values.
+      backward: saved values -> the residuals of ``vjp``, in order.
+      recomputes: whether ``backward`` computes anything.
+      residuals: a description of each saved value.
+      to_host: the positions of the saved values that move to the host.
+      vjp_tree: the pytree structure of the ``vjp`` function.
+      out_tree: the pytree structure of the outputs.
+    """
+
+    forward: Callable[..., list[Any]]
+    backward: Callable[..., list[Any]]
+    recomputes: bool
+    residuals: tuple[Residual, ...]
+    to_host: tuple[int, ...]
+    vjp_tree: Any
+    out_tree: Any
+    num_outputs: int
+    rewrites: tuple[rewrite.Rewrite, ...]
+    recompute_flops: int
+
+
+def _plan(call, dynamic, kwargs, strategy, device_leaves: set[int]) -> _Plan:
+    """Traces ``call``'s forward pass with its ``vjp`` residuals, and chooses what to keep.
+
+    ``device_leaves`` are the positions, among the flat inputs, of leaves that
+    live on the device anyway (parameters).
+    """
+    notes: list[rewrite.Rewrite] = []
+    cut_residuals = isinstance(strategy, Lean) or (
+        strategy.names is None and not strategy.recompute
+    )
+    if cut_residuals:
+        fun = rewrite.with_lean_rules(call, notes)
+    else:
+        names = () if strategy.recompute else strategy.names
+        policy = jax.checkpoint_policies.save_only_these_names(*names)
+        fun = jax.checkpoint(call, policy=policy)
+    trees = {}
+
+    def forward_and_residuals(dynamic, kwargs):
+        out, vjp_fun = jax.vjp(fun, dynamic, kwargs)
+        leaves, trees["vjp"] = jax.tree.flatten(vjp_fun)
+        trees["out"] = jax.tree.structure(out)
+        return jax.tree.leaves(out), leaves
+
+    closed = jax.make_jaxpr(forward_and_residuals)(dynamic, kwargs)
+    jaxpr, consts = closed.jaxpr, closed.consts
+    num_out = trees["out"].num_leaves
+    out_atoms, residual_atoms = jaxpr.outvars[:num_out], jaxpr.outvars[num_out:]
+    used = _used_residuals(trees["vjp"], [a.aval for a in residual_atoms], trees["out"], jaxpr)
+    needed = [a for a, u in zip(residual_atoms, used) if u and isinstance(a, jex_core.Var)]
+    params = {jaxpr.invars[i] for i in device_leaves} | set(jaxpr.constvars)
+    if cut_residuals:
+        # A lean call's inputs and outputs are kept anyway, by the layers
+        # around it; an offloading call moves its own.
+        free = params | (set(jaxpr.invars) | set(out_atoms) if isinstance(strategy, Lean) else set())
+        chosen = cut_lib.cheapest_cut(jaxpr, needed, free, max_recompute=strategy.max_recompute)
+        if isinstance(strategy, Offload):
+            # Never move more than a lean call would keep.
+            lean = cut_lib.cheapest_cut(
+                jaxpr, needed, params | set(jaxpr.invars) | set(out_atoms),
+                max_recompute=strategy.max_recompute,
+            )  # fmt: skip
+            if _bytes(chosen.saved, params) > _bytes(lean.saved, params):
+                chosen = lean
+        saved, recomputed, flops = list(chosen.saved), chosen.recomputed, chosen.recompute_flops
+    else:
+        saved, recomputed, flops, chosen = list(dict.fromkeys(needed)), (), 0, None
+    residuals, to_host = [], []
+    outputs = {a for a in out_atoms if isinstance(a, jex_core.Var)}
+    for n, v in enumerate(saved):
+        placement, reason = _place(v, params, strategy, jaxpr)
+        if placement == "pinned_host":
+            to_host.append(n)
+        why = _why_kept(v, jaxpr, chosen, outputs)
+        reason = f"{why}; {reason}" if why else reason
+        residuals.append(
+            Residual(
+                tuple(v.aval.shape), np.dtype(v.aval.dtype), cut_lib.nbytes(v.aval),
+                placement, reason, v in outputs, _where(v, jaxpr),
+            )
+        )  # fmt: skip
+    forward = _sub_function(jaxpr, consts, list(jaxpr.invars), [*out_atoms, *saved])
+    backward_eqns = [jaxpr.eqns[i] for i in recomputed]
+    backward = _residuals_from(jaxpr, consts, saved, backward_eqns, residual_atoms, used)
+    return _Plan(
+        forward, backward, bool(recomputed), tuple(residuals), tuple(to_host),
+        trees["vjp"], trees["out"], num_out, tuple(notes), flops,
+    )  # fmt: skip
+
+
+def _bytes(values, free) -> int:
+    return sum(cut_lib.nbytes(v.aval) for v in values if v not in free)
+
+
+_placement = threading.local()
+
+
+class without_host_placement:
+    """Inside it, traced ``Offload`` calls keep every residual on the device.
+
+    The program is otherwise the same, barriers and all: compiled, it is the
+    twin that tells how much device memory the host copies free.
+    """
+
+    def __enter__(self):
+        self._outer = getattr(_placement, "off", False)
+        _placement.off = True
+        return self
+
+    def __exit__(self, *exc):
+        _placement.off = self._outer
+
+
+def _place(v, params, strategy, jaxpr) -> tuple[str, str]:
+    if v in jaxpr.constvars:
+        return "device", "constant"
+    if v in params:
+        return "device", "argument in device_argnums"
+    if isinstance(strategy, Lean):
+        return "device", "lean"
+    if getattr(_placement, "off", False):
+        return "device", "host placement off, for a twin"
+    if cut_lib.nbytes(v.aval) < strategy.min_bytes:
+        return "device", f"smaller than min_bytes={strategy.min_bytes}"
+    return "pinned_host", "offloaded"
+
+
+def _why_kept(v, jaxpr, chosen, outputs) -> str:
+    """Why the cut keeps ``v`` rather than recompute it (empty without a cut)."""
+    if chosen is None:
+        return ""
+    if v in jaxpr.invars or v in jaxpr.constvars:
+        return ""
+    if v in outputs:
+        return "an output"
+    i = next(i for i, e in enumerate(jaxpr.eqns) if v in e.outvars)
+    if i in chosen.never:
+        return f"not recomputable: {chosen.never[i]}"
+    if jaxpr.eqns[i].primitive.name in cut_lib._MATMULS:
+        return "recomputing it would pass max_recompute"
+    return "cheaper to keep than to recompute"
+
+
+def _where(v, jaxpr) -> str:
+    if v in jaxpr.invars:
+        return "input"
+    if v in jaxpr.constvars:
+        return "constant"
+    eqn = next(e for e in jaxpr.eqns if v in e.outvars)
+    stack = str(eqn.source_info.name_stack)
+    # Tracing under jax.vjp prefixes the stack with transformation names.
+    stack = "/".join(s.removeprefix("jvp(").removesuffix(")") for s in stack.split("/") if s)
+    return f"{stack}: {eqn.primitive.name}" if stack else eqn.primitive.name
+
+
+def _sub_function(jaxpr, consts, invars, outvars) -> Callable[..., list[Any]]:
+    """The part of ``jaxpr`` that computes ``outvars`` from ``invars`` (and its constants)."""
+    producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+    keep, todo = set(), [v for v in outvars if isinstance(v, jex_core.Var)]
+    known = set(invars) | set(jaxpr.constvars)
+    while todo:
+        v = todo.pop()
+        if v in known or v in keep:
+            continue
+        keep.add(v)
+        todo.extend(u for u in producer[v].invars if isinstance(u, jex_core.Var))
+    eqns = [e for e in jaxpr.eqns if any(v in keep for v in e.outvars)]
+    sub = jex_core.Jaxpr(list(jaxpr.constvars), list(invars), list(outvars), eqns, jaxpr.effects)
+    return jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(sub, list(consts)))
+
+
+def _residuals_from(jaxpr, consts, saved, eqns, residual_atoms, used):
+    """saved values -> every residual leaf of ``vjp``, recomputing what was not saved."""
+    needed = [a for a, u in zip(residual_atoms, used) if u and isinstance(a, jex_core.Var)]
+    recompute = _sub_function(jaxpr, consts, list(saved), needed) if eqns else None
+    positions = {v: n for n, v in enumerate(saved)}
+
+    def residuals(saved_values):
+        values = dict(zip(needed, recompute(*saved_values))) if recompute else {}
+        leaves = []
+        for atom, is_used in zip(residual_atoms, used):
+            if isinstance(atom, jex_core.Literal):
+                leaves.append(atom.val)
+            elif not is_used:  # never read by the backward pass, so never saved
+                leaves.append(jax.numpy.zeros(atom.aval.shape, atom.aval.dtype))
+            elif atom in values:
+                leaves.append(values[atom])
+            else:
+                leaves.append(saved_values[positions[atom]])
+        return leaves
+
+    return residuals
+
+
+def _used_residuals(vjp_tree, avals, out_tree, jaxpr) -> list[bool]:
+    """Which leaves of a vjp function its backward computation really reads.
+
+    ``jax.vjp`` can keep values that the backward pass then ignores; keeping
+    them would cost memory (and moving them two transfers) for nothing.
+    """
+    num_out = out_tree.num_leaves
+    cotangents = jax.tree.unflatten(
+        out_tree,
+        [
+            jax.ShapeDtypeStruct(
+                a.aval.shape,
+                a.aval.dtype
+                if jax.dtypes.issubdtype(a.aval.dtype, np.inexact)
+                else jax.dtypes.float0,
+            )
+            for a in jaxpr.outvars[:num_out]
+        ],
+    )
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    backward = jax.make_jaxpr(lambda r, c: jax.tree.unflatten(vjp_tree, r)(c))(structs, cotangents)
+    live = _live_vars(backward.jaxpr)
+    return [v in live for v in backward.jaxpr.invars[: len(avals)]]
+
+
+def _live_vars(jaxpr) -> set:
+    """Variables that the outputs (or an effectful equation) depend on."""
+    live = {v for v in jaxpr.outvars if isinstance(v, jex_core.Var)}
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(v in live for v in eqn.outvars):
+            live.update(v for v in eqn.invars if isinstance(v, jex_core.Var))
+    return live
+
+
+# ---- the wrapped call -------------------------------------------------------------------
+
+
+def _wrapped_call(fun, strategy, argnums: _Argnums, args: tuple, kwargs: dict):
+    dynamic, rebuild, device = argnums.split(args, kwargs)
+
+    def call(dynamic, kwargs):
+        args, kwargs = rebuild(dynamic, kwargs)
+        return fun(*args, **kwargs)
+
+    # Flat positions of the leaves of device_argnums among (dynamic, kwargs).
+    sizes = [len(jax.tree.leaves(a)) for a in dynamic]
+    starts = np.cumsum([0, *sizes])
+    device_leaves = {int(starts[n]) + k for n in device for k in range(sizes[n])}
+    chain = _Chain.of_current_trace()
+    index, gates = chain.next_gates()
+    window = strategy.window if isinstance(strategy, Offload) else 1
+    to_host = isinstance(strategy, Offload)
+    recorder = getattr(_recording, "calls", None)
+    plans: dict[str, _Plan] = {}
+
+    @jax.custom_vjp
+    def run(dynamic, kwargs, gates):
+        return call(dynamic, kwargs), _token()
+
+    def run_fwd(dynamic, kwargs, gates):
+        plan = plans["plan"] = _plan(call, dynamic, kwargs, strategy, device_leaves)
+        if recorder is not None:
+            recorder.append(_describe(call, plan, dynamic, kwargs))
+        if to_host and plan.residuals and not plan.to_host and not getattr(_placement, "off", False):
+            warnings.warn(
+                f"offload({getattr(fun, '__name__', fun)}): none of its {len(plan.residuals)} "
+                "residuals moves to the host (all are in device_argnums or under min_bytes); it "
+                "behaves like the plain function. saved_residuals() lists them.",
+                OffloadWarning,
+                stacklevel=2,
+            )
+        flat = plan.forward(*jax.tree.leaves((dynamic, kwargs)))
+        out = jax.tree.unflatten(plan.out_tree, flat[: plan.num_outputs])
+        saved = list(flat[plan.num_outputs :])
+        with jax.named_scope("jaxoffload/to_host"):
+            out, saved, token, anchors = _move_out(out, saved, plan.to_host, gates, window)
+        return (out, token), (saved, anchors)
+
+    def run_bwd(residuals, cotangents):
+        plan = plans["plan"]
+        saved, anchors = residuals
+        cotangent, token_cotangent = cotangents
+        with jax.named_scope("jaxoffload/to_device"):
+            saved, cotangent, anchors = _fetch(
+                saved, plan.to_host, cotangent, token_cotangent, anchors, window
+            )
+        if plan.recomputes:
+            # Recomputed after the cotangent arrives, as jax.checkpoint does:
+            # otherwise XLA merges the recomputation with the forward pass's.
+            saved, cotangent = _barrier_arrays((saved, cotangent))
+        vjp_fun = jax.tree.unflatten(plan.vjp_tree, plan.backward(saved))
+        # Each gate's cotangent exists once this call's backward pass starts:
+        # it starts the fetch of the call that gated on it.
+        gate_cotangents = [_scalar_of(cotangent) for _ in gates]
+        # The input cotangent leaves with the parameter cotangents: XLA would
+        # otherwise sink weight-gradient work to the end of the backward pass
+        # and keep every fetched residual alive until then.
+        cotangents_in = _after_tokens(vjp_fun(cotangent), anchors)
+        return (*_barrier_arrays(cotangents_in), gate_cotangents)
+
+    run.defvjp(run_fwd, run_bwd)
+    out, token = run(dynamic, kwargs, gates)
+    chain.push(index, window, token)
+    return out
+
+
+def _move_out(out, saved, to_host, gates, window):
+    """Moves saved values to the host, and ties the copies into the forward pass's data flow."""
+    saved = list(saved)
+    host = [jax.device_put(saved[n], _HOST) for n in to_host]
+    # Without a barrier between the move out and the move back, XLA deletes
+    # the pair.
+    host = _barrier(host)
+    # XLA drops a barrier operand whose output is never read, and with it the
+    # ordering: every gate below is read, through `anchors`.
+    anchors = []
+    if window == 1:
+        # The outputs wait for this call's copies, so each residual's device
+        # buffer dies before the next layer runs.
+        out, host = _barrier((out, host))
+        token = _token()
+    else:
+        # The outputs of the call window - 1 calls later wait for them
+        # instead; this call's copies overlap the calls in between.
+        host, token = _barrier((host, _scalar_of(out)))
+    if gates:
+        # This call's outputs wait for the copies of the earlier calls that gated here.
+        out, gates = _barrier((out, list(gates)))
+        anchors.extend(gates)
+    for n, value in zip(to_host, host):
+        saved[n] = value
+    return out, saved, token, anchors
+
+
+def _fetch(saved, to_host, cotangent, token_cotangent, anchors, window):
+    """Brings host values back once the backward pass needs them (see :class:`_Chain`)."""
+    saved = list(saved)
+    fetched = [saved[n] for n in to_host]
+    if fetched and window == 1:
+        fetched, cotangent = _barrier_arrays((fetched, cotangent))
+    elif fetched:
+        fetched, token_cotangent = _barrier_arrays((fetched, token_cotangent))
+        anchors = [*anchors, token_cotangent]
+    for n, value in zip(to_host, fetched):
+        saved[n] = jax.device_put(value, _DEVICE)
+    return saved, cotangent, anchors
+
+
+def _describe(call, plan: _Plan, dynamic, kwargs) -> OffloadedCall:
+    """The record :func:`offloaded_calls` gives of one call."""
+    forward = jax.make_jaxpr(call)(dynamic, kwargs)
+    both = jax.make_jaxpr(_forward_and_backward(call))(dynamic, kwargs)
+    return OffloadedCall(
+        plan.residuals,
+        sum(cut_lib.eqn_flops(e) for e in forward.jaxpr.eqns),
+        sum(cut_lib.eqn_flops(e) for e in both.jaxpr.eqns) + plan.recompute_flops,
+        plan.rewrites,
+        forward,
+    )
 
 
 def _forward_and_backward(call):
@@ -455,155 +845,6 @@ def _zero_cotangent(x):
     if jax.dtypes.issubdtype(x.dtype, np.inexact):
         return jax.numpy.zeros_like(x)
     return np.zeros(np.shape(x), jax.dtypes.float0)
-
-
-def _sum_outputs(out) -> jax.Array:
-    floats = [
-        leaf.astype(np.float32).sum()
-        for leaf in jax.tree.leaves(out)
-        if jax.dtypes.issubdtype(leaf.dtype, np.inexact)
-    ]
-    return functools.reduce(operator.add, floats, np.float32(0))
-
-
-def _offloaded_call(fun, config: _Config, args: tuple, kwargs: dict, record: list | None):
-    static = {i % len(args) for i in config.static_argnums if -len(args) <= i < len(args)}
-    if len(static) != len(config.static_argnums):
-        raise ValueError(
-            f"static_argnums={config.static_argnums} names positions that a call with "
-            f"{len(args)} positional arguments does not have."
-        )
-    if any(not -len(args) <= i < len(args) for i in config.device_argnums):
-        raise ValueError(
-            f"device_argnums={config.device_argnums} names positions that a call with "
-            f"{len(args)} positional arguments does not have."
-        )
-    dynamic = tuple(a for i, a in enumerate(args) if i not in static)
-    # Positions of device_argnums among the dynamic arguments.
-    dynamic_index = {i: n for n, i in enumerate(i for i in range(len(args)) if i not in static)}
-    keep = tuple(
-        dynamic_index[i % len(args)]
-        for i in config.device_argnums
-        if i % len(args) in dynamic_index
-    )
-
-    def call(dynamic, kwargs):
-        it = iter(dynamic)
-        full = [args[i] if i in static else next(it) for i in range(len(args))]
-        return fun(*full, **kwargs)
-
-    if config.names is not None:
-        call = jax.checkpoint(
-            call, policy=jax.checkpoint_policies.save_only_these_names(*config.names)
-        )
-    if record is None and getattr(_recording, "calls", None) is not None:
-        record = []
-        forward = jax.make_jaxpr(call)(dynamic, kwargs)
-        both = jax.make_jaxpr(_forward_and_backward(call))(dynamic, kwargs)
-        flops = _matmul_flops(forward.jaxpr), _matmul_flops(both.jaxpr)
-        _recording.calls.append((record, *flops, forward))
-    # The backward pass needs the pytree structure of the forward pass's vjp
-    # function; custom_vjp traces the two rules one after the other.
-    saved: dict[str, Any] = {}
-    chain = schedule.current()
-    gate = chain._next_gate() if chain is not None else None
-    # How many later calls this call's transfers may overlap.
-    delay = chain.window - 1 if chain is not None else 0
-
-    @jax.custom_vjp
-    def run(dynamic, kwargs, gate):
-        return call(dynamic, kwargs), _token()
-
-    def run_fwd(dynamic, kwargs, gate):
-        out, vjp_fun = jax.vjp(call, dynamic, kwargs)
-        leaves, treedef = jax.tree.flatten(vjp_fun)
-        kept_ids = {id(leaf) for n in keep for leaf in jax.tree.leaves(dynamic[n])}
-        out_ids = {id(leaf) for leaf in jax.tree.leaves(out)}
-        used = _used_residuals(treedef, leaves, out)
-        to_host, residuals, dead = [], [], {}
-        for n, (leaf, is_used) in enumerate(zip(leaves, used)):
-            placement, reason = _place(leaf, is_used, kept_ids, config)
-            if placement is None:
-                dead[n] = (np.shape(leaf), leaf.dtype)
-                residuals.append(None)
-                continue
-            if record is not None:
-                record.append(_describe(leaf, placement, reason, id(leaf) in out_ids))
-            if placement == "pinned_host":
-                to_host.append(len(residuals))
-            residuals.append(leaf)
-        kept = [n for n in range(len(leaves)) if n not in dead]
-        if config.to_host and kept and not to_host:
-            warnings.warn(
-                f"offload({getattr(fun, '__name__', fun)}): none of its {len(kept)} residuals "
-                "moves to the host (all are in device_argnums or under min_bytes); it behaves "
-                "like the plain function. saved_residuals() lists them.",
-                OffloadWarning,
-                stacklevel=2,
-            )
-        with jax.named_scope("jaxoffload/to_host"):
-            host = [jax.device_put(residuals[n], _HOST) for n in to_host]
-            # Without a barrier between the move out and the move back, XLA
-            # deletes the pair (FINDINGS §4, rule 1).
-            host = _barrier(host)
-            # XLA drops a barrier operand whose output is never read, and with
-            # it the ordering: every gate below is read, through `anchors`.
-            anchors = []
-            if delay == 0:
-                # The outputs wait for this call's copies, so each residual's
-                # device buffer dies before the next layer runs (rule 2).
-                out, host = _barrier((out, host))
-                token = _token()
-            else:
-                # In a schedule, they wait for the copies of the call `delay`
-                # calls back; this call's copies overlap the next calls. The
-                # barriers cost nothing; adding zero times the gate to an output
-                # would cost a pass over it.
-                if gate is not None:
-                    out, gate = _barrier((out, gate))
-                    anchors.append(gate)
-                host, token = _barrier((host, _scalar_of(out)))
-        for n, value in zip(to_host, host):
-            residuals[n] = value
-        saved.update(treedef=treedef, dead=dead, to_host=tuple(to_host))
-        return (out, token), (residuals, anchors)
-
-    def run_bwd(saved_values, cotangents):
-        residuals, anchors = saved_values
-        cotangent, token_cotangent = cotangents
-        residuals = list(residuals)
-        to_host = saved["to_host"]
-        with jax.named_scope("jaxoffload/to_device"):
-            # Fetch only once the output cotangent exists (or, in a schedule,
-            # once the call `delay` calls later starts its backward pass), so
-            # fetched values do not wait on the device for long (rule 3).
-            fetched = [residuals[n] for n in to_host]
-            if fetched and delay == 0:
-                fetched, cotangent = _barrier_arrays((fetched, cotangent))
-            elif fetched:
-                fetched, token_cotangent = _barrier_arrays((fetched, token_cotangent))
-                anchors = [*anchors, token_cotangent]
-            for n, value in zip(to_host, fetched):
-                residuals[n] = jax.device_put(value, _DEVICE)
-        for n, (shape, dtype) in saved["dead"].items():
-            # Never read by the backward pass, so never saved: a placeholder.
-            residuals[n] = jax.numpy.zeros(shape, dtype)
-        vjp_fun = jax.tree.unflatten(saved["treedef"], residuals)
-        # The gate's cotangent exists once this call's backward pass starts:
-        # it starts the fetch of the call `delay` calls back.
-        gate_cotangent = _scalar_of(cotangent) if gate is not None else None
-        # The gates' far sides are read by one gradient (the anchor), so that
-        # XLA keeps them. The input cotangent leaves with the parameter cotangents:
-        # XLA would otherwise sink weight-gradient work to the end of the
-        # backward pass and keep every fetched residual alive until then (rule 3).
-        cotangents_in = _after_tokens(vjp_fun(cotangent), anchors)
-        return (*_barrier_arrays(cotangents_in), gate_cotangent)
-
-    run.defvjp(run_fwd, run_bwd)
-    out, token = run(dynamic, kwargs, gate)
-    if chain is not None:
-        chain._push(token)
-    return out
 
 
 def _token() -> jax.Array:
@@ -656,29 +897,6 @@ def _is_real(x) -> bool:
     return x.dtype != jax.dtypes.float0
 
 
-def _place(leaf, is_used: bool, kept_ids: set[int], config: _Config) -> tuple[str | None, str]:
-    if not is_used:
-        return None, "not read by the backward pass"
-    if not isinstance(leaf, jax.Array):
-        return "device", "constant"
-    if not config.to_host:
-        return "device", "to_host=False"
-    if id(leaf) in kept_ids:
-        return "device", "argument in device_argnums"
-    if _nbytes(leaf) < config.min_bytes:
-        return "device", f"smaller than min_bytes={config.min_bytes}"
-    return "pinned_host", "offloaded"
-
-
-def _describe(leaf, placement: str, reason: str, output: bool) -> Residual:
-    shape, dtype = tuple(np.shape(leaf)), np.dtype(leaf.dtype)
-    return Residual(shape, dtype, _nbytes(leaf), placement, reason, output)
-
-
-def _nbytes(leaf) -> int:
-    return int(np.prod(np.shape(leaf), dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
-
-
 def _barrier_arrays(tree):
     """An optimization barrier over the leaves that are real arrays (not float0)."""
     leaves, treedef = jax.tree.flatten(tree)
@@ -687,65 +905,3 @@ def _barrier_arrays(tree):
     for n, value in zip(real, tied):
         leaves[n] = value
     return jax.tree.unflatten(treedef, leaves)
-
-
-def _used_residuals(treedef, leaves: list, out) -> list[bool]:
-    """Which leaves of a vjp function its backward computation really reads.
-
-    ``jax.vjp`` can keep values that the backward pass then ignores; moving them
-    would cost two transfers for nothing.
-    """
-    avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
-    cotangents = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(
-            x.shape,
-            x.dtype if jax.dtypes.issubdtype(x.dtype, np.inexact) else jax.dtypes.float0,
-        ),
-        out,
-    )
-    jaxpr = jax.make_jaxpr(lambda r, c: jax.tree.unflatten(treedef, r)(c))(avals, cotangents).jaxpr
-    live = _live_vars(jaxpr)
-    return [v in live for v in jaxpr.invars[: len(leaves)]]
-
-
-def _live_vars(jaxpr) -> set:
-    """Variables that the outputs (or an effectful equation) depend on."""
-    live = {v for v in jaxpr.outvars if isinstance(v, jex_core.Var)}
-    for eqn in reversed(jaxpr.eqns):
-        if eqn.effects or any(v in live for v in eqn.outvars):
-            live.update(v for v in eqn.invars if isinstance(v, jex_core.Var))
-    return live
-
-
-def _check_names(names) -> tuple[str, ...] | None:
-    if names is None:
-        return None
-    if isinstance(names, str):
-        raise TypeError(
-            f"names must be a sequence of strings, got the string {names!r}; write names=[{names!r}]."
-        )
-    names = tuple(names)
-    bad = [n for n in names if not isinstance(n, str)]
-    if bad:
-        raise TypeError(f"names must be strings, got {bad!r}.")
-    return names
-
-
-def _check_to_host(to_host) -> bool:
-    if not isinstance(to_host, bool):
-        raise TypeError(f"to_host must be a bool, got {to_host!r}.")
-    return to_host
-
-
-def _check_min_bytes(min_bytes) -> int:
-    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
-        raise ValueError(f"min_bytes must be a non-negative int, got {min_bytes!r}.")
-    return min_bytes
-
-
-def _check_argnums(what: str, argnums) -> tuple[int, ...]:
-    argnums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    bad = [a for a in argnums if isinstance(a, bool) or not isinstance(a, int)]
-    if bad:
-        raise TypeError(f"{what} must be ints, got {bad!r}.")
-    return argnums

@@ -1,21 +1,26 @@
-"""Reference CNNs whose blocks each take a memory strategy."""
+"""CNNs for the benchmarks: plain-Flax models (``flax-*``) and the reference models.
+
+The plain-Flax models (:mod:`.flax_resnet`, :mod:`.flax_vgg`) are written as a
+user writes them and import nothing from jaxoffload: :func:`create` wraps
+their blocks, unmodified, with :func:`jaxoffload.linen.wrap`. The reference
+models (:mod:`.resnet`, :mod:`.vgg`) were built by hand with
+:mod:`jaxoffload.layers`, and take one strategy per block.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxoffload.models.common import BLOCK_STRATEGIES as BLOCK_STRATEGIES
-from jaxoffload.models.common import LEAN_STRATEGIES as LEAN_STRATEGIES
-from jaxoffload.models.common import OFFLOAD_STRATEGIES as OFFLOAD_STRATEGIES
-from jaxoffload.models.common import PLANNED_STRATEGIES as PLANNED_STRATEGIES
-from jaxoffload.models.common import SCHEDULED_STRATEGIES as SCHEDULED_STRATEGIES
-from jaxoffload.models.common import first_k as first_k
+from jaxoffload import linen as offload_linen
+from jaxoffload.models import flax_resnet, flax_vgg
+from jaxoffload.models.common import check_strategies as check_strategies
+from jaxoffload.models.common import uses_lean_layers as uses_lean_layers
 from jaxoffload.models.common import wrap_block as wrap_block
 from jaxoffload.models.resnet import RESNETS
-from jaxoffload.models.resnet import STEM_STRATEGIES as STEM_STRATEGIES
 from jaxoffload.models.resnet import BasicBlock as BasicBlock
 from jaxoffload.models.resnet import BottleneckBlock as BottleneckBlock
 from jaxoffload.models.resnet import ResNet as ResNet
@@ -26,21 +31,30 @@ from jaxoffload.models.vgg import VGG16 as VGG16
 from jaxoffload.models.vgg import VGG19 as VGG19
 from jaxoffload.models.vgg import ConvBlock as ConvBlock
 from jaxoffload.models.vgg import num_conv_blocks
+from jaxoffload.strategies import Store, Strategy
 
 _VGGS = {"vgg11": VGG11, "vgg13": VGG13, "vgg16": VGG16, "vgg19": VGG19}
 
+# name: (model constructor, the block class that strategies wrap, its attribute)
+_PLAIN = {
+    "flax-resnet18": (flax_resnet.ResNet18, flax_resnet.ResNetBlock, "block_cls"),
+    "flax-resnet34": (flax_resnet.ResNet34, flax_resnet.ResNetBlock, "block_cls"),
+    "flax-resnet50": (flax_resnet.ResNet50, flax_resnet.BottleneckResNetBlock, "block_cls"),
+    "flax-resnet101": (flax_resnet.ResNet101, flax_resnet.BottleneckResNetBlock, "block_cls"),
+    "flax-vgg11": (flax_vgg.VGG11, flax_vgg.VGGStage, "stage_cls"),
+    "flax-vgg16": (flax_vgg.VGG16, flax_vgg.VGGStage, "stage_cls"),
+    "flax-vgg19": (flax_vgg.VGG19, flax_vgg.VGGStage, "stage_cls"),
+}
+
 MODEL_NAMES = tuple(
-    sorted([*_VGGS, *(f"{name}_bn" for name in _VGGS), *RESNETS], key=lambda n: (n[:3], len(n), n))
+    [*_PLAIN]
+    + sorted(
+        [*_VGGS, *(f"{name}_bn" for name in _VGGS), *RESNETS], key=lambda n: (n[:3], len(n), n)
+    )
 )
 
 __all__ = [
-    "BLOCK_STRATEGIES",
-    "LEAN_STRATEGIES",
     "MODEL_NAMES",
-    "OFFLOAD_STRATEGIES",
-    "PLANNED_STRATEGIES",
-    "SCHEDULED_STRATEGIES",
-    "STEM_STRATEGIES",
     "VGG",
     "VGG11",
     "VGG13",
@@ -51,15 +65,23 @@ __all__ = [
     "ConvBlock",
     "ResNet",
     "create",
-    "first_k",
+    "is_plain",
     "num_blocks",
     "wrap_block",
 ]
 
 
+def is_plain(name: str) -> bool:
+    """Whether the named model is a plain-Flax one, whose code knows nothing of jaxoffload."""
+    _check_name(name)
+    return name in _PLAIN
+
+
 def num_blocks(name: str) -> int:
     """How many blocks (each taking one strategy) the named model has."""
     _check_name(name)
+    if name in _PLAIN:
+        return sum(_PLAIN[name][0].keywords["stage_sizes"])
     if name in RESNETS:
         return sum(RESNETS[name][0])
     return num_conv_blocks(_VGGS[name.removesuffix("_bn")])
@@ -68,41 +90,50 @@ def num_blocks(name: str) -> int:
 def create(
     name: str,
     *,
-    strategy: str | tuple[str, ...] = "none",
+    strategy: Strategy | Sequence[Strategy] = Store(),
     dtype: Any = jnp.float32,
     num_classes: int = 1000,
-    offload_window: int = 1,
 ) -> nn.Module:
-    """Builds a reference model by name, with one strategy for all blocks or one each.
+    """Builds a model by name, with one strategy for all blocks or one each.
 
     Args:
-      name: one of ``MODEL_NAMES``, e.g. ``"vgg19"``, ``"vgg16_bn"``, ``"resnet50"``.
-      strategy: a key of ``BLOCK_STRATEGIES``, or a tuple with one per block.
+      name: one of ``MODEL_NAMES``, e.g. ``"flax-resnet50"``, ``"vgg19"``.
+      strategy: a strategy value, or a sequence with one per block. A
+        plain-Flax model wraps one block class, so its blocks share one.
       dtype: the compute dtype; parameters are float32.
       num_classes: classifier outputs.
-      offload_window: the :class:`jaxoffload.schedule` window of offloading blocks.
 
     Returns:
       A Flax module called as ``model.apply(variables, x, train)``.
 
     Example:
-      >>> model = create("resnet18", strategy="remat", num_classes=10)
-      >>> len(model.block_strategies)
-      8
+      >>> import jaxoffload
+      >>> model = create("flax-resnet18", strategy=jaxoffload.Lean(), num_classes=10)
+      >>> model.block_cls.__name__
+      'ResNetBlock'
     """
     _check_name(name)
     n = num_blocks(name)
-    strategies = (strategy,) * n if isinstance(strategy, str) else tuple(strategy)
+    strategies = check_strategies(
+        (strategy,) * n if not isinstance(strategy, Sequence) else strategy, n
+    )
+    if name in _PLAIN:
+        model, block, attribute = _PLAIN[name]
+        if len(set(strategies)) > 1:
+            raise ValueError(
+                f"{name} wraps one block class, so its blocks take one strategy; got {strategies}."
+            )
+        wrapped = offload_linen.wrap(block, strategies[0])
+        return model(**{attribute: wrapped}, num_classes=num_classes, dtype=dtype)
     if name in RESNETS:
         stages, block = RESNETS[name]
-        return ResNet(stages, block, num_classes, dtype, strategies, offload_window)
+        return ResNet(stages, block, num_classes, dtype, strategies)
     return VGG(
         _VGGS[name.removesuffix("_bn")],
         num_classes=num_classes,
         dtype=dtype,
         block_strategies=strategies,
         norm=name.endswith("_bn"),
-        offload_window=offload_window,
     )
 
 

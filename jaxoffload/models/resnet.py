@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import itertools
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -12,16 +12,11 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxoffload import layers
+from jaxoffload import linen as offload_linen
 from jaxoffload.models.common import CONV_NAME, check_strategies, uses_lean_layers, wrap_block
-from jaxoffload.transform import schedule
+from jaxoffload.strategies import Lean, Offload, Remat, Store, Strategy, check_strategy
 
-__all__ = ["BasicBlock", "BottleneckBlock", "ResNet", "RESNETS", "STEM_STRATEGIES"]
-
-# Lean blocks that keep their outputs on the device, where the next block
-# shares them (see _ResidualBlock's fuse_tail).
-_FUSED_TAIL = ("lean", "lean-unordered")
-# Lean blocks that end without the final ReLU when the next block is one of them.
-_DEFERS_RELU = ("offload",)
+__all__ = ["BasicBlock", "BottleneckBlock", "ResNet", "RESNETS"]
 
 # name: (blocks per stage, block kind)
 RESNETS = {
@@ -61,40 +56,24 @@ def _layers(dtype: Any, train: bool, lean: bool = False):
     return conv, norm, norm_relu_conv, nn.relu
 
 
-# How the stem (7x7 convolution, BatchNorm, ReLU, max-pool) keeps its residuals.
-STEM_STRATEGIES = {
-    "none": "flax's layers",
-    "lean": "jaxoffload.layers: the convolution's output, the pooled output and a byte "
-    "per pooled value",
-    "remat": "the lean layers, recomputed in the backward pass from the image, which the "
-    "step keeps anyway; the convolution is recomputed too",
-}
+def _stem_strategy(stem: Strategy | None, block_strategies: Sequence[Strategy]) -> Strategy:
+    """The stem's strategy: ``stem``, or one that suits the blocks when ``stem`` is ``None``.
 
-
-def _stem_strategy(stem: str, block_strategies: Sequence[str]) -> str:
-    if stem == "auto":
+    ``Store()`` uses flax's layers, ``Lean()`` jaxoffload's (the convolution's
+    output, the pooled output and a byte per pooled value), and ``Remat()``
+    the lean layers recomputed from the image, which the step keeps anyway.
+    """
+    if stem is None:
         # Once every block's residuals leave the device, the stem's are the
         # largest left (0.5 GB at batch 256); 1.8 ms of recomputation on an
         # H200 costs less than moving them.
-        if all(s == "offload" for s in block_strategies):
-            return "remat"
-        return "lean" if uses_lean_layers(block_strategies[0]) else "none"
-    if stem not in STEM_STRATEGIES:
-        raise ValueError(
-            f"Unknown stem {stem!r}; choose 'auto' or one of {sorted(STEM_STRATEGIES)}."
-        )
+        if all(isinstance(s, Offload) for s in block_strategies):
+            return Remat()
+        return Lean() if uses_lean_layers(block_strategies[0]) else Store()
+    stem = check_strategy(stem)
+    if not isinstance(stem, Store | Lean | Remat):
+        raise ValueError(f"the stem takes Store(), Lean() or Remat(), got {stem!r}.")
     return stem
-
-
-def _stage_windows(window: int | Sequence[int], num_stages: int) -> tuple[int, ...]:
-    if isinstance(window, int):
-        return (window,) * num_stages
-    window = tuple(window)
-    if len(window) != num_stages:
-        raise ValueError(
-            f"offload_window has {len(window)} entries, but the model has {num_stages} stages."
-        )
-    return window
 
 
 class _Stem(nn.Module):
@@ -137,6 +116,7 @@ class _ResidualBlock(nn.Module):
     features: int
     strides: int = 1
     dtype: Any = jnp.float32
+    _: dataclasses.KW_ONLY
     lean: bool = False
     relu_input: bool = False
     fuse_tail: bool = False
@@ -223,28 +203,20 @@ class ResNet(nn.Module):
       block: ``"basic"`` or ``"bottleneck"``.
       num_classes: classifier outputs.
       dtype: compute dtype; parameters are float32.
-      block_strategies: one entry of ``BLOCK_STRATEGIES`` per residual block, or
-        empty for all ``"none"``. The classifier is never wrapped; the stem
-        follows ``stem``.
-      offload_window: the :class:`jaxoffload.schedule` window of the blocks
-        that ``jaxoffload.linen.offload`` wraps (``lean``, ``offload``,
-        ``offload-plain``; ``lean-unordered`` and the others have no schedule),
-        or one window per stage. Consecutive stages with the same window share
-        one schedule. The first stage's blocks hold the largest residuals, so a
-        window of 1 there and 2 after it bounds the peak as window 1 does while
-        later stages overlap their transfers.
-      stem: a key of ``STEM_STRATEGIES``, or ``"auto"``: ``"remat"`` if every
-        block offloads (``"offload"``), ``"lean"`` if the first block uses
-        lean layers, ``"none"`` otherwise.
+      block_strategies: one strategy value per residual block, or empty for
+        all ``Store()``. Blocks under ``Lean`` and ``Offload`` are built from
+        :mod:`jaxoffload.layers`. The classifier is never wrapped.
+      stem: the stem's strategy (``Store()``, ``Lean()`` or ``Remat()``), or
+        ``None``: ``Remat()`` if every block offloads, ``Lean()`` if the first
+        block uses lean layers, ``Store()`` otherwise.
     """
 
     stage_sizes: Sequence[int] = (3, 4, 6, 3)
     block: str = "bottleneck"
     num_classes: int = 1000
     dtype: Any = jnp.float32
-    block_strategies: Sequence[str] = ()
-    offload_window: int | Sequence[int] = 1
-    stem: str = "auto"
+    block_strategies: Sequence[Strategy] = ()
+    stem: Strategy | None = None
 
     @nn.compact
     def __call__(self, x, train: bool = True):
@@ -253,38 +225,41 @@ class ResNet(nn.Module):
         strategies = check_strategies(self.block_strategies, sum(self.stage_sizes))
         kind = BasicBlock if self.block == "basic" else BottleneckBlock
         stem = _stem_strategy(self.stem, strategies)
-        stem_module = nn.remat(_Stem, static_argnums=(2,)) if stem == "remat" else _Stem
-        x = stem_module(self.dtype, stem != "none", name="stem")(x, train)
-        windows = _stage_windows(self.offload_window, len(self.stage_sizes))
+        stem_module = offload_linen.wrap(_Stem, stem, static_argnums=(2,))
+        x = stem_module(self.dtype, not isinstance(stem, Store), name="stem")(x, train)
         blocks = [(stage, i) for stage, size in enumerate(self.stage_sizes) for i in range(size)]
         owed = False  # the block before left its final ReLU to its reader
-        # Consecutive stages with the same window share one schedule.
-        for window, group in itertools.groupby(enumerate(blocks), lambda b: windows[b[1][0]]):
-            with schedule(window):
-                for n, (stage, i) in group:
-                    strategy = strategies[n]
-                    lean = uses_lean_layers(strategy)
-                    # Moving an input that the layer before keeps on the device
-                    # would free nothing there.
-                    kept = strategies[n - 1] in _FUSED_TAIL if n else stem == "lean"
-                    block = wrap_block(
-                        kind, strategy, static_argnums=(2,), device_argnums=(1,) if kept else ()
-                    )
-                    strides = 2 if stage > 0 and i == 0 else 1
-                    fuse = strategy in _FUSED_TAIL
-                    # An offloading block leaves its ReLU to the next one only if
-                    # that one offloads too (or is the classifier). A ReLU applied
-                    # by any other reader is one that XLA recomputes from the
-                    # sum in the backward pass, keeping the sum alive beside the
-                    # ReLU's output: 392 MiB per 56x56 block at batch 256 on an
-                    # H200 (live-range dump of one offloading block between lean ones).
-                    last = n + 1 == len(strategies)
-                    defer = lean and not fuse and (last or strategies[n + 1] in _DEFERS_RELU)
-                    features = 64 * 2**stage
-                    module = block(
-                        features, strides, self.dtype, lean, owed, fuse, defer, name=f"block{n}"
-                    )
-                    x, owed = module(x, train), defer
+        for n, (stage, i) in enumerate(blocks):
+            strategy = strategies[n]
+            lean = uses_lean_layers(strategy)
+            # A lean block keeps its output on the device, where the next block
+            # shares it; moving that input again would free nothing there.
+            kept = isinstance(strategies[n - 1], Lean) if n else isinstance(stem, Lean)
+            block = wrap_block(
+                kind, strategy, static_argnums=(2,), device_argnums=(1,) if kept else ()
+            )
+            fuse = isinstance(strategy, Lean)
+            # An offloading block leaves its ReLU to the next one only if that
+            # one offloads too (or is the classifier). A ReLU applied by any
+            # other reader is one that XLA recomputes from the sum in the
+            # backward pass, keeping the sum alive beside the ReLU's output:
+            # 392 MiB per 56x56 block at batch 256 on an H200 (live-range dump
+            # of one offloading block between lean ones).
+            last = n + 1 == len(strategies)
+            defer = (
+                lean and not fuse and (last or isinstance(strategies[n + 1], Offload))
+            )
+            module = block(
+                64 * 2**stage,
+                2 if stage > 0 and i == 0 else 1,
+                self.dtype,
+                lean=lean,
+                relu_input=owed,
+                fuse_tail=fuse,
+                defer_relu=defer,
+                name=f"block{n}",
+            )
+            x, owed = module(x, train), defer
         x = layers.relu(x) if owed else x
         x = jnp.mean(x, axis=(1, 2))
         return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)

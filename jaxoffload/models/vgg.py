@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,7 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxoffload import layers
 from jaxoffload.models.common import CONV_NAME, check_strategies, uses_lean_layers, wrap_block
-from jaxoffload.transform import schedule
+from jaxoffload.strategies import Strategy
 
 __all__ = ["VGG", "ConvBlock", "VGG11", "VGG13", "VGG16", "VGG19", "num_conv_blocks"]
 
@@ -44,6 +45,7 @@ class ConvBlock(nn.Module):
     features: int
     pool: bool = False
     dtype: Any = jnp.float32
+    _: dataclasses.KW_ONLY
     lean_pool: bool = True
     norm: bool = False
     lean: bool = False
@@ -95,25 +97,22 @@ class VGG(nn.Module):
       config: channel counts and "M" pools, e.g. ``VGG19``.
       num_classes: classifier outputs.
       dtype: compute dtype; parameters are float32.
-      block_strategies: one entry of ``BLOCK_STRATEGIES`` per conv block, or
-        empty for all ``"none"``.
+      block_strategies: one strategy value per conv block, or empty for all
+        ``Store()``. Blocks under ``Lean`` and ``Offload`` are built from
+        :mod:`jaxoffload.layers`.
       classifier_width: width of the two hidden dense layers.
       lean_pool: use :func:`jaxoffload.layers.max_pool` in blocks that are not
         lean (see ``ConvBlock``); lean blocks always pool leanly.
       norm: BatchNorm after every convolution (the ``vgg*_bn`` models).
-      offload_window: the :class:`jaxoffload.schedule` window of the blocks
-        that ``jaxoffload.linen.offload`` wraps (``lean``, ``offload``,
-        ``offload-plain``; ``lean-unordered`` and the others have no schedule).
     """
 
     config: Sequence[int | str] = VGG19
     num_classes: int = 1000
     dtype: Any = jnp.float32
-    block_strategies: Sequence[str] = ()
+    block_strategies: Sequence[Strategy] = ()
     classifier_width: int = 4096
     lean_pool: bool = False
     norm: bool = False
-    offload_window: int = 1
 
     @nn.compact
     def __call__(self, x, train: bool = True):
@@ -122,17 +121,16 @@ class VGG(nn.Module):
         pools = [i + 1 < len(self.config) and self.config[i + 1] == "M"
                  for i, v in enumerate(self.config) if v != "M"]  # fmt: skip
         owed = ""  # the activation a lean block left for whoever reads its output
-        with schedule(self.offload_window):
-            for n, (features, pool, strategy) in enumerate(zip(convs, pools, strategies)):
-                lean = uses_lean_layers(strategy)
-                if owed and not lean:
-                    x, owed = activate(x, owed), ""
-                block = wrap_block(ConvBlock, strategy, static_argnums=(2,))
-                x = block(
-                    features, pool, self.dtype, self.lean_pool, self.norm, lean, owed,
-                    name=f"block{n}",
-                )(x, train)  # fmt: skip
-                owed = ("relu_pool" if pool else "relu") if lean else ""
+        for n, (features, pool, strategy) in enumerate(zip(convs, pools, strategies)):
+            lean = uses_lean_layers(strategy)
+            if owed and not lean:
+                x, owed = activate(x, owed), ""
+            block = wrap_block(ConvBlock, strategy, static_argnums=(2,))
+            x = block(
+                features, pool, self.dtype, lean_pool=self.lean_pool, norm=self.norm, lean=lean,
+                incoming=owed, name=f"block{n}",
+            )(x, train)  # fmt: skip
+            owed = ("relu_pool" if pool else "relu") if lean else ""
         x = activate(x, owed)
         x = x.reshape((x.shape[0], -1))
         x = nn.relu(nn.Dense(self.classifier_width, dtype=self.dtype, name="fc0")(x))

@@ -1,0 +1,96 @@
+"""Compiles training steps without running them: device temp, host copies, and what is alive at the peak.
+
+    python benchmarks/compile_probe.py MODEL BATCH STRATEGY [STRATEGY ...] [--peaks]
+
+For each strategy (a ``jaxoffload bench`` name, with ``@W`` for an ``Offload``
+window of W, as in ``offload@2``), in this process: the compiled
+step's ``memory_analysis()``, its host copies (``S(5)``, ``copy-start``), and, for
+strategies that offload, the same program compiled with host placement off (the
+twin), so that the device bytes the copies free can be read. With ``--peaks``,
+XLA's live-range dump of each step is summarised too: the jax operations
+alive at the device peak. One JSON line per strategy goes to stdout.
+Image size 224, bf16.
+"""
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+
+
+def _peak_breakdown(dump_dir):
+    """The jax operations alive at the device peak, from XLA's live-range dump."""
+    (path,) = glob.glob(f"{dump_dir}/*after_optimizations-live-range.txt")
+    lines = open(path).read().splitlines()
+    start = next(n for n, line in enumerate(lines) if "Stack trace breakdown for peak" in line)
+    alive = collections.Counter()
+    for line in lines[start + 2 :]:
+        match = re.match(r"\s+[├└]── (.*) \(\d+\.\d+%, total: ([\d ]+) bytes", line)
+        if not match:
+            break
+        alive[match.group(1)] += int(match.group(2).replace(" ", ""))
+    return lines[start].strip(), alive.most_common(25)
+
+
+def _clear(folder):
+    shutil.rmtree(folder)
+    os.makedirs(folder)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("batch", type=int)
+    parser.add_argument("strategies", nargs="+")
+    parser.add_argument("--peaks", action="store_true")
+    parser.add_argument("--image-size", type=int, default=224)
+    args = parser.parse_args()
+    dump = tempfile.mkdtemp()
+    if args.peaks:
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "")
+            + f" --xla_dump_to={dump} --xla_dump_hlo_module_re=.*step.*"
+        )
+    from jaxoffload import benchmark, transform  # after XLA_FLAGS: jax reads them once
+    from jaxoffload.report import analyze
+
+    for name in args.strategies:
+        strategy, _, window = name.partition("@")
+        workload = benchmark.Workload(
+            args.model, args.batch, args.image_size, "bfloat16", strategy, window=int(window or 1)
+        )
+        start = time.perf_counter()
+        step, state, batch, _ = benchmark.train_step(workload, abstract=True)
+        traced = step.trace(state, batch)
+        compiled = traced.lower().compile()
+        report = analyze(traced, compiled, on_dropped="ignore")
+        record = {
+            "model": args.model, "batch": args.batch, "strategy": name,
+            "temp_bytes": report.temp_bytes, "host_temp_bytes": report.host_temp_bytes,
+            "requested_bytes": report.requested_bytes,
+            "device_to_host_copies": report.device_to_host,
+            "device_to_host_bytes": report.device_to_host_bytes,
+            "compile_s": round(time.perf_counter() - start, 1),
+        }  # fmt: skip
+        if args.peaks:
+            record["peak"], record["alive_at_peak"] = _peak_breakdown(dump)
+            _clear(dump)
+        if report.requested_transfers:
+            with transform.without_host_placement():
+                step, state, batch, _ = benchmark.train_step(workload, abstract=True)
+                twin = step.trace(state, batch).lower().compile()
+            record["twin_temp_bytes"] = twin.memory_analysis().temp_size_in_bytes
+            if args.peaks:
+                record["twin_peak"], record["twin_alive_at_peak"] = _peak_breakdown(dump)
+                _clear(dump)
+        print(json.dumps(record), flush=True)
+    shutil.rmtree(dump)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,333 @@
+"""Which residuals a function keeps: the cheapest cut of its forward graph.
+
+The backward pass of ``jax.vjp`` reads residuals that its forward pass computes:
+convolution inputs, ReLU masks, BatchNorm's float32 centred copies. Many of
+them are cheap elementwise functions of others, so a function can keep fewer
+bytes and recompute the rest in its backward pass, as ``jax.checkpoint`` does.
+Which values to keep is a minimum cut of the forward graph (as in PyTorch's
+min-cut rematerialisation partitioner): every residual that the backward pass
+reads must be kept or recomputable from kept values, and the cut minimises the
+bytes kept plus a price for what is recomputed.
+
+Recomputation is priced by what it costs the backward pass:
+
+- elementwise and layout operations are nearly free: they fuse into the
+  backward pass's own loops over the same tensors;
+- a reduction costs a pass over its input, so its (small) output is kept;
+- a convolution or matrix product costs its FLOPs, at a rate chosen so that
+  at most ``max_recompute`` of the function's forward FLOPs are recomputed;
+- anything else (loops, effects, custom calls) is never recomputed.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+from jax.extend import core as jex_core
+
+__all__ = ["Cut", "cheapest_cut", "eqn_flops", "nbytes"]
+
+_INF = math.inf
+
+# Operations whose recomputation fuses into the loops that read their outputs.
+_ELEMENTWISE = frozenset(
+    """abs acos acosh add and asin asinh atan atan2 atanh bitcast_convert_type broadcast_in_dim
+    cbrt ceil clamp concatenate convert_element_type copy copy_p cos cosh div eq erf erf_inv erfc
+    exp exp2 expand_dims expm1 floor ge gt imag integer_pow iota is_finite le lgamma log log1p
+    logistic lt max min mul ne neg nextafter not or pad population_count pow real reduce_precision
+    rem reshape rev round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical
+    sign sin sinh slice sqrt square squeeze stop_gradient sub tan tanh transpose xor name
+    optimization_barrier dynamic_slice random_bits random_wrap random_unwrap random_seed
+    random_fold_in random_split threefry2x32 device_put""".split()
+)
+# Operations whose recomputation costs a pass over their inputs.
+_PASSES = frozenset(
+    """reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin
+    cumsum cumprod cummax cummin cumlogsumexp reduce_window_sum reduce_window_max reduce_window_min
+    reduce_window select_and_gather_add select_and_scatter_add gather dynamic_update_slice
+    scatter scatter-add scatter_add sort""".split()
+)
+_MATMULS = frozenset({"dot_general", "conv_general_dilated"})
+# Calls whose cost is that of the jaxprs they hold.
+_CALLS = frozenset(
+    {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+     "custom_vjp_call_jaxpr", "remat", "checkpoint", "cond"}
+)  # fmt: skip
+
+
+def nbytes(aval) -> int:
+    """The bytes of an abstract value (0 for tokens and other non-arrays)."""
+    shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
+    if shape is None or dtype is None:
+        return 0
+    try:
+        itemsize = np.dtype(dtype).itemsize
+    except TypeError:  # extended dtypes, such as PRNG keys
+        itemsize = getattr(dtype, "itemsize", 8)
+    return int(np.prod(shape, dtype=np.int64)) * int(itemsize)
+
+
+def eqn_flops(eqn) -> int:
+    """2 × the multiply-adds of a matrix product or convolution, of those nested in calls too."""
+    name = eqn.primitive.name
+    if name == "dot_general":
+        (contracting, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval.shape
+        out = eqn.outvars[0].aval.shape
+        return 2 * math.prod(out) * math.prod(lhs[d] for d in contracting)
+    if name == "conv_general_dilated":
+        rhs = eqn.invars[1].aval.shape
+        out = eqn.outvars[0].aval.shape
+        out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+        return 2 * math.prod(out) * (math.prod(rhs) // out_features)
+    return sum(eqn_flops(e) for sub in jex_core.jaxprs_in_params(eqn.params) for e in sub.eqns)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Price:
+    """What recomputing one equation costs: FLOPs, bytes of extra passes, or never."""
+
+    flops: int = 0
+    passes: int = 0
+    never: str | None = None  # why it is never recomputed
+
+    def __add__(self, other: _Price) -> _Price:
+        return _Price(self.flops + other.flops, self.passes + other.passes, self.never or other.never)
+
+
+def _price(eqn) -> _Price:
+    name = eqn.primitive.name
+    if eqn.effects:
+        return _Price(never=f"{name} has effects")
+    if name in _ELEMENTWISE:
+        return _Price()
+    if name in _PASSES:
+        return _Price(passes=sum(nbytes(v.aval) for v in eqn.invars))
+    if name in _MATMULS:
+        return _Price(flops=eqn_flops(eqn))
+    if name in _CALLS:
+        total = _Price()
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            for e in sub.eqns:
+                total = total + _price(e)
+        return total
+    return _Price(never=f"jaxoffload has no recomputation rule for {name}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """The values a function keeps for its backward pass, and what it recomputes there.
+
+    Attributes:
+      saved: the kept values, as variables of the forward jaxpr.
+      recomputed: indices of the forward jaxpr's equations that the backward
+        pass runs again, in order.
+      recompute_flops: the FLOPs of the matrix products among them.
+      forward_flops: the FLOPs of all the forward pass's matrix products.
+      never: for each equation that may not be recomputed, why.
+    """
+
+    saved: tuple[Any, ...]
+    recomputed: tuple[int, ...]
+    recompute_flops: int
+    forward_flops: int
+    never: dict[int, str]
+
+
+def cheapest_cut(
+    jaxpr,
+    needed: Iterable[Any],
+    free: Iterable[Any] = (),
+    *,
+    max_recompute: float = 0.25,
+) -> Cut:
+    """The residuals to keep so that the backward pass can compute ``needed``.
+
+    Args:
+      jaxpr: the forward pass (a ``jax.extend.core.Jaxpr``), whose outputs
+        include the residuals of ``jax.vjp``.
+      needed: the variables that the backward pass reads.
+      free: variables that cost nothing to keep, because they are kept
+        anyway (parameters, or a value that the next layer keeps).
+      max_recompute: the most FLOPs of matrix products that may be
+        recomputed, as a share of the forward pass's.
+
+    Returns:
+      The cut that keeps the fewest bytes within that budget.
+    """
+    if not 0 <= max_recompute:
+        raise ValueError(f"max_recompute must be non-negative, got {max_recompute}.")
+    needed = [v for v in dict.fromkeys(needed) if isinstance(v, jex_core.Var)]
+    relevant = _ancestors(jaxpr, needed)
+    prices = {i: _price(jaxpr.eqns[i]) for i in relevant}
+    never = {i: p.never for i, p in prices.items() if p.never}
+    forward_flops = sum(p.flops for i, p in enumerate(map(_price, jaxpr.eqns)) if not p.never)
+    budget = max_recompute * forward_flops
+    free = set(free)
+    # Each candidate rate (FLOPs per byte kept) prices matrix products so that
+    # recomputing one pays off exactly above its own ratio of FLOPs to bytes.
+    rates = sorted(
+        {p.flops / max(1, sum(nbytes(v.aval) for v in jaxpr.eqns[i].outvars))
+         for i, p in prices.items() if p.flops and not p.never}
+    )  # fmt: skip
+    best = None
+    for rate in [None, *(r * (1 + 1e-6) for r in rates)]:
+        cut = _solve(jaxpr, needed, free, relevant, prices, rate)
+        flops = sum(prices[i].flops for i in cut[1])
+        if flops > budget:
+            break  # a higher rate recomputes at least as much
+        cost = sum(nbytes(v.aval) for v in cut[0] if v not in free)
+        if best is None or cost < best[0]:
+            best = (cost, cut, flops)
+    _, (saved, recomputed), flops = best
+    return Cut(tuple(saved), tuple(sorted(recomputed)), flops, forward_flops, never)
+
+
+def _ancestors(jaxpr, needed: Sequence[Any]) -> list[int]:
+    """Indices of the equations that ``needed`` depends on, in order."""
+    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    todo, seen = list(needed), set()
+    eqns = set()
+    while todo:
+        v = todo.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        i = producer.get(v)
+        if i is not None and i not in eqns:
+            eqns.add(i)
+            todo.extend(u for u in jaxpr.eqns[i].invars if isinstance(u, jex_core.Var))
+    return sorted(eqns)
+
+
+def _solve(jaxpr, needed, free, relevant, prices, rate):
+    """One minimum cut, with matrix products priced at ``rate`` FLOPs per byte (``None``: never)."""
+    graph = _FlowGraph()
+    source, sink = graph.node(), graph.node()
+    value_in, value_out = {}, {}
+
+    def value(v):
+        if v not in value_in:
+            value_in[v], value_out[v] = graph.node(), graph.node()
+            keep = 0 if v in free else max(1, nbytes(v.aval))
+            graph.edge(value_in[v], value_out[v], keep)
+        return value_in[v], value_out[v]
+
+    produced = set()
+    eqn_node = {}
+    for i in relevant:
+        eqn, price = jaxpr.eqns[i], prices[i]
+        node = eqn_node[i] = graph.node()
+        if price.never or (price.flops and rate is None):
+            recompute = _INF
+        else:
+            # A tiny price for free work: keep a value rather than recompute
+            # a chain to save nothing.
+            recompute = 1e-3 + price.passes + (price.flops / rate if price.flops else 0.0)
+        graph.edge(source, node, recompute)
+        for u in eqn.invars:
+            if isinstance(u, jex_core.Var):
+                graph.edge(value(u)[1], node, _INF)
+        for v in eqn.outvars:
+            if isinstance(v, jex_core.Var) and not isinstance(v, jex_core.DropVar):
+                graph.edge(node, value(v)[0], _INF)
+                produced.add(v)
+    for v in list(value_in):
+        if v not in produced:  # an input or constant: it exists only in the forward pass
+            graph.edge(source, value_in[v], _INF)
+    for v in needed:
+        graph.edge(value(v)[1], sink, _INF)
+    side = graph.source_side(source, sink)
+    saved = [v for v in value_in if value_in[v] in side and value_out[v] not in side]
+    # Recompute only what the needed values depend on, given the saved ones.
+    recomputed = _ancestors_until(jaxpr, needed, set(saved))
+    assert all(eqn_node[i] not in side for i in recomputed), "a recomputed equation is forward-only"
+    return saved, recomputed
+
+
+def _ancestors_until(jaxpr, needed, saved) -> list[int]:
+    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    todo, seen, eqns = list(needed), set(), set()
+    while todo:
+        v = todo.pop()
+        if v in seen or v in saved:
+            continue
+        seen.add(v)
+        i = producer.get(v)
+        if i is not None and i not in eqns:
+            eqns.add(i)
+            todo.extend(u for u in jaxpr.eqns[i].invars if isinstance(u, jex_core.Var))
+    return sorted(eqns)
+
+
+class _FlowGraph:
+    """A directed graph with capacities, and Dinic's maximum flow on it."""
+
+    def __init__(self):
+        self.heads: list[list[int]] = []  # per node: indices of its edges
+        self.to: list[int] = []
+        self.capacity: list[float] = []
+
+    def node(self) -> int:
+        self.heads.append([])
+        return len(self.heads) - 1
+
+    def edge(self, a: int, b: int, capacity: float) -> None:
+        for x, y, c in ((a, b, capacity), (b, a, 0.0)):  # an edge and its reverse
+            self.heads[x].append(len(self.to))
+            self.to.append(y)
+            self.capacity.append(c)
+
+    def source_side(self, source: int, sink: int) -> set[int]:
+        """The nodes on the source's side of a minimum cut."""
+        while (level := self._levels(source)).get(sink) is not None:
+            pointer = [0] * len(self.heads)
+            while self._augment(source, sink, level, pointer):
+                pass
+        return set(self._levels(source))
+
+    def _levels(self, source: int) -> dict[int, int]:
+        level = {source: 0}
+        queue = collections.deque([source])
+        while queue:
+            a = queue.popleft()
+            for e in self.heads[a]:
+                b = self.to[e]
+                if self.capacity[e] > 1e-9 and b not in level:
+                    level[b] = level[a] + 1
+                    queue.append(b)
+        return level
+
+    def _augment(self, source, sink, level, pointer) -> bool:
+        """Pushes flow along one shortest path with spare capacity; False if there is none."""
+        path, a = [], source
+        while a != sink:
+            heads = self.heads[a]
+            while pointer[a] < len(heads):
+                e = heads[pointer[a]]
+                b = self.to[e]
+                if self.capacity[e] > 1e-9 and level.get(b) == level[a] + 1:
+                    break
+                pointer[a] += 1
+            else:  # a dead end: retreat
+                if not path:
+                    return False
+                level[a] = -1
+                e = path.pop()
+                a = self.to[e ^ 1]
+                pointer[a] += 1
+                continue
+            path.append(e)
+            a = b
+        flow = min(self.capacity[e] for e in path)
+        if flow == _INF:
+            raise ValueError("the cut is unbounded: a needed value can be neither kept nor recomputed")
+        for e in path:
+            self.capacity[e] -= flow
+            self.capacity[e ^ 1] += flow
+        return True
