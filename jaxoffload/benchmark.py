@@ -27,9 +27,9 @@ import optax
 from jax.extend import core as jex_core
 
 import jaxoffload
-from jaxoffload import models
+from jaxoffload import models, transform
 from jaxoffload.planner import plan_hidden_offload
-from jaxoffload.report import analyze, requested_host_transfers
+from jaxoffload.report import analyze, requested_host_transfers, with_twin
 from jaxoffload.strategies import Lean, Offload, Remat, Store, Strategy
 from jaxoffload.transform import OffloadedCall, offloaded_calls
 
@@ -417,6 +417,12 @@ def measure(
     traced = step.trace(state, batch)
     compiled = traced.lower().compile()
     report = analyze(traced, compiled, on_dropped="warn")
+    if report.moved:
+        # The same program without host placement: what the copies free.
+        with transform.without_host_placement():
+            twin_step, twin_state, twin_batch, _ = train_step(workload, abstract=True)
+            twin = twin_step.trace(twin_state, twin_batch).lower().compile()
+        report = with_twin(report, twin)
     for _ in range(warmup):
         state, loss = compiled(state, batch)
     loss.block_until_ready()
@@ -463,6 +469,7 @@ def measure(
         "compiled_temp_bytes": report.temp_bytes,
         "compiled_host_temp_bytes": report.host_temp_bytes,
         "compiled_argument_bytes": report.argument_bytes,
+        "twin_temp_bytes": report.twin_temp_bytes,
         "requested_host_bytes": report.requested_bytes,
         "host_buffers": report.host_buffers,
         "device_to_host_copies": report.device_to_host,

@@ -97,7 +97,9 @@ class _Price:
     never: str | None = None  # why it is never recomputed
 
     def __add__(self, other: _Price) -> _Price:
-        return _Price(self.flops + other.flops, self.passes + other.passes, self.never or other.never)
+        return _Price(
+            self.flops + other.flops, self.passes + other.passes, self.never or other.never
+        )
 
 
 def _price(eqn) -> _Price:
@@ -170,20 +172,28 @@ def cheapest_cut(
     budget = max_recompute * forward_flops
     free = set(free)
     # Each candidate rate (FLOPs per byte kept) prices matrix products so that
-    # recomputing one pays off exactly above its own ratio of FLOPs to bytes.
-    rates = sorted(
-        {p.flops / max(1, sum(nbytes(v.aval) for v in jaxpr.eqns[i].outvars))
-         for i, p in prices.items() if p.flops and not p.never}
-    )  # fmt: skip
+    # recomputing one pays off just above its own ratio of FLOPs to bytes.
+    # Equal ratios are told apart by position, so that the budget can take
+    # one of two equal convolutions rather than neither.
+    matmuls = [i for i, p in prices.items() if p.flops and not p.never]
+    ratios = sorted(
+        prices[i].flops * _tie_break(i) / max(1, sum(nbytes(v.aval) for v in jaxpr.eqns[i].outvars))
+        for i in matmuls
+    )
+    # Rates trace the cheapest cuts on the way to the budget; a budget that
+    # falls between two of them may fit one large product better than the
+    # small ones below it, so each product is also tried alone.
+    candidates = [(None, None), *((r * (1 + 1e-12), None) for r in ratios)]
+    candidates += [(math.inf, i) for i in matmuls]
     best = None
-    for rate in [None, *(r * (1 + 1e-6) for r in rates)]:
-        cut = _solve(jaxpr, needed, free, relevant, prices, rate)
+    for rate, only in candidates:
+        cut = _solve(jaxpr, needed, free, relevant, prices, rate, only)
         flops = sum(prices[i].flops for i in cut[1])
         if flops > budget:
-            break  # a higher rate recomputes at least as much
+            continue
         cost = sum(nbytes(v.aval) for v in cut[0] if v not in free)
-        if best is None or cost < best[0]:
-            best = (cost, cut, flops)
+        if best is None or (cost, flops) < best[0]:
+            best = ((cost, flops), cut, flops)
     _, (saved, recomputed), flops = best
     return Cut(tuple(saved), tuple(sorted(recomputed)), flops, forward_flops, never)
 
@@ -205,8 +215,11 @@ def _ancestors(jaxpr, needed: Sequence[Any]) -> list[int]:
     return sorted(eqns)
 
 
-def _solve(jaxpr, needed, free, relevant, prices, rate):
-    """One minimum cut, with matrix products priced at ``rate`` FLOPs per byte (``None``: never)."""
+def _solve(jaxpr, needed, free, relevant, prices, rate, only=None):
+    """One minimum cut, with matrix products priced at ``rate`` FLOPs per byte (``None``: never).
+
+    With ``only``, that one equation is the only matrix product that may be recomputed.
+    """
     graph = _FlowGraph()
     source, sink = graph.node(), graph.node()
     value_in, value_out = {}, {}
@@ -223,12 +236,14 @@ def _solve(jaxpr, needed, free, relevant, prices, rate):
     for i in relevant:
         eqn, price = jaxpr.eqns[i], prices[i]
         node = eqn_node[i] = graph.node()
-        if price.never or (price.flops and rate is None):
+        if price.never or (price.flops and (rate is None or only not in (None, i))):
             recompute = _INF
         else:
             # A tiny price for free work: keep a value rather than recompute
             # a chain to save nothing.
-            recompute = 1e-3 + price.passes + (price.flops / rate if price.flops else 0.0)
+            recompute = 1e-3 + price.passes
+            if price.flops:
+                recompute += price.flops * _tie_break(i) / rate
         graph.edge(source, node, recompute)
         for u in eqn.invars:
             if isinstance(u, jex_core.Var):
@@ -248,6 +263,11 @@ def _solve(jaxpr, needed, free, relevant, prices, rate):
     recomputed = _ancestors_until(jaxpr, needed, set(saved))
     assert all(eqn_node[i] not in side for i in recomputed), "a recomputed equation is forward-only"
     return saved, recomputed
+
+
+def _tie_break(i: int) -> float:
+    """A factor that tells apart equations of equal price, by position."""
+    return 1 + 1e-9 * i
 
 
 def _ancestors_until(jaxpr, needed, saved) -> list[int]:
@@ -326,7 +346,9 @@ class _FlowGraph:
             a = b
         flow = min(self.capacity[e] for e in path)
         if flow == _INF:
-            raise ValueError("the cut is unbounded: a needed value can be neither kept nor recomputed")
+            raise ValueError(
+                "the cut is unbounded: a needed value can be neither kept nor recomputed"
+            )
         for e in path:
             self.capacity[e] -= flow
             self.capacity[e ^ 1] += flow

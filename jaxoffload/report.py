@@ -12,7 +12,14 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-__all__ = ["MemoryReport", "OffloadDroppedError", "OffloadWarning", "analyze", "memory_report"]
+__all__ = [
+    "MemoryReport",
+    "OffloadDroppedError",
+    "OffloadWarning",
+    "analyze",
+    "memory_report",
+    "with_twin",
+]
 
 # XLA writes the host memory space as S(5) in a layout: bf16[8,128]{1,0:S(5)}.
 # A typed array; scalars print no layout unless they carry a memory space.
@@ -53,6 +60,9 @@ class MemoryReport:
       device_to_host_bytes: the bytes they move.
       host_to_device: compiled copies from host to device memory.
       host_to_device_bytes: the bytes they move.
+      twin_temp_bytes: the device temp of the same program with host
+        placement off (:func:`jaxoffload.transform.without_host_placement`),
+        or ``None`` where it was not compiled.
     """
 
     platform: str
@@ -68,6 +78,18 @@ class MemoryReport:
     device_to_host_bytes: int
     host_to_device: int
     host_to_device_bytes: int
+    twin_temp_bytes: int | None = None
+
+    @property
+    def freed_bytes(self) -> int | None:
+        """The device temp that the host copies free: the twin's temp less this program's."""
+        return None if self.twin_temp_bytes is None else self.twin_temp_bytes - self.temp_bytes
+
+    @property
+    def frees_little(self) -> bool:
+        """Whether the bytes moved free less than a tenth of themselves in device temp."""
+        freed = self.freed_bytes
+        return self.moved and freed is not None and freed < self.device_to_host_bytes / 10
 
     @property
     def requested(self) -> bool:
@@ -100,15 +122,25 @@ class MemoryReport:
             )
         elif self.dropped:
             lines.append("note: the compiler dropped every requested transfer; nothing moved.")
+        if self.twin_temp_bytes is not None:
+            lines.append(
+                f"without host placement: device temp {_gib(self.twin_temp_bytes)}; the copies "
+                f"free {_gib(self.freed_bytes)}"
+            )
         return "\n".join(lines)
 
 
-def memory_report(jitted: Any, *args: Any, on_dropped: str = "warn", **kwargs: Any) -> MemoryReport:
+def memory_report(
+    jitted: Any, *args: Any, on_dropped: str = "warn", twin: bool = True, **kwargs: Any
+) -> MemoryReport:
     """Compiles ``jitted`` for ``args`` and reports where its memory goes.
 
     XLA:GPU silently deletes host round trips it judges useless, so a requested
     offload can compile to nothing. This reads the compiled program, not the
-    request, and says so when the two disagree.
+    request, and says so when the two disagree. Where the program does move
+    residuals, it also compiles its twin with host placement off, and warns
+    if the bytes moved free less than a tenth of themselves in device temp:
+    moving them then costs transfers for little.
 
     Args:
       jitted: a function wrapped in :func:`jax.jit` (or anything with
@@ -117,7 +149,11 @@ def memory_report(jitted: Any, *args: Any, on_dropped: str = "warn", **kwargs: A
       on_dropped: what to do when host placement was requested but nothing
         moves: ``"warn"`` (an :class:`OffloadWarning`), ``"raise"`` (an
         :class:`OffloadDroppedError`; on CPU, where no placement ever has an
-        effect, a warning still) or ``"ignore"``.
+        effect, a warning still) or ``"ignore"``; ``"ignore"`` also silences
+        the warning that the copies free little.
+      twin: compile the twin without host placement when something moves.
+        Its trace clears ``jitted``'s cache, so the next call of ``jitted``
+        compiles again.
       **kwargs: its keyword arguments.
 
     Returns:
@@ -136,11 +172,45 @@ def memory_report(jitted: Any, *args: Any, on_dropped: str = "warn", **kwargs: A
             "wrap it first: memory_report(jax.jit(f), *args)."
         )
     traced = jitted.trace(*args, **kwargs)
-    return analyze(traced, traced.lower().compile(), on_dropped=on_dropped)
+    report = analyze(traced, traced.lower().compile(), on_dropped=on_dropped)
+    if twin and report.moved:
+        from jaxoffload.transform import without_host_placement
+
+        # jit caches traces by argument types alone: clear it on both sides
+        # of the twin's trace, so that neither reuses the other's.
+        jitted.clear_cache()
+        with without_host_placement():
+            twin_compiled = jitted.trace(*args, **kwargs).lower().compile()
+        jitted.clear_cache()
+        report = with_twin(report, twin_compiled, on_dropped=on_dropped)
+    return report
+
+
+def with_twin(
+    report: MemoryReport, twin_compiled: Any, *, on_dropped: str = "warn"
+) -> MemoryReport:
+    """``report`` with the device temp of its twin compiled without host placement.
+
+    Warns (an :class:`OffloadWarning`) if the bytes moved free less than a
+    tenth of themselves, unless ``on_dropped`` is ``"ignore"``.
+    """
+    twin_temp = int(twin_compiled.memory_analysis().temp_size_in_bytes)
+    report = dataclasses.replace(report, twin_temp_bytes=twin_temp)
+    if report.frees_little and on_dropped != "ignore":
+        warnings.warn(
+            f"the compiled program moves {_gib(report.device_to_host_bytes)} to host memory, but "
+            f"its device temp is {_gib(report.temp_bytes)} against {_gib(twin_temp)} without "
+            f"host placement: the copies free {_gib(report.freed_bytes)}, less than a tenth of "
+            "what they move. The device peak is elsewhere (a working set, not residuals); "
+            "Lean() keeps the same memory without the transfers.",
+            OffloadWarning,
+            stacklevel=3,
+        )
+    return report
 
 
 def analyze(traced: Any, compiled: Any, *, on_dropped: str = "warn") -> MemoryReport:
-    """:func:`memory_report` for a program already traced and compiled.
+    """:func:`memory_report` for a program already traced and compiled, without a twin.
 
     Args:
       traced: the result of ``jitted.trace(*args)``.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -66,13 +67,29 @@ def with_lean_rules(fun: Callable[..., Any], notes: list[Rewrite] | None = None)
       ((1, 2, 2, 1), ['relu', 'relu_max_pool'])
     """
 
+    @functools.wraps(fun)
     def rewritten(*args, **kwargs):
-        closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args, **kwargs)
-        flat = jax.tree.leaves((args, kwargs))
-        out = _run(closed.jaxpr, closed.consts, flat, [] if notes is None else notes)
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        # Python scalars and other non-arrays (a `train` flag) stay Python values.
+        arrays = [n for n, x in enumerate(leaves) if _is_array(x)]
+
+        def traced(*values):
+            full = list(leaves)
+            for n, x in zip(arrays, values):
+                full[n] = x
+            args, kwargs = jax.tree.unflatten(tree, full)
+            return fun(*args, **kwargs)
+
+        values = [leaves[n] for n in arrays]
+        closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(*values)
+        out = _run(closed.jaxpr, closed.consts, values, [] if notes is None else notes)
         return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
     return rewritten
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic)
 
 
 def _run(jaxpr, consts, args, notes: list[Rewrite], prefix: str = "") -> list[Any]:
@@ -149,9 +166,12 @@ def _max_pool(eqn, x, relu_inputs, uses, where, notes):
         why = "dilated"
     elif (tuple(p["padding"][0]), tuple(p["padding"][-1])) != ((0, 0), (0, 0)):
         why = "padded batch or feature dimension"
-    elif layers._Pool.of(
-        x, p["window_dimensions"][spatial], p["window_strides"][spatial], p["padding"][spatial]
-    ) is None:
+    elif (
+        layers._Pool.of(
+            x, p["window_dimensions"][spatial], p["window_strides"][spatial], p["padding"][spatial]
+        )
+        is None
+    ):
         why = "a window wholly in the padding, or an integer dtype"
     if why:
         notes.append(Rewrite(where, "max_pool", applied=False, why=why))

@@ -158,7 +158,9 @@ def check_strategy(strategy: Any) -> Strategy:
     if isinstance(strategy, Store | Lean | Remat | Offload):
         return strategy
     if isinstance(strategy, type) and issubclass(strategy, Store | Lean | Remat | Offload):
-        raise TypeError(f"a strategy is a value: write {strategy.__name__}(), not {strategy.__name__}.")
+        raise TypeError(
+            f"a strategy is a value: write {strategy.__name__}(), not {strategy.__name__}."
+        )
     hint = ""
     if isinstance(strategy, str):
         hint = " Strategy names such as 'lean' are for the command line; write Lean()."

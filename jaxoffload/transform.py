@@ -305,9 +305,9 @@ def saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
       >>> f = offload(lambda w, x: jnp.sin(x @ w), device_argnums=0)
       >>> for r in saved_residuals(f, jnp.ones((8, 8)), jnp.ones((4, 8))):
       ...     print(r)
-      float32[8, 8] 256 B -> device (argument in device_argnums) [input]
       float32[4, 8] 128 B -> pinned_host (offloaded) [input]
-      float32[4, 8] 128 B -> pinned_host (offloaded) [dot_general]
+      float32[8, 8] 256 B -> device (argument in device_argnums) [input]
+      float32[4, 8] 128 B -> pinned_host (keeping it costs less than recomputing it; offloaded) [cos]
     """
     try:
         inner, strategy, argnums = fun.__jaxoffload__  # type: ignore[attr-defined]
@@ -530,7 +530,9 @@ def _plan(call, dynamic, kwargs, strategy, device_leaves: set[int]) -> _Plan:
     if cut_residuals:
         # A lean call's inputs and outputs are kept anyway, by the layers
         # around it; an offloading call moves its own.
-        free = params | (set(jaxpr.invars) | set(out_atoms) if isinstance(strategy, Lean) else set())
+        free = params | (
+            set(jaxpr.invars) | set(out_atoms) if isinstance(strategy, Lean) else set()
+        )
         chosen = cut_lib.cheapest_cut(jaxpr, needed, free, max_recompute=strategy.max_recompute)
         if isinstance(strategy, Offload):
             # Never move more than a lean call would keep.
@@ -595,7 +597,7 @@ def _place(v, params, strategy, jaxpr) -> tuple[str, str]:
     if v in params:
         return "device", "argument in device_argnums"
     if isinstance(strategy, Lean):
-        return "device", "lean"
+        return "device", "Lean"
     if getattr(_placement, "off", False):
         return "device", "host placement off, for a twin"
     if cut_lib.nbytes(v.aval) < strategy.min_bytes:
@@ -605,18 +607,16 @@ def _place(v, params, strategy, jaxpr) -> tuple[str, str]:
 
 def _why_kept(v, jaxpr, chosen, outputs) -> str:
     """Why the cut keeps ``v`` rather than recompute it (empty without a cut)."""
-    if chosen is None:
-        return ""
-    if v in jaxpr.invars or v in jaxpr.constvars:
+    if chosen is None or v in jaxpr.invars or v in jaxpr.constvars:
         return ""
     if v in outputs:
-        return "an output"
+        return "an output, which the next layer keeps"
     i = next(i for i, e in enumerate(jaxpr.eqns) if v in e.outvars)
     if i in chosen.never:
         return f"not recomputable: {chosen.never[i]}"
     if jaxpr.eqns[i].primitive.name in cut_lib._MATMULS:
         return "recomputing it would pass max_recompute"
-    return "cheaper to keep than to recompute"
+    return "keeping it costs less than recomputing it"
 
 
 def _where(v, jaxpr) -> str:
@@ -643,7 +643,10 @@ def _sub_function(jaxpr, consts, invars, outvars) -> Callable[..., list[Any]]:
         keep.add(v)
         todo.extend(u for u in producer[v].invars if isinstance(u, jex_core.Var))
     eqns = [e for e in jaxpr.eqns if any(v in keep for v in e.outvars)]
-    sub = jex_core.Jaxpr(list(jaxpr.constvars), list(invars), list(outvars), eqns, jaxpr.effects)
+    debug = jex_core.DebugInfo("jaxoffload", "<residuals>", ("",) * len(invars), None)
+    sub = jex_core.Jaxpr(
+        list(jaxpr.constvars), list(invars), list(outvars), eqns, jaxpr.effects, debug
+    )
     return jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(sub, list(consts)))
 
 
@@ -733,7 +736,12 @@ def _wrapped_call(fun, strategy, argnums: _Argnums, args: tuple, kwargs: dict):
         plan = plans["plan"] = _plan(call, dynamic, kwargs, strategy, device_leaves)
         if recorder is not None:
             recorder.append(_describe(call, plan, dynamic, kwargs))
-        if to_host and plan.residuals and not plan.to_host and not getattr(_placement, "off", False):
+        if (
+            to_host
+            and plan.residuals
+            and not plan.to_host
+            and not getattr(_placement, "off", False)
+        ):
             warnings.warn(
                 f"offload({getattr(fun, '__name__', fun)}): none of its {len(plan.residuals)} "
                 "residuals moves to the host (all are in device_argnums or under min_bytes); it "

@@ -1,6 +1,5 @@
 """On a GPU, offloaded residuals really leave the device (run through the device tool)."""
 
-import contextlib
 import functools
 
 import jax
@@ -15,15 +14,23 @@ BATCH, N, LAYERS = 16384, 4096, 8
 
 
 def _chain(layer, window=None):
-    """grad of a chain of layers with one weight matrix each, under jit."""
+    """grad of a chain of layers with one weight matrix each, under jit.
+
+    ``layer`` is a function, or with ``window`` a function of the window that makes one.
+    """
+    if window is not None:
+        layer = layer(window)
 
     def loss(ws, x):
-        with jaxoffload.schedule(window) if window else contextlib.nullcontext():
-            for w in ws:
-                x = layer(w, x)
+        for w in ws:
+            x = layer(w, x)
         return x.sum()
 
     return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+def _offloaded(window=1):
+    return jaxoffload.offload(_tanh, device_argnums=0, window=window)
 
 
 def _tanh(w, x):
@@ -82,13 +89,12 @@ def test_offload_gradients_match_on_gpu(args):
 
 
 def test_scheduled_offload_keeps_copies_and_gradients(args):
-    layer = jaxoffload.offload(_tanh, device_argnums=0)
-    one = jaxoffload.memory_report(_chain(layer), *args, on_dropped="raise")
-    two = jaxoffload.memory_report(_chain(layer, window=2), *args, on_dropped="raise")
+    one = jaxoffload.memory_report(_chain(_offloaded()), *args, on_dropped="raise")
+    two = jaxoffload.memory_report(_chain(_offloaded, window=2), *args, on_dropped="raise")
     assert two.device_to_host_bytes == one.device_to_host_bytes >= LAYERS * BATCH * N * 4
     assert two.host_to_device_bytes == one.host_to_device_bytes
     ref = _chain(_tanh)(*args)
-    got = _chain(layer, window=2)(*args)
+    got = _chain(_offloaded, window=2)(*args)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) <= 1e-3
 
@@ -96,13 +102,12 @@ def test_scheduled_offload_keeps_copies_and_gradients(args):
 def test_scheduled_offload_bounds_device_temp(args):
     # Each step of the window may hold one more layer's residuals (its input and
     # output) on the device, and depth adds nothing.
-    layer = jaxoffload.offload(_tanh, device_argnums=0)
     ws, x = args
     per_layer, slack = 2 * BATCH * N * 4, 1 << 20  # slack: the scalar tokens
-    temp = {w: jaxoffload.memory_report(_chain(layer, w), *args).temp_bytes for w in (1, 2, 3)}
+    temp = {w: jaxoffload.memory_report(_chain(_offloaded, w), *args).temp_bytes for w in (1, 2, 3)}
     for w in (2, 3):
         assert temp[w] <= temp[1] + (w - 1) * per_layer + slack, temp
-    deeper = jaxoffload.memory_report(_chain(layer, 2), ws + ws, x).temp_bytes
+    deeper = jaxoffload.memory_report(_chain(_offloaded, 2), ws + ws, x).temp_bytes
     assert deeper <= temp[2] + slack, (deeper, temp)
 
 

@@ -90,7 +90,7 @@ def num_blocks(name: str) -> int:
 def create(
     name: str,
     *,
-    strategy: Strategy | Sequence[Strategy] = Store(),
+    strategy: Strategy | Sequence[Strategy] | None = None,
     dtype: Any = jnp.float32,
     num_classes: int = 1000,
 ) -> nn.Module:
@@ -98,8 +98,11 @@ def create(
 
     Args:
       name: one of ``MODEL_NAMES``, e.g. ``"flax-resnet50"``, ``"vgg19"``.
-      strategy: a strategy value, or a sequence with one per block. A
-        plain-Flax model wraps one block class, so its blocks share one.
+      strategy: a strategy value, or a sequence with one per block;
+        ``None`` means ``Store()`` (the plain model). A
+        plain-Flax model wraps one block class, so its blocks share one;
+        under ``Lean`` and ``Offload`` the model itself runs with
+        :func:`jaxoffload.linen.lean_rules`, which reaches its stem.
       dtype: the compute dtype; parameters are float32.
       num_classes: classifier outputs.
 
@@ -109,11 +112,12 @@ def create(
     Example:
       >>> import jaxoffload
       >>> model = create("flax-resnet18", strategy=jaxoffload.Lean(), num_classes=10)
-      >>> model.block_cls.__name__
-      'ResNetBlock'
+      >>> type(model).__name__, model.block_cls.__name__
+      ('ResNet', 'ResNetBlock')
     """
     _check_name(name)
     n = num_blocks(name)
+    strategy = Store() if strategy is None else strategy
     strategies = check_strategies(
         (strategy,) * n if not isinstance(strategy, Sequence) else strategy, n
     )
@@ -124,6 +128,9 @@ def create(
                 f"{name} wraps one block class, so its blocks take one strategy; got {strategies}."
             )
         wrapped = offload_linen.wrap(block, strategies[0])
+        if uses_lean_layers(strategies[0]):
+            # The stem and the classifier get the lean ReLU and max-pool rules too.
+            model = offload_linen.lean_rules(model)
         return model(**{attribute: wrapped}, num_classes=num_classes, dtype=dtype)
     if name in RESNETS:
         stages, block = RESNETS[name]

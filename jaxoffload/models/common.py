@@ -34,7 +34,12 @@ def wrap_block(
     when it offloads with no names of its own (``Offload(names=...)``).
     """
     names = getattr(block, "offload_names", None)
-    if isinstance(strategy, Offload) and names and strategy.names is None and not strategy.recompute:
+    if (
+        isinstance(strategy, Offload)
+        and names
+        and strategy.names is None
+        and not strategy.recompute
+    ):
         strategy = dataclasses.replace(strategy, names=names)
     device_argnums = device_argnums if isinstance(strategy, Offload) else ()
     return offload_linen.wrap(

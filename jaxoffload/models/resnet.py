@@ -246,9 +246,7 @@ class ResNet(nn.Module):
             # 392 MiB per 56x56 block at batch 256 on an H200 (live-range dump
             # of one offloading block between lean ones).
             last = n + 1 == len(strategies)
-            defer = (
-                lean and not fuse and (last or isinstance(strategies[n + 1], Offload))
-            )
+            defer = lean and not fuse and (last or isinstance(strategies[n + 1], Offload))
             module = block(
                 64 * 2**stage,
                 2 if stage > 0 and i == 0 else 1,
