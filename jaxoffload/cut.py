@@ -252,11 +252,11 @@ def _solve(jaxpr, needed, free, relevant, prices, rate, only=None):
             if isinstance(v, jex_core.Var) and not isinstance(v, jex_core.DropVar):
                 graph.edge(node, value(v)[0], _INF)
                 produced.add(v)
+    for v in needed:
+        graph.edge(value(v)[1], sink, _INF)
     for v in list(value_in):
         if v not in produced:  # an input or constant: it exists only in the forward pass
             graph.edge(source, value_in[v], _INF)
-    for v in needed:
-        graph.edge(value(v)[1], sink, _INF)
     side = graph.source_side(source, sink)
     saved = [v for v in value_in if value_in[v] in side and value_out[v] not in side]
     # Recompute only what the needed values depend on, given the saved ones.

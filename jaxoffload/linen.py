@@ -10,10 +10,10 @@ import flax.linen as nn
 from flax.core import lift
 from flax.linen import transforms as linen_transforms
 
-from jaxoffload import rewrite, transform
+from jaxoffload import transform
 from jaxoffload.strategies import Offload, Store, Strategy, check_strategy
 
-__all__ = ["lean_rules", "offload", "wrap"]
+__all__ = ["offload", "wrap"]
 
 Target = TypeVar("Target")
 
@@ -45,6 +45,10 @@ def wrap(
     and RNG streams such as ``dropout`` work as under ``nn.remat``. A lean
     block uses leaner rules than jax's for the ReLUs and max-pools it calls,
     with no edit to its code (:mod:`jaxoffload.rewrite`).
+
+    Wrapped Modules nest: wrapping a whole model whose blocks are wrapped
+    applies ``strategy`` to the code outside the blocks (a ResNet's stem and
+    classifier), and the blocks keep their own.
 
     Args:
       target: a Module class, a ``functools.partial`` of one, or a method.
@@ -147,59 +151,6 @@ def offload(
         rngs=rngs,
         methods=methods,
     )
-
-
-def lean_rules(
-    target: Target,
-    *,
-    variables: Any = True,
-    rngs: Any = True,
-    methods: Sequence[str] | None = None,
-) -> Target:
-    """Runs a Module with jaxoffload's leaner ReLU and max-pool rules, and jax's residuals otherwise.
-
-    For the code around wrapped blocks, such as a ResNet's stem, that the
-    blocks' strategies do not reach: ``nn.relu`` keeps its output rather
-    than a mask of its input, and ``nn.max_pool`` (fused with a ReLU before
-    it) keeps a one-byte window index rather than its input, and has a
-    backward pass without XLA:GPU's int32 index tensors
-    (:mod:`jaxoffload.rewrite`). Blocks wrapped inside keep their own
-    strategies. Like :func:`wrap`, it keeps the class's name and variables.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, flax.linen as nn
-      >>> import jaxoffload
-      >>> class Stem(nn.Module):
-      ...     @nn.compact
-      ...     def __call__(self, x, train: bool = True):
-      ...         x = nn.relu(nn.Conv(4, (3, 3))(x))
-      ...         return nn.max_pool(x, (2, 2), (2, 2)) if train else x
-      >>> LeanStem = jaxoffload.linen.lean_rules(Stem)
-      >>> x = jnp.ones((1, 4, 4, 1))
-      >>> v = LeanStem().init(jax.random.key(0), x)
-      >>> LeanStem().apply(v, x).shape, LeanStem.__name__
-      ((1, 2, 2, 4), 'Stem')
-    """
-    if isinstance(target, nn.Module):
-        raise TypeError(
-            f"lean_rules takes a Module class or a method, not an instance of {type(target).__name__}."
-        )
-    transformed = linen_transforms.lift_transform(
-        _lifted_rules, target, variables=variables, rngs=rngs, methods=methods
-    )
-    return _named_like(transformed, target)
-
-
-def _lifted_rules(fn: Callable[..., Any], variables: Any = True, rngs: Any = True):
-    def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
-        def run(variable_groups, rng_groups, *args, **kwargs):
-            scope = scope_fn(variable_groups, rng_groups)
-            y = fn(scope, *args, **kwargs)
-            return y, repack_fn(scope)
-
-        return rewrite.with_lean_rules(run)(variable_groups, rng_groups, *args, **kwargs)
-
-    return lift.pack(inner, (variables,), (variables,), (rngs,), name="lean_rules")
 
 
 def _named_like(transformed, target):

@@ -60,7 +60,7 @@ class Residual:
     """
 
     shape: tuple[int, ...]
-    dtype: np.dtype
+    dtype: Any
     nbytes: int
     placement: str
     reason: str
@@ -68,7 +68,7 @@ class Residual:
     where: str = ""
 
     def __str__(self) -> str:
-        dtype = np.dtype(self.dtype).name
+        dtype = getattr(self.dtype, "name", str(self.dtype))
         where = f" [{self.where}]" if self.where else ""
         return f"{dtype}{list(self.shape)} {self.nbytes:,} B -> {self.placement} ({self.reason}){where}"
 
@@ -148,13 +148,6 @@ def wrap(
     static_argnums = _check_argnums("static_argnums", static_argnums)
     if isinstance(strategy, Store):
         return fun
-    if isinstance(strategy, Remat):
-        return jax.checkpoint(
-            fun,
-            policy=strategy.policy,
-            prevent_cse=strategy.prevent_cse,
-            static_argnums=static_argnums,
-        )
     argnums = _Argnums(device=device_argnums, static=static_argnums)
 
     @functools.wraps(fun)
@@ -555,7 +548,7 @@ def _plan(call, dynamic, kwargs, strategy, device_leaves: set[int]) -> _Plan:
         reason = f"{why}; {reason}" if why else reason
         residuals.append(
             Residual(
-                tuple(v.aval.shape), np.dtype(v.aval.dtype), cut_lib.nbytes(v.aval),
+                tuple(v.aval.shape), v.aval.dtype, cut_lib.nbytes(v.aval),
                 placement, reason, v in outputs, _where(v, jaxpr),
             )
         )  # fmt: skip
@@ -643,9 +636,8 @@ def _sub_function(jaxpr, consts, invars, outvars) -> Callable[..., list[Any]]:
         keep.add(v)
         todo.extend(u for u in producer[v].invars if isinstance(u, jex_core.Var))
     eqns = [e for e in jaxpr.eqns if any(v in keep for v in e.outvars)]
-    debug = jex_core.DebugInfo("jaxoffload", "<residuals>", ("",) * len(invars), None)
     sub = jex_core.Jaxpr(
-        list(jaxpr.constvars), list(invars), list(outvars), eqns, jaxpr.effects, debug
+        list(jaxpr.constvars), list(invars), list(outvars), eqns, jaxpr.effects, _debug_info(invars)
     )
     return jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(sub, list(consts)))
 
@@ -710,6 +702,13 @@ def _live_vars(jaxpr) -> set:
 # ---- the wrapped call -------------------------------------------------------------------
 
 
+# The name of the custom_vjp of every wrapped call, by which an enclosing
+# wrapped call tells it apart from the code around it.
+_CALL_NAME = "jaxoffload_call"
+# Calls that keep their own strategy inside an enclosing wrapped call.
+_INNER_CALLS = ("checkpoint", "remat", "remat2")
+
+
 def _wrapped_call(fun, strategy, argnums: _Argnums, args: tuple, kwargs: dict):
     dynamic, rebuild, device = argnums.split(args, kwargs)
 
@@ -721,6 +720,99 @@ def _wrapped_call(fun, strategy, argnums: _Argnums, args: tuple, kwargs: dict):
     sizes = [len(jax.tree.leaves(a)) for a in dynamic]
     starts = np.cumsum([0, *sizes])
     device_leaves = {int(starts[n]) + k for n in device for k in range(sizes[n])}
+    # `fun` runs once, here; what follows replays its trace. A Flax Module
+    # called twice would draw its RNGs twice, and initialise other values.
+    closed, out_shape = jax.make_jaxpr(call, return_shape=True)(dynamic, kwargs)
+    out_tree = jax.tree.structure(out_shape)
+    if any(_is_inner_call(e) for e in closed.jaxpr.eqns):
+        flat = _run_regions(closed, jax.tree.leaves((dynamic, kwargs)), strategy, device_leaves)
+        return jax.tree.unflatten(out_tree, flat)
+    traced = jex_core.jaxpr_as_fun(closed)
+
+    def replay(dynamic, kwargs):
+        return jax.tree.unflatten(out_tree, traced(*jax.tree.leaves((dynamic, kwargs))))
+
+    if isinstance(strategy, Remat):
+        remat = jax.checkpoint(replay, policy=strategy.policy, prevent_cse=strategy.prevent_cse)
+        return remat(dynamic, kwargs)
+    return _custom_call(replay, strategy, dynamic, kwargs, device_leaves, fun)
+
+
+def _is_inner_call(eqn) -> bool:
+    """Whether ``eqn`` is a wrapped call (or a ``jax.checkpoint``) with a strategy of its own."""
+    name = eqn.primitive.name
+    return name in _INNER_CALLS or (
+        name.startswith("custom_vjp_call") and eqn.params.get("name") == _CALL_NAME
+    )
+
+
+def _run_regions(closed, flat, strategy, device_leaves) -> list[Any]:
+    """Runs a traced function whose wrapped calls keep their strategies, and ``strategy`` elsewhere.
+
+    The code between the wrapped calls (a ResNet's stem and classifier, say)
+    is cut into regions, and each region that does more than elementwise
+    work is wrapped with ``strategy`` on its own.
+    """
+    jaxpr = closed.jaxpr
+    env = dict(zip(jaxpr.constvars, closed.consts)) | dict(zip(jaxpr.invars, flat))
+    params = {jaxpr.invars[i] for i in device_leaves} | set(jaxpr.constvars)
+    later_uses = _uses_after(jaxpr)
+
+    def read(v):
+        return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+    region: list[Any] = []
+
+    def flush(n):
+        """Runs the region that ends before equation ``n``."""
+        if not region:
+            return
+        defined = {v for e in region for v in e.outvars}
+        inputs = list(
+            dict.fromkeys(
+                v for e in region for v in e.invars
+                if isinstance(v, jex_core.Var) and v not in defined
+            )
+        )  # fmt: skip
+        outputs = [v for v in dict.fromkeys(v for e in region for v in e.outvars) if later_uses(v, n)]
+        sub = jex_core.Jaxpr([], inputs, outputs, list(region), jaxpr.effects, _debug_info(inputs))
+        fun = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(sub, []))
+        if any(cut_lib._price(e).flops or e.primitive.name.startswith("reduce_window") for e in region):
+            fun = wrap(fun, strategy, device_argnums=[k for k, v in enumerate(inputs) if v in params])
+        for v, x in zip(outputs, fun(*[env[v] for v in inputs])):
+            env[v] = x
+        region.clear()
+
+    for n, eqn in enumerate(jaxpr.eqns):
+        if not _is_inner_call(eqn):
+            region.append(eqn)
+            continue
+        flush(n)
+        outs = eqn.primitive.bind(
+            *[read(v) for v in eqn.invars], **eqn.primitive.get_bind_params(eqn.params)
+        )
+        for v, x in zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]):
+            env[v] = x
+    flush(len(jaxpr.eqns))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _uses_after(jaxpr):
+    """``used(v, n)``: whether variable ``v`` is read by equation ``n`` or later, or is an output."""
+    last = {v: len(jaxpr.eqns) for v in jaxpr.outvars if isinstance(v, jex_core.Var)}
+    for n, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if isinstance(v, jex_core.Var):
+                last[v] = max(last.get(v, -1), n)
+    return lambda v, n: last.get(v, -1) >= n
+
+
+def _debug_info(invars):
+    return jex_core.DebugInfo("jaxoffload", "<residuals>", ("",) * len(invars), None)
+
+
+def _custom_call(call, strategy, dynamic, kwargs, device_leaves, fun):
+    """``call`` under one ``custom_vjp`` that keeps what ``strategy`` chooses, where it chooses."""
     chain = _Chain.of_current_trace()
     index, gates = chain.next_gates()
     window = strategy.window if isinstance(strategy, Offload) else 1
@@ -728,9 +820,11 @@ def _wrapped_call(fun, strategy, argnums: _Argnums, args: tuple, kwargs: dict):
     recorder = getattr(_recording, "calls", None)
     plans: dict[str, _Plan] = {}
 
-    @jax.custom_vjp
     def run(dynamic, kwargs, gates):
         return call(dynamic, kwargs), _token()
+
+    run.__name__ = _CALL_NAME  # how an enclosing call finds it
+    run = jax.custom_vjp(run)
 
     def run_fwd(dynamic, kwargs, gates):
         plan = plans["plan"] = _plan(call, dynamic, kwargs, strategy, device_leaves)

@@ -31,7 +31,7 @@ from jaxoffload.models.vgg import VGG16 as VGG16
 from jaxoffload.models.vgg import VGG19 as VGG19
 from jaxoffload.models.vgg import ConvBlock as ConvBlock
 from jaxoffload.models.vgg import num_conv_blocks
-from jaxoffload.strategies import Store, Strategy
+from jaxoffload.strategies import Lean, Offload, Remat, Store, Strategy
 
 _VGGS = {"vgg11": VGG11, "vgg13": VGG13, "vgg16": VGG16, "vgg19": VGG19}
 
@@ -45,6 +45,12 @@ _PLAIN = {
     "flax-vgg16": (flax_vgg.VGG16, flax_vgg.VGGStage, "stage_cls"),
     "flax-vgg19": (flax_vgg.VGG19, flax_vgg.VGGStage, "stage_cls"),
 }
+
+# What a plain-Flax model's code outside its blocks (a stem, a classifier) does
+# under each block strategy. Lean blocks: that code is lean too. Offloading
+# blocks: it is recomputed, which costs less than moving it (a ResNet's stem
+# keeps 0.5 GB at batch 256).
+_OUTSIDE_BLOCKS = {Lean: Lean(), Offload: Remat()}
 
 MODEL_NAMES = tuple(
     [*_PLAIN]
@@ -99,10 +105,10 @@ def create(
     Args:
       name: one of ``MODEL_NAMES``, e.g. ``"flax-resnet50"``, ``"vgg19"``.
       strategy: a strategy value, or a sequence with one per block;
-        ``None`` means ``Store()`` (the plain model). A
-        plain-Flax model wraps one block class, so its blocks share one;
-        under ``Lean`` and ``Offload`` the model itself runs with
-        :func:`jaxoffload.linen.lean_rules`, which reaches its stem.
+        ``None`` means ``Store()`` (the plain model). A plain-Flax model
+        wraps one block class, so its blocks share one; under ``Lean`` and
+        ``Offload`` the model itself is wrapped too (see ``_OUTSIDE_BLOCKS``),
+        which reaches the code outside its blocks, such as a stem.
       dtype: the compute dtype; parameters are float32.
       num_classes: classifier outputs.
 
@@ -128,9 +134,10 @@ def create(
                 f"{name} wraps one block class, so its blocks take one strategy; got {strategies}."
             )
         wrapped = offload_linen.wrap(block, strategies[0])
-        if uses_lean_layers(strategies[0]):
-            # The stem and the classifier get the lean ReLU and max-pool rules too.
-            model = offload_linen.lean_rules(model)
+        outside = _OUTSIDE_BLOCKS.get(type(strategies[0]))
+        if outside is not None:
+            # The stem and the classifier: `train` (argument 2) is static.
+            model = offload_linen.wrap(model, outside, static_argnums=(2,))
         return model(**{attribute: wrapped}, num_classes=num_classes, dtype=dtype)
     if name in RESNETS:
         stages, block = RESNETS[name]
