@@ -26,6 +26,9 @@ from jaxoffload import layers
 __all__ = ["Rewrite", "with_lean_rules"]
 
 _CALLS_TO_INLINE = ("jit", "pjit")
+# Readers that keep their input for the backward pass (or an output, which the
+# next layer keeps): a ReLU whose output one of them reads needs no mask of its own.
+_KEEPS_ITS_INPUT = {"conv_general_dilated", "dot_general", "reduce_window_max", "output"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,14 +97,15 @@ def _is_array(x) -> bool:
 
 def _run(jaxpr, consts, args, notes: list[Rewrite], prefix: str = "") -> list[Any]:
     env: dict[Any, Any] = {}
-    uses: dict[Any, int] = {}
+    readers: dict[Any, list[str]] = {}  # variable -> the primitives that read it
     for eqn in jaxpr.eqns:
         for v in eqn.invars:
             if isinstance(v, jex_core.Var):
-                uses[v] = uses.get(v, 0) + 1
+                readers.setdefault(v, []).append(eqn.primitive.name)
     for v in jaxpr.outvars:
         if isinstance(v, jex_core.Var):
-            uses[v] = uses.get(v, 0) + 1
+            readers.setdefault(v, []).append("output")
+    uses = {v: len(r) for v, r in readers.items()}
     relu_inputs: dict[Any, Any] = {}  # a ReLU's output variable -> its input value
 
     def read(v):
@@ -119,13 +123,16 @@ def _run(jaxpr, consts, args, notes: list[Rewrite], prefix: str = "") -> list[An
             if name in _CALLS_TO_INLINE:
                 inner = eqn.params["jaxpr"]
                 outs = _run(inner.jaxpr, inner.consts, invals, notes, where)
-            elif _is_relu(eqn):
+            elif _is_relu(eqn) and _KEEPS_ITS_INPUT & set(readers.get(eqn.outvars[0], ())):
                 notes.append(Rewrite(where, "relu"))
                 outs = [layers.relu(invals[0])]
                 relu_inputs[eqn.outvars[0]] = invals[0]
             elif name == "reduce_window_max":
                 outs = [_max_pool(eqn, invals[0], relu_inputs, uses, where, notes)]
             else:
+                if _is_relu(eqn):
+                    why = "no reader keeps its output, so jax's one-byte mask is smaller"
+                    notes.append(Rewrite(where, "relu", applied=False, why=why))
                 params = eqn.primitive.get_bind_params(eqn.params)
                 outs = eqn.primitive.bind(*invals, **params)
                 if not eqn.primitive.multiple_results:

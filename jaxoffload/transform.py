@@ -410,7 +410,7 @@ class _Argnums:
 
 
 def _check_argnums(what: str, argnums) -> tuple[int, ...]:
-    if isinstance(argnums, bool) or not isinstance(argnums, int | Sequence):
+    if isinstance(argnums, bool | str) or not isinstance(argnums, int | Sequence):
         raise TypeError(f"{what} must be an int or a sequence of ints, got {argnums!r}.")
     argnums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     bad = [a for a in argnums if isinstance(a, bool) or not isinstance(a, int)]
@@ -475,6 +475,11 @@ class _Plan:
       to_host: the positions of the saved values that move to the host.
       vjp_tree: the pytree structure of the ``vjp`` function.
       out_tree: the pytree structure of the outputs.
+      num_outputs: how many flat outputs ``forward`` gives before the saved values.
+      rewrites: where lean rules replaced jax's (:mod:`jaxoffload.rewrite`).
+      recompute_flops: the FLOPs of the products that ``backward`` recomputes.
+      fun: the function differentiated: the call with lean rules, or under
+        ``jax.checkpoint`` for ``Offload(names=...)``.
     """
 
     forward: Callable[..., list[Any]]
@@ -487,6 +492,7 @@ class _Plan:
     num_outputs: int
     rewrites: tuple[rewrite.Rewrite, ...]
     recompute_flops: int
+    fun: Callable[..., Any]
 
 
 def _plan(call, dynamic, kwargs, strategy, device_leaves: set[int]) -> _Plan:
@@ -557,7 +563,7 @@ def _plan(call, dynamic, kwargs, strategy, device_leaves: set[int]) -> _Plan:
     backward = _residuals_from(jaxpr, consts, saved, backward_eqns, residual_atoms, used)
     return _Plan(
         forward, backward, bool(recomputed), tuple(residuals), tuple(to_host),
-        trees["vjp"], trees["out"], num_out, tuple(notes), flops,
+        trees["vjp"], trees["out"], num_out, tuple(notes), flops, fun,
     )  # fmt: skip
 
 
@@ -603,7 +609,7 @@ def _why_kept(v, jaxpr, chosen, outputs) -> str:
     if chosen is None or v in jaxpr.invars or v in jaxpr.constvars:
         return ""
     if v in outputs:
-        return "an output, which the next layer keeps"
+        return "an output"
     i = next(i for i, e in enumerate(jaxpr.eqns) if v in e.outvars)
     if i in chosen.never:
         return f"not recomputable: {chosen.never[i]}"
@@ -741,9 +747,16 @@ def _wrapped_call(fun, strategy, argnums: _Argnums, args: tuple, kwargs: dict):
 def _is_inner_call(eqn) -> bool:
     """Whether ``eqn`` is a wrapped call (or a ``jax.checkpoint``) with a strategy of its own."""
     name = eqn.primitive.name
-    return name in _INNER_CALLS or (
-        name.startswith("custom_vjp_call") and eqn.params.get("name") == _CALL_NAME
-    )
+    if name in _INNER_CALLS:
+        return True
+    if not name.startswith("custom_vjp_call"):
+        return False
+    # jax names the function in the equation, or only in its jaxpr's debug info.
+    called = eqn.params.get("name")
+    if called is None:
+        jaxpr = getattr(eqn.params.get("call_jaxpr"), "jaxpr", None)
+        called = getattr(getattr(jaxpr, "debug_info", None), "func_name", None)
+    return called == _CALL_NAME
 
 
 def _run_regions(closed, flat, strategy, device_leaves) -> list[Any]:
@@ -923,7 +936,8 @@ def _fetch(saved, to_host, cotangent, token_cotangent, anchors, window):
 def _describe(call, plan: _Plan, dynamic, kwargs) -> OffloadedCall:
     """The record :func:`offloaded_calls` gives of one call."""
     forward = jax.make_jaxpr(call)(dynamic, kwargs)
-    both = jax.make_jaxpr(_forward_and_backward(call))(dynamic, kwargs)
+    # Of the function that is differentiated: recomputation under names included.
+    both = jax.make_jaxpr(_forward_and_backward(plan.fun))(dynamic, kwargs)
     return OffloadedCall(
         plan.residuals,
         sum(cut_lib.eqn_flops(e) for e in forward.jaxpr.eqns),

@@ -35,3 +35,21 @@ def host_device_puts(jaxpr) -> int:
 
 def normal(key: int, shape, dtype=jnp.float32):
     return jax.random.normal(jax.random.key(key), shape, dtype)
+
+
+def jax_residuals(fun, *args, keep_arguments=()):
+    """What jax's own ``saved_residuals`` says ``fun``'s backward pass reads: ``(dtype, shape, what)``.
+
+    Arguments are left out (they are kept anyway), but for those named in
+    ``keep_arguments``.
+    """
+    from jax._src.ad_checkpoint import saved_residuals
+
+    def kept(what):
+        return not what.startswith("from the argument ") or what.split()[-1] in keep_arguments
+
+    return [
+        (str(aval.dtype), tuple(aval.shape), what)
+        for aval, what in saved_residuals(fun, *args)
+        if kept(what)
+    ]

@@ -1,4 +1,4 @@
-"""jaxoffload.linen.offload: nn.remat's shape, Flax's variables, and plain gradients."""
+"""jaxoffload.linen.wrap and offload: nn.remat's shape, Flax's variables, and plain gradients."""
 
 import functools
 
@@ -26,15 +26,15 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    """Two blocks through a transform given as a class decorator."""
+    """Two auto-named blocks through a transform given as a class decorator."""
 
     transform: object = None
 
     @nn.compact
     def __call__(self, x):
         block = self.transform(Block) if self.transform else Block
-        for n in range(2):
-            x = block(name=f"block{n}")(x)
+        for _ in range(2):
+            x = block()(x)
         return nn.Dense(3)(x.mean((1, 2)))
 
 
@@ -48,7 +48,7 @@ class MethodNet(nn.Module):
     def _body(self, x):
         return self.block(x)
 
-    body = jaxoffload.linen.offload(_body)
+    body = jaxoffload.linen.wrap(_body, jaxoffload.Offload())
 
     def __call__(self, x):
         return self.head(self.body(x).mean((1, 2)))
@@ -56,10 +56,14 @@ class MethodNet(nn.Module):
 
 TRANSFORMS = {
     "plain": None,
-    "remat": nn.remat,
+    "store": lambda b: jaxoffload.linen.wrap(b, jaxoffload.Store()),
+    "remat": lambda b: jaxoffload.linen.wrap(b, jaxoffload.Remat()),
+    "lean": lambda b: jaxoffload.linen.wrap(b, jaxoffload.Lean()),
     "offload": jaxoffload.linen.offload,
-    "offload_partial": functools.partial(jaxoffload.linen.offload, min_bytes=256),
+    "offload_window": functools.partial(jaxoffload.linen.offload, window=2, min_bytes=256),
+    "offload_recompute": functools.partial(jaxoffload.linen.offload, recompute=True),
 }
+
 
 
 def _train_loss(model):
@@ -80,12 +84,43 @@ def setup():
 
 
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
-def test_variable_tree_is_unchanged(setup, name):
+def test_variable_tree_names_and_initial_values_are_the_plain_models(setup, name):
     x, variables = setup
     model = Net(TRANSFORMS[name])
     got = model.init({"params": jax.random.key(1), "dropout": jax.random.key(2)}, x)
+    assert sorted(got["params"]) == ["Block_0", "Block_1", "Dense_0"]
     assert jax.tree.structure(got) == jax.tree.structure(variables)
     assert rel_err(got, variables) == 0.0  # the same initial values, too
+
+
+def test_nn_remat_renames_what_wrap_keeps(setup):
+    x, _ = setup
+    rngs = {"params": jax.random.key(1), "dropout": jax.random.key(2)}
+    assert sorted(Net(nn.remat).init(rngs, x)["params"])[0] == "CheckpointBlock_0"
+    assert sorted(Net(TRANSFORMS["remat"]).init(rngs, x)["params"])[0] == "Block_0"
+
+
+def test_a_checkpoint_of_the_plain_model_restores_into_every_strategy(setup, tmp_path):
+    import orbax.checkpoint as ocp
+
+    x, variables = setup
+    # One plain training step, then a checkpoint.
+    params, state = variables["params"], {"batch_stats": variables["batch_stats"]}
+    (_, state), grads = _train_loss(Net())(params, state, x, jax.random.key(3))
+    trained = {"params": jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), **state}
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "plain", trained)
+    checkpointer.wait_until_finished()
+    for name in sorted(TRANSFORMS):
+        model = Net(TRANSFORMS[name])
+        abstract = jax.eval_shape(
+            lambda m=model: m.init({"params": jax.random.key(1), "dropout": jax.random.key(2)}, x)
+        )
+        restored = checkpointer.restore(tmp_path / "plain", abstract)
+        assert rel_err(restored, trained) == 0.0, name
+        y = model.apply(restored, x, rngs={"dropout": jax.random.key(4)}, mutable=["batch_stats"])
+        ref = Net().apply(trained, x, rngs={"dropout": jax.random.key(4)}, mutable=["batch_stats"])
+        assert rel_err(y, ref) <= 1e-6, name
 
 
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
@@ -157,10 +192,33 @@ def test_method_form(setup):
 def test_partial_of_a_class(setup):
     x, variables = setup
     Offloaded = jaxoffload.linen.offload(functools.partial(Block, features=8))
+    assert Offloaded.func.__name__ == "Block"
     block = Offloaded(name="block0")
     got = block.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
     ref = Block(features=8).init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
     assert rel_err(got, ref) == 0.0
+
+
+def test_store_returns_the_class_and_bad_targets_are_named():
+    assert jaxoffload.linen.wrap(Block, jaxoffload.Store()) is Block
+    with pytest.raises(TypeError, match="not an instance"):
+        jaxoffload.linen.wrap(Block(), jaxoffload.Lean())
+    with pytest.raises(TypeError, match="write Lean\\(\\)"):
+        jaxoffload.linen.wrap(Block, jaxoffload.Lean)
+
+
+def test_a_wrapped_model_reaches_the_code_outside_its_wrapped_blocks(setup):
+    # Net's classifier is outside its blocks: wrapping Net applies the strategy there.
+    x, variables = setup
+    params, state = variables["params"], {"batch_stats": variables["batch_stats"]}
+    inner = lambda b: jaxoffload.linen.wrap(b, jaxoffload.Offload())  # noqa: E731
+    for outer in (jaxoffload.Lean(), jaxoffload.Remat(), jaxoffload.Offload()):
+        model = jaxoffload.linen.wrap(Net, outer)(inner)
+        got = model.init({"params": jax.random.key(1), "dropout": jax.random.key(2)}, x)
+        assert rel_err(got, variables) == 0.0
+        (loss, new_state), grads = _train_loss(model)(params, state, x, jax.random.key(3))
+        (ref_loss, ref_state), ref_grads = _train_loss(Net())(params, state, x, jax.random.key(3))
+        assert rel_err(grads, ref_grads) <= 1e-6 and rel_err(new_state, ref_state) <= 1e-6
 
 
 def test_static_argnums_count_self():
@@ -172,9 +230,9 @@ def test_static_argnums_count_self():
     )
     y = Offloaded().apply(variables, x, False)
     assert y.shape == (2, 6, 6, 8)
-    with pytest.raises(ValueError, match="counts `self` as 0"):
+    with pytest.raises(ValueError, match="count `self` as 0"):
         jaxoffload.linen.offload(Block, static_argnums=0)
-    with pytest.raises(ValueError, match="counts `self` as 0"):
+    with pytest.raises(ValueError, match="count `self` as 0"):
         jaxoffload.linen.offload(Block, device_argnums=0)
 
 

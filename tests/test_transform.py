@@ -1,6 +1,5 @@
 """jaxoffload.offload as a function transform: values, gradients and placement."""
 
-import contextlib
 import warnings
 
 import flax.linen as nn
@@ -12,7 +11,7 @@ from helpers import host_device_puts, normal, rel_err
 from jax.ad_checkpoint import checkpoint_name
 
 import jaxoffload
-from jaxoffload import offload, saved_residuals
+from jaxoffload import Lean, Offload, Remat, Store, offload, saved_residuals, wrap
 from jaxoffload.layers import relu
 
 # ---- the layers: each is f(params, x) -> y --------------------------------------------
@@ -63,9 +62,14 @@ def _layer(name):
 TRANSFORMS = {
     "identity": lambda f: f,
     "checkpoint": jax.checkpoint,
+    "store": lambda f: wrap(f, Store()),
+    "remat": lambda f: wrap(f, Remat(jax.checkpoint_policies.dots_saveable)),
+    "lean": lambda f: wrap(f, Lean(), device_argnums=0),
+    "lean_no_recompute": lambda f: wrap(f, Lean(max_recompute=0)),
     "offload": offload,
     "offload_device_params": offload(device_argnums=0),
     "offload_min_bytes": offload(min_bytes=1024),
+    "offload_recompute": offload(recompute=True),
 }
 
 
@@ -100,8 +104,29 @@ def test_forward_places_residuals_in_host_memory(layer):
     assert host_device_puts(jaxpr) == len(moved)
     # The values stored for the backward pass are typed as host memory.
     assert str(jaxpr).count("<host>") >= len(moved)
-    # and the plain function places nothing.
+    # and the plain function places nothing, nor does a lean one.
     assert host_device_puts(jax.make_jaxpr(jax.grad(_loss(f), argnums=(0, 1)))(params, x)) == 0
+    lean = wrap(f, Lean(), device_argnums=0)
+    assert host_device_puts(jax.make_jaxpr(jax.grad(_loss(lean), argnums=(0, 1)))(params, x)) == 0
+
+
+@pytest.mark.parametrize("layer", ["conv_bn_relu", "residual_block"])
+def test_lean_keeps_fewer_bytes_than_jax_and_offload_moves_no_more(layer):
+    from helpers import jax_residuals
+
+    f, params, x = _layer(layer)
+    plain = sum(
+        np.prod(shape) * np.dtype(dtype).itemsize
+        for dtype, shape, _ in jax_residuals(_loss(f), params, x, keep_arguments="x")
+    )
+    lean = saved_residuals(wrap(f, Lean(), device_argnums=0), params, x)
+    lean_bytes = sum(r.nbytes for r in lean if r.reason != "argument in device_argnums")
+    assert lean_bytes < plain
+    moved = saved_residuals(offload(f, device_argnums=0), params, x)
+    assert sum(r.nbytes for r in moved if r.placement == "pinned_host") <= lean_bytes
+    # BatchNorm's float32 copies are recomputed: what stays is the input, the
+    # convolutions' outputs and per-channel vectors.
+    assert all(r.dtype == x.dtype for r in lean)
 
 
 def test_which_residuals_move_follows_the_rules():
@@ -116,6 +141,22 @@ def test_which_residuals_move_follows_the_rules():
     small = saved_residuals(offload(f, min_bytes=4 * 32 * 32), w, x)
     assert all(r.placement == "device" for r in small if r.nbytes < 4 * 32 * 32)
     assert [r.shape for r in small if r.placement == "pinned_host"] == [(32, 32)]
+
+
+def test_cheap_values_are_recomputed_not_kept():
+    # exp(sin(x)) * 3: every value is elementwise in x, which is kept anyway.
+    f = lambda x: jnp.exp(jnp.sin(x)) * 3.0  # noqa: E731
+    x = normal(0, (64,))
+    for strategy in (Lean(), Offload()):
+        residuals = saved_residuals(wrap(f, strategy), x)
+        assert [r.where for r in residuals] == ["input"], strategy
+    # A matrix product within the budget is recomputed; out of it, kept.
+    w = normal(1, (64, 64))
+    g = lambda w, x: jnp.tanh(jnp.tanh(x @ w) @ w)  # noqa: E731
+    where = lambda s: sorted(r.where for r in saved_residuals(wrap(g, s, device_argnums=0), w, x))  # noqa: E731
+    # Kept: the inner tanh (it needs x @ w again) and the output (free: the next layer keeps it).
+    assert where(Lean(max_recompute=0.0)) == ["input", "input", "tanh", "tanh"]
+    assert where(Lean(max_recompute=0.5)) == ["input", "input", "tanh"]
 
 
 def test_offload_that_moves_nothing_says_so():
@@ -142,6 +183,8 @@ def test_names_select_residuals_and_recompute_the_rest():
     assert len(residuals) == 2 and all(r.placement == "pinned_host" for r in residuals)
     ref = jax.grad(lambda x: f(x).sum())(x)
     assert rel_err(jax.jit(jax.grad(lambda x: g(x).sum()))(x), ref) <= 1e-6
+    # recompute=True moves the input alone.
+    assert [r.where for r in saved_residuals(offload(f, recompute=True), x)] == ["input"]
 
 
 def test_calls_count_their_recomputation_and_mark_residuals_that_are_outputs():
@@ -154,20 +197,21 @@ def test_calls_count_their_recomputation_and_mark_residuals_that_are_outputs():
     def calls(g):
         return jaxoffload.offloaded_calls(jax.grad(lambda w, x: g(w, x).sum()), w, x)
 
-    (kept,) = calls(offload(f))
-    (recomputed,) = calls(offload(f, names=[]))
+    (kept,) = calls(offload(f, max_recompute=0))
+    (recomputed,) = calls(offload(f, recompute=True))
     assert kept.flops == recomputed.flops == 2 * matmul
-    # Each product's backward pass is two products; names=[] recomputes x @ w too.
+    # Each product's backward pass is two products; recompute=True recomputes x @ w too.
     assert kept.grad_flops == 6 * matmul
     assert recomputed.grad_flops == 7 * matmul
     # relu keeps its output, which is the call's output; the matmul keeps its inputs.
-    (lean,) = calls(offload(lambda w, x: relu(x @ w), to_host=False))
+    (lean,) = calls(wrap(lambda w, x: jax.nn.relu(x @ w), Lean()))
     assert sorted((r.shape, r.output) for r in lean.residuals) == [
         ((4, 8), False),
         ((4, 8), True),
         ((8, 8), False),
     ]
     assert lean.device_bytes == 4 * (4 * 8 * 2 + 8 * 8) and lean.host_bytes == 0
+    assert [n.rule for n in lean.rewrites] == ["relu"]
 
 
 def test_bare_and_configured_decorators():
@@ -221,13 +265,15 @@ def test_vjp_and_value_and_grad_agree():
     assert rel_err(y, y_ref) <= 1e-6 and rel_err(vjp(ct), vjp_ref(ct)) <= 1e-6
 
 
-def test_unused_residuals_are_not_moved():
+def test_unused_residuals_are_not_kept():
     # jax.vjp keeps values its backward pass never reads (here: relu's input
-    # next to its mask). Moving those would cost two transfers for nothing.
+    # next to its mask). Keeping those would cost memory for nothing. No reader
+    # keeps the relu's output, so jax's rule (a one-byte mask) stays.
     f = lambda x: jax.nn.relu(x) * 2.0  # noqa: E731
     x = normal(0, (128,))
-    residuals = saved_residuals(offload(f), x)
-    assert [r.dtype for r in residuals if r.shape == (128,)] == [np.dtype(bool)]
+    assert [(r.dtype, r.where) for r in saved_residuals(offload(f), x)] == [(np.bool_, "gt")]
+    # A lean call's input costs nothing (the layer before keeps it), and gives the mask.
+    assert [r.where for r in saved_residuals(wrap(f, Lean()), x)] == ["input"]
 
 
 def test_offload_composes_with_checkpoint_and_vmap():
@@ -236,6 +282,26 @@ def test_offload_composes_with_checkpoint_and_vmap():
     ref = jax.grad(lambda x: jnp.sum(jnp.sin(x) * x))(x)
     assert rel_err(jax.grad(lambda x: jax.checkpoint(f)(x).sum())(x), ref) <= 1e-6
     assert rel_err(jax.vmap(jax.grad(lambda r: f(r).sum()))(x), ref) <= 1e-6
+
+
+def test_nested_calls_keep_their_strategies():
+    # The outer strategy applies to the code between the inner calls.
+    inner = offload(lambda w, x: jnp.tanh(x @ w), device_argnums=0)
+
+    def model(w, x):
+        x = jnp.sin(x @ w)  # outside the inner calls
+        return inner(w, inner(w, x))
+
+    w, x = normal(0, (8, 8)) / 3, normal(1, (4, 8))
+    ref = jax.grad(lambda w, x: model(w, x).sum(), argnums=(0, 1))(w, x)
+    for outer in (Lean(), Remat(), Offload()):
+        g = wrap(model, outer, device_argnums=0)
+        got = jax.jit(jax.grad(lambda w, x, g=g: g(w, x).sum(), argnums=(0, 1)))(w, x)
+        assert rel_err(got, ref) <= 1e-6, outer
+        calls = jaxoffload.offloaded_calls(jax.grad(lambda w, x, g=g: g(w, x).sum()), w, x)
+        hosts = [c.host_bytes > 0 for c in calls]
+        # The two inner calls move their residuals; the region moves them only under Offload.
+        assert hosts.count(True) == 2 + isinstance(outer, Offload), (outer, hosts)
 
 
 def test_forward_mode_is_refused_clearly():
@@ -249,9 +315,15 @@ def test_forward_mode_is_refused_clearly():
     [
         ({"names": "a"}, TypeError, "sequence of strings"),
         ({"names": [1]}, TypeError, "must be strings"),
+        ({"names": ["a"], "recompute": True}, ValueError, "takes no names"),
         ({"min_bytes": -1}, ValueError, "non-negative"),
         ({"min_bytes": 1.5}, ValueError, "non-negative"),
-        ({"device_argnums": "0"}, TypeError, "must be ints"),
+        ({"max_recompute": -0.1}, ValueError, "non-negative"),
+        ({"window": 0}, ValueError, "window must be an int of at least 1"),
+        ({"window": True}, ValueError, "window must be an int of at least 1"),
+        ({"recompute": 1}, TypeError, "recompute must be a bool"),
+        ({"device_argnums": "0"}, TypeError, "int or a sequence of ints"),
+        ({"device_argnums": 1.0}, TypeError, "int or a sequence of ints"),
         ({"static_argnums": [None]}, TypeError, "must be ints"),
     ],
 )
@@ -263,12 +335,26 @@ def test_bad_arguments_are_named(kwargs, error, match):
 def test_bad_calls_are_explained():
     with pytest.raises(TypeError, match="expects a callable"):
         offload(3)
-    with pytest.raises(ValueError, match="static_argnums=\\(3,\\)"):
+    with pytest.raises(ValueError, match=r"static_argnums=\(3,\) names positions \[3\]"):
         offload(lambda x: x, static_argnums=3)(jnp.ones(2))
-    with pytest.raises(ValueError, match="device_argnums=\\(5,\\)"):
-        offload(lambda x: x, device_argnums=5)(jnp.ones(2))
-    with pytest.raises(TypeError, match="made by jaxoffload.offload"):
+    with pytest.raises(ValueError, match=r"passes 2 positional arguments.*positionally"):
+        offload(lambda x, y: x * y, device_argnums=2)(jnp.ones(2), jnp.ones(2))
+    with pytest.raises(ValueError, match="keywords \\['y'\\]"):
+        offload(lambda x, y: x * y, device_argnums=1)(jnp.ones(2), y=jnp.ones(2))
+    with pytest.raises(ValueError, match="both static_argnums and device_argnums"):
+        offload(lambda x, y: x, static_argnums=1, device_argnums=1)(jnp.ones(2), 3)
+    with pytest.raises(TypeError, match="made by jaxoffload.wrap or jaxoffload.offload"):
         saved_residuals(lambda x: x, jnp.ones(2))
+    with pytest.raises(TypeError, match="write Lean\\(\\), not Lean"):
+        wrap(jnp.sin, Lean)
+    with pytest.raises(TypeError, match="for the command line"):
+        wrap(jnp.sin, "lean")
+
+
+def test_residuals_per_call_warns_without_a_gradient():
+    f = offload(jnp.sin)
+    with pytest.warns(jaxoffload.OffloadWarning, match="takes a gradient"):
+        assert jaxoffload.residuals_per_call(f, jnp.ones(3)) == []
 
 
 def test_public_surface():
@@ -278,13 +364,12 @@ def test_public_surface():
 
 def _weight_gradients_before_first_fetch(window: int) -> set[tuple[int, ...]]:
     """Shapes of the weight-gradient matmuls that the fetch of layer 0's residuals waits for."""
-    layer = offload(lambda w, x: jnp.tanh(x @ w), device_argnums=0)
+    layer = offload(lambda w, x: jnp.tanh(x @ w), device_argnums=0, window=window)
     ws = [jnp.ones((4 + i, 5 + i)) for i in range(3)]  # one shape per layer
 
     def loss(ws, x):
-        with jaxoffload.schedule(window):
-            for w in ws:
-                x = layer(w, x)
+        for w in ws:
+            x = layer(w, x)
         return x.sum()
 
     jaxpr = jax.make_jaxpr(jax.grad(loss))(ws, jnp.ones((2, 4))).jaxpr
@@ -310,35 +395,29 @@ def _weight_gradients_before_first_fetch(window: int) -> set[tuple[int, ...]]:
     return shapes
 
 
-def test_schedule_window_moves_each_fetch_earlier():
+def test_window_moves_each_fetch_earlier():
     # Window 1: layer 0's residuals come back once layer 1's weight gradient exists.
     assert _weight_gradients_before_first_fetch(1) == {(5, 6), (6, 7)}
     # Window 2: as soon as layer 1's backward pass starts (after layer 2's).
     assert _weight_gradients_before_first_fetch(2) == {(6, 7)}
 
 
-def test_schedule_gives_plain_gradients_and_checks_its_window():
-    layer = offload(lambda w, x: jnp.tanh(x @ w), device_argnums=0)
-    kept = offload(lambda w, x: jnp.tanh(x @ w), device_argnums=0, to_host=False)
+def test_windows_give_plain_gradients_mixed_with_lean_calls():
+    kept = wrap(lambda w, x: jnp.tanh(x @ w), Lean(), device_argnums=0)
     ws = [normal(i, (8, 8)) / 3 for i in range(6)]
     x = normal(9, (4, 8))
 
-    def loss(ws, x, window, layers):
-        with jaxoffload.schedule(window) if window else contextlib.nullcontext():
-            for w, f in zip(ws, layers):
-                x = f(w, x)
+    def loss(ws, x, layers):
+        for w, f in zip(ws, layers):
+            x = f(w, x)
         return jnp.sum(x**2)
 
-    plain = jax.grad(loss)(ws, x, 0, [lambda w, x: jnp.tanh(x @ w)] * 6)
+    plain = jax.grad(loss)(ws, x, [lambda w, x: jnp.tanh(x @ w)] * 6)
     for window in (1, 2, 3, 7):
+        layer = offload(lambda w, x: jnp.tanh(x @ w), device_argnums=0, window=window)
         for layers in ([layer] * 6, [layer, kept, layer, kept, kept, layer]):
-            got = jax.jit(jax.grad(loss), static_argnums=(2, 3))(ws, x, window, tuple(layers))
+            got = jax.jit(jax.grad(loss), static_argnums=2)(ws, x, tuple(layers))
             assert rel_err(got, plain) <= 1e-6, window
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="window must be an int of at least 1"):
-            jaxoffload.schedule(bad)
-    with pytest.raises(TypeError, match="to_host must be a bool"):
-        offload(jnp.sin, to_host=1)
 
 
 def _optimized_hlo(f, *args) -> str:

@@ -9,6 +9,7 @@ models (:mod:`.resnet`, :mod:`.vgg`) were built by hand with
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,16 +36,18 @@ from jaxoffload.strategies import Lean, Offload, Store, Strategy
 
 _VGGS = {"vgg11": VGG11, "vgg13": VGG13, "vgg16": VGG16, "vgg19": VGG19}
 
-# name: (model constructor, the block class that strategies wrap, its attribute)
+# name: (model constructor, the block class that strategies wrap)
 _PLAIN = {
-    "flax-resnet18": (flax_resnet.ResNet18, flax_resnet.ResNetBlock, "block_cls"),
-    "flax-resnet34": (flax_resnet.ResNet34, flax_resnet.ResNetBlock, "block_cls"),
-    "flax-resnet50": (flax_resnet.ResNet50, flax_resnet.BottleneckResNetBlock, "block_cls"),
-    "flax-resnet101": (flax_resnet.ResNet101, flax_resnet.BottleneckResNetBlock, "block_cls"),
-    "flax-vgg11": (flax_vgg.VGG11, flax_vgg.VGGStage, "stage_cls"),
-    "flax-vgg16": (flax_vgg.VGG16, flax_vgg.VGGStage, "stage_cls"),
-    "flax-vgg19": (flax_vgg.VGG19, flax_vgg.VGGStage, "stage_cls"),
+    "flax-resnet18": (flax_resnet.ResNet18, flax_resnet.ResNetBlock),
+    "flax-resnet34": (flax_resnet.ResNet34, flax_resnet.ResNetBlock),
+    "flax-resnet50": (flax_resnet.ResNet50, flax_resnet.BottleneckResNetBlock),
+    "flax-resnet101": (flax_resnet.ResNet101, flax_resnet.BottleneckResNetBlock),
+    "flax-vgg11": (flax_vgg.VGG11, flax_vgg.VGGStage),
+    "flax-vgg16": (flax_vgg.VGG16, flax_vgg.VGGStage),
+    "flax-vgg19": (flax_vgg.VGG19, flax_vgg.VGGStage),
 }
+# The attribute through which each plain model takes its block class.
+_BLOCK_ATTRIBUTE = {flax_resnet.ResNet: "block_cls", flax_vgg.VGG: "stage_cls"}
 
 # What a plain-Flax model's code outside its blocks (a stem, a classifier) does
 # under each block strategy: it is lean. Recomputing it instead (Remat) raised
@@ -72,6 +75,7 @@ __all__ = [
     "create",
     "is_plain",
     "num_blocks",
+    "plain_model",
     "wrap_block",
 ]
 
@@ -127,17 +131,12 @@ def create(
         (strategy,) * n if not isinstance(strategy, Sequence) else strategy, n
     )
     if name in _PLAIN:
-        model, block, attribute = _PLAIN[name]
+        model, block = _PLAIN[name]
         if len(set(strategies)) > 1:
             raise ValueError(
                 f"{name} wraps one block class, so its blocks take one strategy; got {strategies}."
             )
-        wrapped = offload_linen.wrap(block, strategies[0])
-        outside = _OUTSIDE_BLOCKS.get(type(strategies[0]))
-        if outside is not None:
-            # The stem and the classifier: `train` (argument 2) is static.
-            model = offload_linen.wrap(model, outside, static_argnums=(2,))
-        return model(**{attribute: wrapped}, num_classes=num_classes, dtype=dtype)
+        return plain_model(model, block, strategies[0], num_classes=num_classes, dtype=dtype)
     if name in RESNETS:
         stages, block = RESNETS[name]
         return ResNet(stages, block, num_classes, dtype, strategies)
@@ -148,6 +147,29 @@ def create(
         block_strategies=strategies,
         norm=name.endswith("_bn"),
     )
+
+
+def plain_model(model: Any, block: Any, strategy: Strategy, **kwargs: Any) -> nn.Module:
+    """A plain-Flax model whose blocks are wrapped with ``strategy``, as a user would wrap them.
+
+    ``jaxoffload.linen.wrap(block, strategy)`` goes in through the model's
+    block-class attribute, and under ``Lean`` and ``Offload`` the model class
+    is wrapped too (see ``_OUTSIDE_BLOCKS``).
+
+    Args:
+      model: :class:`.flax_resnet.ResNet` or :class:`.flax_vgg.VGG`, or a
+        ``functools.partial`` of one.
+      block: the block class to wrap.
+      strategy: the blocks' strategy.
+      **kwargs: the model's other attributes.
+    """
+    base = model.func if isinstance(model, functools.partial) else model
+    wrapped = offload_linen.wrap(block, strategy)
+    outside = _OUTSIDE_BLOCKS.get(type(strategy))
+    if outside is not None:
+        # The stem and the classifier: `train` (argument 2) is static.
+        model = offload_linen.wrap(model, outside, static_argnums=(2,))
+    return model(**{_BLOCK_ATTRIBUTE[base]: wrapped}, **kwargs)
 
 
 def _check_name(name: str) -> None:

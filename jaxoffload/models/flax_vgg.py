@@ -39,14 +39,16 @@ class VGG(nn.Module):
     num_classes: int = 1000
     dtype: Any = jnp.float32
     dropout_rate: float = 0.5
+    num_filters: int = 64
+    classifier_width: int = 4096
 
     @nn.compact
     def __call__(self, x, train: bool = True):
         for i, num_convs in enumerate(self.stage_sizes):
-            x = self.stage_cls(64 * 2 ** min(i, 3), num_convs, dtype=self.dtype)(x)
+            x = self.stage_cls(self.num_filters * 2 ** min(i, 3), num_convs, dtype=self.dtype)(x)
         x = x.reshape((x.shape[0], -1))
         for _ in range(2):
-            x = nn.relu(nn.Dense(4096, dtype=self.dtype)(x))
+            x = nn.relu(nn.Dense(self.classifier_width, dtype=self.dtype)(x))
             x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
         x = nn.Dense(self.num_classes, dtype=self.dtype)(x)
         return jnp.asarray(x, self.dtype)
