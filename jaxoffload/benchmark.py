@@ -156,7 +156,7 @@ class Workload:
             )
         if isinstance(self.window, tuple) and self.model not in models.RESNETS:
             raise ValueError(f"{self.model} takes one window, not one per stage.")
-        self.block_strategies  # noqa: B018 -- checks the windows, once
+        self._windows()
 
     @property
     def block_strategies(self) -> tuple[Strategy, ...]:
@@ -171,21 +171,25 @@ class Workload:
             if not 0 <= k <= n:
                 raise ValueError(f"blocks must be between 0 and {n}, got {k}.")
             names = (self.strategy,) * k + ("none",) * (n - k)
-        windows = self.window if isinstance(self.window, tuple) else (self.window,)
-        if isinstance(self.window, tuple):
-            stages = models.RESNETS[self.model][0]
-            if len(windows) != len(stages):
-                raise ValueError(
-                    f"window has {len(windows)} entries, but {self.model} has {len(stages)} stages."
-                )
-            windows = [w for w, size in zip(windows, stages) for _ in range(size)]
-        else:
-            windows = windows * n
         return tuple(
             dataclasses.replace(STRATEGIES[s], window=w) if isinstance(STRATEGIES[s], Offload)
             else STRATEGIES[s]
-            for s, w in zip(names, windows)
+            for s, w in zip(names, self._windows())
         )  # fmt: skip
+
+    def _windows(self) -> list[int]:
+        """The window of each block; ``Offload`` checks each value."""
+        n = models.num_blocks(self.model)
+        if not isinstance(self.window, tuple):
+            return [Offload(window=self.window).window] * n
+        stages = models.RESNETS[self.model][0]
+        if len(self.window) != len(stages):
+            raise ValueError(
+                f"window has {len(self.window)} entries, but {self.model} has {len(stages)} stages."
+            )
+        return [
+            Offload(window=w).window for w, size in zip(self.window, stages) for _ in range(size)
+        ]
 
     @property
     def offloaded_blocks(self) -> int | None:

@@ -183,14 +183,14 @@ def cheapest_cut(
     # Rates trace the cheapest cuts on the way to the budget; a budget that
     # falls between two of them may fit one large product better than the
     # small ones below it, so each product is also tried alone.
-    candidates = [(None, None), *((r * (1 + 1e-12), None) for r in ratios)]
+    candidates = [(None, None), *((r * (1 + 1e-12), None) for r in ratios), (math.inf, None)]
     candidates += [(math.inf, i) for i in matmuls]
     best = None
     for rate, only in candidates:
         cut = _solve(jaxpr, needed, free, relevant, prices, rate, only)
         flops = sum(prices[i].flops for i in cut[1])
         if flops > budget:
-            continue
+            continue  # over the budget: a higher rate can still fit as one product alone
         cost = sum(nbytes(v.aval) for v in cut[0] if v not in free)
         if best is None or (cost, flops) < best[0]:
             best = ((cost, flops), cut, flops)
@@ -262,7 +262,11 @@ def _solve(jaxpr, needed, free, relevant, prices, rate, only=None):
     # Recompute only what the needed values depend on, given the saved ones.
     recomputed = _ancestors_until(jaxpr, needed, set(saved))
     assert all(eqn_node[i] not in side for i in recomputed), "a recomputed equation is forward-only"
-    return saved, recomputed
+    # A free value lands on the cut whether or not it is read: keep only those read.
+    read = set(needed) | {
+        u for i in recomputed for u in jaxpr.eqns[i].invars if isinstance(u, jex_core.Var)
+    }
+    return [v for v in saved if v in read], recomputed
 
 
 def _tie_break(i: int) -> float:

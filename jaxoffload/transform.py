@@ -577,8 +577,8 @@ _placement = threading.local()
 class without_host_placement:
     """Inside it, traced ``Offload`` calls keep every residual on the device.
 
-    The program is otherwise the same, barriers and all: compiled, it is the
-    twin that tells how much device memory the host copies free.
+    Only the copies go: the program is otherwise the same, barriers and all.
+    Compiled, it is the twin that tells how much device memory the copies free.
     """
 
     def __enter__(self):
@@ -597,8 +597,8 @@ def _place(v, params, strategy, jaxpr) -> tuple[str, str]:
         return "device", "argument in device_argnums"
     if isinstance(strategy, Lean):
         return "device", "Lean"
-    if getattr(_placement, "off", False):
-        return "device", "host placement off, for a twin"
+    if not v.aval.shape:
+        return "device", "a scalar"
     if cut_lib.nbytes(v.aval) < strategy.min_bytes:
         return "device", f"smaller than min_bytes={strategy.min_bytes}"
     return "pinned_host", "offloaded"
@@ -787,11 +787,17 @@ def _run_regions(closed, flat, strategy, device_leaves) -> list[Any]:
                 if isinstance(v, jex_core.Var) and v not in defined
             )
         )  # fmt: skip
-        outputs = [v for v in dict.fromkeys(v for e in region for v in e.outvars) if later_uses(v, n)]
+        outputs = [
+            v for v in dict.fromkeys(v for e in region for v in e.outvars) if later_uses(v, n)
+        ]
         sub = jex_core.Jaxpr([], inputs, outputs, list(region), jaxpr.effects, _debug_info(inputs))
         fun = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(sub, []))
-        if any(cut_lib._price(e).flops or e.primitive.name.startswith("reduce_window") for e in region):
-            fun = wrap(fun, strategy, device_argnums=[k for k, v in enumerate(inputs) if v in params])
+        if any(
+            cut_lib._price(e).flops or e.primitive.name.startswith("reduce_window") for e in region
+        ):
+            fun = wrap(
+                fun, strategy, device_argnums=[k for k, v in enumerate(inputs) if v in params]
+            )
         for v, x in zip(outputs, fun(*[env[v] for v in inputs])):
             env[v] = x
         region.clear()
@@ -894,7 +900,7 @@ def _custom_call(call, strategy, dynamic, kwargs, device_leaves, fun):
 def _move_out(out, saved, to_host, gates, window):
     """Moves saved values to the host, and ties the copies into the forward pass's data flow."""
     saved = list(saved)
-    host = [jax.device_put(saved[n], _HOST) for n in to_host]
+    host = [_put(saved[n], _HOST) for n in to_host]
     # Without a barrier between the move out and the move back, XLA deletes
     # the pair.
     host = _barrier(host)
@@ -929,8 +935,13 @@ def _fetch(saved, to_host, cotangent, token_cotangent, anchors, window):
         fetched, token_cotangent = _barrier_arrays((fetched, token_cotangent))
         anchors = [*anchors, token_cotangent]
     for n, value in zip(to_host, fetched):
-        saved[n] = jax.device_put(value, _DEVICE)
+        saved[n] = _put(value, _DEVICE)
     return saved, cotangent, anchors
+
+
+def _put(value, space):
+    """``jax.device_put(value, space)``, or ``value`` itself in a twin (:class:`without_host_placement`)."""
+    return value if getattr(_placement, "off", False) else jax.device_put(value, space)
 
 
 def _describe(call, plan: _Plan, dynamic, kwargs) -> OffloadedCall:

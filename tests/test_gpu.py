@@ -112,7 +112,7 @@ def test_scheduled_offload_bounds_device_temp(args):
 
 
 def test_dropped_offload_is_reported(args):
-    # A bare device_put pair in a custom_vjp is deleted by XLA:GPU (FINDINGS §4).
+    # A bare device_put pair in a custom_vjp is deleted by XLA:GPU (docs/design.md).
     with pytest.raises(jaxoffload.OffloadDroppedError):
         jaxoffload.memory_report(_chain(_naive), *args, on_dropped="raise")
     with pytest.warns(jaxoffload.OffloadWarning):

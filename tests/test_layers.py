@@ -11,7 +11,6 @@ from helpers import jax_residuals, rel_err
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-import jaxoffload
 from jaxoffload import _pool_kernel
 from jaxoffload.layers import (
     BatchNorm,
@@ -57,7 +56,7 @@ def _check_pool_against_flax(ours, flax, x, seed):
     assert rel_err(grad(ours), grad(flax)) <= 1e-6
 
 
-@settings(deadline=None, max_examples=15)
+@settings(deadline=None, max_examples=7)
 @given(pool_cases())
 def test_matches_flax_max_pool(case):
     x, (window, strides, padding), seed = case
@@ -152,7 +151,7 @@ def test_what_the_lean_rules_do_not_take_falls_back_to_flax(x, kwargs):
     )
 
 
-@settings(deadline=None, max_examples=20)
+@settings(deadline=None, max_examples=10)
 @given(
     shape=st.lists(st.integers(1, 7), min_size=1, max_size=4),
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
@@ -190,7 +189,7 @@ def test_relu_keeps_no_mask_of_its_own():
     assert dtypes(relu) == ["float32"]
 
 
-@settings(deadline=None, max_examples=15)
+@settings(deadline=None, max_examples=7)
 @given(pool_cases())
 def test_relu_max_pool_matches_flax(case):
     x, (window, strides, padding), seed = case
@@ -200,7 +199,6 @@ def test_relu_max_pool_matches_flax(case):
 
 
 def test_relu_max_pool_keeps_only_a_byte_index_beside_its_output():
-    import jaxoffload
 
     x = jax.random.normal(jax.random.key(0), (2, 8, 8, 4), jnp.bfloat16)
     for pool in ((2, 2), (2, 2), "VALID"), ((3, 3), (2, 2), "SAME"):  # ResNet's stem pool last
@@ -228,7 +226,7 @@ def norm_cases(draw):
     return shape, draw(st.booleans()), draw(st.integers(0, 2**16))
 
 
-@settings(deadline=None, max_examples=15)
+@settings(deadline=None, max_examples=7)
 @given(norm_cases())
 def test_batch_norm_matches_flax(case):
     shape, fused_relu, seed = case
@@ -306,7 +304,7 @@ def test_batch_norm_keeps_its_input_in_its_own_dtype_and_nothing_else_large():
     assert plain_bytes >= 3 * x.nbytes
 
 
-@settings(deadline=None, max_examples=15)
+@settings(deadline=None, max_examples=7)
 @given(
     size=st.integers(3, 9),
     stride=st.sampled_from([1, 2]),
@@ -361,7 +359,7 @@ class _NormReluConv(nn.Module):
         return conv()(jax.nn.relu(nn.BatchNorm(**options)(x)))
 
 
-@settings(deadline=None, max_examples=10)
+@settings(deadline=None, max_examples=5)
 @given(norm_conv_cases())
 def test_batch_norm_relu_conv_matches_flax(case):
     shape, kernel_size, conv, seed = case
@@ -454,7 +452,7 @@ class _Tail(nn.Module):
         )
 
 
-@settings(deadline=None, max_examples=12)
+@settings(deadline=None, max_examples=3)
 @given(norm_conv_cases(), st.booleans())
 def test_residual_tail_matches_flax(case, norm_shortcut):
     shape, kernel_size, conv, seed = case

@@ -65,7 +65,6 @@ TRANSFORMS = {
 }
 
 
-
 def _train_loss(model):
     def loss(params, state, x, rng):
         y, new_state = model.apply(

@@ -60,9 +60,9 @@ STRATEGIES = {
     "remat": Remat(),
     "lean": Lean(),
     "offload": Offload(),
-    "offload, recompute": Offload(recompute=True),
 }
 OPTIONS = {
+    "offload, recompute": Offload(recompute=True),
     "remat-dots": Remat(jax.checkpoint_policies.dots_saveable),
     "offload, window 2": Offload(window=2),
     "offload, min_bytes": Offload(min_bytes=1 << 12),
@@ -152,12 +152,12 @@ def test_reference_models_give_the_plain_gradient_under_every_strategy():
         x = normal(0, (2, 32, 32, 3), jnp.float64)
         # The VGG's blocks are the ResNet's in kind (hand-made lean layers, the
         # same wrapping); the plain-Flax models cover every strategy value.
-        for name, n in (("resnet", 4),):
-            make = lambda s: models.ResNet((1, 1, 1, 1), "bottleneck", 10, jnp.float64, s)  # noqa: E731
+        for name, n in (("resnet", 2),):
+            make = lambda s: models.ResNet((1, 1), "bottleneck", 10, jnp.float64, s)  # noqa: E731
             reference = None
             variants = {"store": (Store(),) * n, "lean": (Lean(),) * n, "offload": (Offload(),) * n}
-            variants["offload between lean"] = (Offload(window=2), Lean()) * (n // 2)
-            variants["mixed"] = (Lean(), Store(), Offload(), Remat()) * (n // 4)
+            variants["offload, then lean"] = (Offload(window=2), Lean())
+            variants["lean, then plain"] = (Lean(), Store())
             for label, strategies in variants.items():
                 variables, grads, _ = _gradients(make(strategies), x, {})
                 if reference is None:
@@ -199,7 +199,9 @@ def test_lean_offload_asks_to_move_fewer_bytes_than_lean_keeps():
         for strategy in ("lean", "offload")
     }
     for lean, offload in zip(calls["lean"], calls["offload"]):
-        lean_bytes = sum(r.nbytes for r in lean.residuals if r.reason != "argument in device_argnums")
+        lean_bytes = sum(
+            r.nbytes for r in lean.residuals if r.reason != "argument in device_argnums"
+        )
         assert offload.host_bytes <= lean_bytes
     # Every block moves; the stem and the classifier, outside the blocks, are lean.
     moves = [c.host_bytes > 0 for c in calls["offload"]]
@@ -213,7 +215,7 @@ def _abstract_step(workload):
     return step, state, batch
 
 
-@pytest.mark.parametrize(("after", "defers"), [(Lean(), False), (Offload(), True), (Store(), False)])
+@pytest.mark.parametrize(("after", "defers"), [(Lean(), False), (Offload(), True)])
 def test_an_offloading_block_defers_its_relu_only_to_an_offloading_block(after, defers):
     # Deferred to a lean block, the ReLU is one that XLA recomputes from the
     # sum in the backward pass, keeping the sum alive (XLA's live-range dump on

@@ -126,3 +126,52 @@ def test_bad_arguments():
         jaxoffload.memory_report(_tanh, normal(0, (2, 2)), normal(0, (2, 2)))
     with pytest.raises(ValueError, match="on_dropped"):
         jaxoffload.memory_report(_grad(_tanh), normal(0, (2, 2)), normal(0, (2, 2)), on_dropped="x")
+
+
+class _Compiled:
+    """A compiled program's stand-in: its device temp, as ``memory_analysis`` gives it."""
+
+    def __init__(self, temp):
+        self.temp = temp
+
+    def memory_analysis(self):
+        return type("Analysis", (), {"temp_size_in_bytes": self.temp})()
+
+
+def _moved(temp, moved):
+    fields = dict.fromkeys(
+        ("argument_bytes", "output_bytes", "host_temp_bytes", "host_buffers", "host_to_device",
+         "host_to_device_bytes", "host_buffer_bytes"),
+        0,
+    )  # fmt: skip
+    return report_lib.MemoryReport(
+        platform="gpu", temp_bytes=temp, requested_transfers=1, requested_bytes=moved,
+        device_to_host=1, device_to_host_bytes=moved, **fields,
+    )  # fmt: skip
+
+
+def test_copies_that_free_little_are_reported_with_both_figures():
+    # Moving 4 GiB that frees 0.25 GiB: the figures of a GPU test's chain (the
+    # twin is the same program with host placement off).
+    report = _moved(int(1.75 * 2**30), 4 * 2**30)
+    with pytest.warns(jaxoffload.OffloadWarning, match=r"1\.75 GiB against 2\.00 GiB"):
+        warned = report_lib.with_twin(report, _Compiled(2 * 2**30))
+    assert warned.freed_bytes == 2**28 and warned.frees_little
+    assert "the copies free 0.25 GiB" in warned.summary()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        freeing = report_lib.with_twin(report, _Compiled(4 * 2**30))  # frees 2.25 of 4 GiB
+        report_lib.with_twin(report, _Compiled(2 * 2**30), on_dropped="ignore")
+    assert not freeing.frees_little
+
+
+def test_the_twin_is_the_program_without_host_placement():
+    f = jaxoffload.offload(_tanh, device_argnums=0)
+    args = normal(0, (16, 16)), normal(1, (4, 16))
+    assert "<host>" in str(jax.make_jaxpr(jax.grad(lambda w, x: f(w, x).sum()))(*args))
+    with jaxoffload.transform.without_host_placement():
+        twin = jax.make_jaxpr(jax.grad(lambda w, x: f(w, x).sum()))(*args)
+    assert "<host>" not in str(twin)
+    # The same ordering barriers: only the placement changes.
+    plain = jax.make_jaxpr(jax.grad(lambda w, x: f(w, x).sum()))(*args)
+    assert str(twin).count("optimization_barrier") == str(plain).count("optimization_barrier")

@@ -12,7 +12,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jaxoffload
 from jaxoffload import Lean, Offload, Remat, Store, offload, saved_residuals, wrap
-from jaxoffload.layers import relu
 
 # ---- the layers: each is f(params, x) -> y --------------------------------------------
 
@@ -425,7 +424,7 @@ def _optimized_hlo(f, *args) -> str:
 
 
 def test_xla_drops_barrier_operands_whose_outputs_are_unread():
-    # Why the schedule's gates are read on both sides: were this to change, the
+    # Why the window's gates are read on both sides: were this to change, the
     # gates could go back to plain barriers.
     def f(x, y):
         x, _ = jax.lax.optimization_barrier((jnp.sin(x), jnp.cos(y)))
