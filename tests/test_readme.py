@@ -1,0 +1,45 @@
+"""The README's examples run as written, and print what it says they print."""
+
+import pathlib
+import re
+
+import jax.numpy as jnp
+
+import jaxoffload
+from jaxoffload.models import flax_resnet
+
+README = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+BLOCKS = re.findall(r"```(\w+)\n(.*?)```", README, re.S)
+
+
+def _python(n):
+    return [code for kind, code in BLOCKS if kind == "python"][n]
+
+
+def test_the_example_trains_a_users_model():
+    namespace = {}
+    exec(_python(0), namespace)
+    assert jnp.isfinite(namespace["loss"])
+    assert sorted(namespace["variables"]["params"]) == ["Block_0", "Block_1", "Block_2",
+                                                        "Block_3", "Conv_0", "Dense_0"]  # fmt: skip
+
+
+def test_the_nesting_and_function_examples_run():
+    namespace = {"jaxoffload": jaxoffload, "jnp": jnp, **vars(flax_resnet)}
+    exec(_python(1), namespace)
+    exec(_python(2), namespace)
+    model = namespace["model"]
+    assert type(model).__name__ == "ResNet" and model.block_cls.__name__ == "BottleneckResNetBlock"
+    listed = "\n".join(
+        str(r)
+        for r in jaxoffload.saved_residuals(namespace["layer"], jnp.ones((8, 8)), jnp.ones((4, 8)))
+    )
+    (text,) = [code for kind, code in BLOCKS if kind == "text" and "pinned_host" in code]
+    assert listed == text.strip()
+
+
+def test_the_commands_are_the_ones_ci_runs():
+    commands = [code.strip() for kind, code in BLOCKS if kind == "bash"]
+    assert commands[0].endswith("jaxoffload bench")
+    ci = (pathlib.Path(__file__).parents[1] / ".ci" / "run").read_text()
+    assert commands[1].split("&& ")[-1] in ci
