@@ -198,14 +198,13 @@ def cheapest_cut(
     return Cut(tuple(saved), tuple(sorted(recomputed)), flops, forward_flops, never)
 
 
-def _ancestors(jaxpr, needed: Sequence[Any]) -> list[int]:
-    """Indices of the equations that ``needed`` depends on, in order."""
+def _ancestors(jaxpr, needed: Sequence[Any], known: frozenset | set = frozenset()) -> list[int]:
+    """Indices of the equations that ``needed`` depends on, in order, short of ``known`` values."""
     producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
-    todo, seen = list(needed), set()
-    eqns = set()
+    todo, seen, eqns = list(needed), set(), set()
     while todo:
         v = todo.pop()
-        if v in seen:
+        if v in seen or v in known:
             continue
         seen.add(v)
         i = producer.get(v)
@@ -260,7 +259,7 @@ def _solve(jaxpr, needed, free, relevant, prices, rate, only=None):
     side = graph.source_side(source, sink)
     saved = [v for v in value_in if value_in[v] in side and value_out[v] not in side]
     # Recompute only what the needed values depend on, given the saved ones.
-    recomputed = _ancestors_until(jaxpr, needed, set(saved))
+    recomputed = _ancestors(jaxpr, needed, set(saved))
     assert all(eqn_node[i] not in side for i in recomputed), "a recomputed equation is forward-only"
     # A free value lands on the cut whether or not it is read: keep only those read.
     read = set(needed) | {
@@ -272,21 +271,6 @@ def _solve(jaxpr, needed, free, relevant, prices, rate, only=None):
 def _tie_break(i: int) -> float:
     """A factor that tells apart equations of equal price, by position."""
     return 1 + 1e-9 * i
-
-
-def _ancestors_until(jaxpr, needed, saved) -> list[int]:
-    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
-    todo, seen, eqns = list(needed), set(), set()
-    while todo:
-        v = todo.pop()
-        if v in seen or v in saved:
-            continue
-        seen.add(v)
-        i = producer.get(v)
-        if i is not None and i not in eqns:
-            eqns.add(i)
-            todo.extend(u for u in jaxpr.eqns[i].invars if isinstance(u, jex_core.Var))
-    return sorted(eqns)
 
 
 class _FlowGraph:

@@ -369,6 +369,28 @@ def residuals_per_call(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> li
     return [list(call.residuals) for call in calls]
 
 
+# ---- the twin without host placement --------------------------------------------------
+
+
+_placement = threading.local()
+
+
+class without_host_placement:
+    """Inside it, traced ``Offload`` calls keep every residual on the device.
+
+    Only the copies go: the program is otherwise the same, barriers and all.
+    Compiled, it is the twin that tells how much device memory the copies free.
+    """
+
+    def __enter__(self):
+        self._outer = getattr(_placement, "off", False)
+        _placement.off = True
+        return self
+
+    def __exit__(self, *exc):
+        _placement.off = self._outer
+
+
 # ---- arguments ---------------------------------------------------------------------------
 
 
@@ -527,37 +549,11 @@ def _plan(call, dynamic, kwargs, strategy, device_leaves: set[int]) -> _Plan:
     needed = [a for a, u in zip(residual_atoms, used) if u and isinstance(a, jex_core.Var)]
     params = {jaxpr.invars[i] for i in device_leaves} | set(jaxpr.constvars)
     if cut_residuals:
-        # A lean call's inputs and outputs are kept anyway, by the layers
-        # around it; an offloading call moves its own.
-        free = params | (
-            set(jaxpr.invars) | set(out_atoms) if isinstance(strategy, Lean) else set()
-        )
-        chosen = cut_lib.cheapest_cut(jaxpr, needed, free, max_recompute=strategy.max_recompute)
-        if isinstance(strategy, Offload):
-            # Never move more than a lean call would keep.
-            lean = cut_lib.cheapest_cut(
-                jaxpr, needed, params | set(jaxpr.invars) | set(out_atoms),
-                max_recompute=strategy.max_recompute,
-            )  # fmt: skip
-            if _bytes(chosen.saved, params) > _bytes(lean.saved, params):
-                chosen = lean
+        chosen = _cheapest(jaxpr, needed, out_atoms, params, strategy)
         saved, recomputed, flops = list(chosen.saved), chosen.recomputed, chosen.recompute_flops
     else:
         saved, recomputed, flops, chosen = list(dict.fromkeys(needed)), (), 0, None
-    residuals, to_host = [], []
-    outputs = {a for a in out_atoms if isinstance(a, jex_core.Var)}
-    for n, v in enumerate(saved):
-        placement, reason = _place(v, params, strategy, jaxpr)
-        if placement == "pinned_host":
-            to_host.append(n)
-        why = _why_kept(v, jaxpr, chosen, outputs)
-        reason = f"{why}; {reason}" if why else reason
-        residuals.append(
-            Residual(
-                tuple(v.aval.shape), v.aval.dtype, cut_lib.nbytes(v.aval),
-                placement, reason, v in outputs, _where(v, jaxpr),
-            )
-        )  # fmt: skip
+    residuals, to_host = _describe_saved(saved, jaxpr, out_atoms, params, strategy, chosen)
     forward = _sub_function(jaxpr, consts, list(jaxpr.invars), [*out_atoms, *saved])
     backward_eqns = [jaxpr.eqns[i] for i in recomputed]
     backward = _residuals_from(jaxpr, consts, saved, backward_eqns, residual_atoms, used)
@@ -567,27 +563,41 @@ def _plan(call, dynamic, kwargs, strategy, device_leaves: set[int]) -> _Plan:
     )  # fmt: skip
 
 
+def _cheapest(jaxpr, needed, out_atoms, params, strategy) -> cut_lib.Cut:
+    """The cut that ``strategy`` keeps (see :func:`jaxoffload.cut.cheapest_cut`).
+
+    A lean call's inputs and outputs are kept anyway, by the layers around
+    it, so they cost nothing; an offloading call moves its own, and never
+    more than a lean call would keep.
+    """
+    kept_anyway = params | set(jaxpr.invars) | set(out_atoms)
+    lean = cut_lib.cheapest_cut(jaxpr, needed, kept_anyway, max_recompute=strategy.max_recompute)
+    if isinstance(strategy, Lean):
+        return lean
+    chosen = cut_lib.cheapest_cut(jaxpr, needed, params, max_recompute=strategy.max_recompute)
+    return lean if _bytes(chosen.saved, params) > _bytes(lean.saved, params) else chosen
+
+
+def _describe_saved(saved, jaxpr, out_atoms, params, strategy, chosen):
+    """``(residuals, to_host)``: a :class:`Residual` per saved value, and which move."""
+    residuals, to_host = [], []
+    outputs = {a for a in out_atoms if isinstance(a, jex_core.Var)}
+    for n, v in enumerate(saved):
+        placement, reason = _place(v, params, strategy, jaxpr)
+        if placement == "pinned_host":
+            to_host.append(n)
+        why = _why_kept(v, jaxpr, chosen, outputs)
+        residuals.append(
+            Residual(
+                tuple(v.aval.shape), v.aval.dtype, cut_lib.nbytes(v.aval), placement,
+                f"{why}; {reason}" if why else reason, v in outputs, _where(v, jaxpr),
+            )
+        )  # fmt: skip
+    return residuals, to_host
+
+
 def _bytes(values, free) -> int:
     return sum(cut_lib.nbytes(v.aval) for v in values if v not in free)
-
-
-_placement = threading.local()
-
-
-class without_host_placement:
-    """Inside it, traced ``Offload`` calls keep every residual on the device.
-
-    Only the copies go: the program is otherwise the same, barriers and all.
-    Compiled, it is the twin that tells how much device memory the copies free.
-    """
-
-    def __enter__(self):
-        self._outer = getattr(_placement, "off", False)
-        _placement.off = True
-        return self
-
-    def __exit__(self, *exc):
-        _placement.off = self._outer
 
 
 def _place(v, params, strategy, jaxpr) -> tuple[str, str]:

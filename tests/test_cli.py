@@ -125,6 +125,27 @@ def test_out_of_memory_records(monkeypatch, tmp_path):
     assert "out of memory" in console.export_text()
 
 
+def test_copies_that_free_little_are_said(monkeypatch, tmp_path, capsys):
+    from jaxoffload import benchmark
+
+    def fake(workload, *, steps, reference, env, **options):
+        offload = workload.strategy == "offload"
+        return {
+            "strategy": workload.strategy, "grad_rel_err": 0.0, "step_time_ms": 1.0,
+            "compiled_temp_bytes": 4 * 2**30, "compiled_host_temp_bytes": 0,
+            "peak_bytes_in_use": None, "images_per_s": 2.0, "model": "flax-vgg19", "batch": 2,
+            "image_size": 32, "dtype": "float32", "device": "cpu",
+            "twin_temp_bytes": 4 * 2**30 if offload else None,
+            "device_to_host_bytes": 2**31 if offload else 0,
+        }  # fmt: skip
+
+    monkeypatch.setattr(benchmark, "measure_in_subprocess", fake)
+    monkeypatch.setattr(benchmark, "probe_device", lambda env=None: {"platform": "gpu"})
+    cli.main(["bench", "--strategies", "none,offload", "--out", str(tmp_path)])
+    err = " ".join(capsys.readouterr().err.split())
+    assert "'offload' moves 2.000 GiB to the host" in err and "against 4.000 GiB" in err
+
+
 def test_a_failing_strategy_is_recorded_and_the_others_still_run(monkeypatch, tmp_path, capsys):
     from jaxoffload import benchmark
 

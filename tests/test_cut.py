@@ -47,7 +47,7 @@ def _trace(steps, needed):
 def _objective(jaxpr, needed, free, saved):
     """The cut's cost of keeping ``saved``, or None if the needed values cannot be rebuilt."""
     producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
-    recomputed = cut._ancestors_until(jaxpr, needed, set(saved))
+    recomputed = cut._ancestors(jaxpr, needed, set(saved))
     for i in recomputed:
         for u in jaxpr.eqns[i].invars:
             if isinstance(u, jex_core.Var) and u not in saved and u not in producer:
