@@ -474,6 +474,7 @@ def measure(
         "compiled_host_temp_bytes": report.host_temp_bytes,
         "compiled_argument_bytes": report.argument_bytes,
         "twin_temp_bytes": report.twin_temp_bytes,
+        "copies_free_little": report.frees_little,
         "requested_host_bytes": report.requested_bytes,
         "host_buffers": report.host_buffers,
         "device_to_host_copies": report.device_to_host,

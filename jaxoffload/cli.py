@@ -199,11 +199,11 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
         out_console = Console(width=120)
     out_console.print(_table(records))
     for r in records:
-        twin, moved = r.get("twin_temp_bytes"), r.get("device_to_host_bytes") or 0
-        if twin is not None and moved and twin - r["compiled_temp_bytes"] < moved / 10:
+        if r.get("copies_free_little"):
             console.print(
-                f"[yellow]note:[/] {r['strategy']!r} moves {_gib(moved)} GiB to the host but its "
-                f"device temp is {_gib(r['compiled_temp_bytes'])} GiB against {_gib(twin)} GiB without "
+                f"[yellow]note:[/] {r['strategy']!r} moves {_gib(r['device_to_host_bytes'])} GiB to "
+                f"the host but its device temp is {_gib(r['compiled_temp_bytes'])} GiB against "
+                f"{_gib(r['twin_temp_bytes'])} GiB without "
                 "the copies: they free less than a tenth of what they move. The peak is a "
                 "working set, not residuals; 'lean' keeps as little without the transfers."
             )

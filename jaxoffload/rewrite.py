@@ -23,7 +23,7 @@ from jax.extend import core as jex_core
 
 from jaxoffload import layers
 
-__all__ = ["Rewrite", "with_lean_rules"]
+__all__ = ["Rewrite", "bind", "with_lean_rules"]
 
 _CALLS_TO_INLINE = ("jit", "pjit")
 # Readers that keep their input for the backward pass (or an output, which the
@@ -91,6 +91,12 @@ def with_lean_rules(fun: Callable[..., Any], notes: list[Rewrite] | None = None)
     return rewritten
 
 
+def bind(eqn, invals: list[Any]) -> list[Any]:
+    """Runs one traced equation on ``invals``, as ``jax.core.eval_jaxpr`` would: its outputs, as a list."""
+    outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+    return outs if eqn.primitive.multiple_results else [outs]
+
+
 def _is_array(x) -> bool:
     return isinstance(x, jax.Array | np.ndarray | np.generic)
 
@@ -133,10 +139,7 @@ def _run(jaxpr, consts, args, notes: list[Rewrite], prefix: str = "") -> list[An
                 if _is_relu(eqn):
                     why = "no reader keeps its output, so jax's one-byte mask is smaller"
                     notes.append(Rewrite(where, "relu", applied=False, why=why))
-                params = eqn.primitive.get_bind_params(eqn.params)
-                outs = eqn.primitive.bind(*invals, **params)
-                if not eqn.primitive.multiple_results:
-                    outs = [outs]
+                outs = bind(eqn, invals)
         for v, x in zip(eqn.outvars, outs):
             env[v] = x
     return [read(v) for v in jaxpr.outvars]
@@ -182,7 +185,7 @@ def _max_pool(eqn, x, relu_inputs, uses, where, notes):
         why = "a window wholly in the padding, or an integer dtype"
     if why:
         notes.append(Rewrite(where, "max_pool", applied=False, why=why))
-        return eqn.primitive.bind(x, **eqn.primitive.get_bind_params(p))
+        return bind(eqn, [x])[0]
     args = p["window_dimensions"][spatial], p["window_strides"][spatial], p["padding"][spatial]
     source = eqn.invars[0]
     if source in relu_inputs and uses.get(source) == 1:

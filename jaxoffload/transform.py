@@ -623,7 +623,7 @@ def _why_kept(v, jaxpr, chosen, outputs) -> str:
     i = next(i for i, e in enumerate(jaxpr.eqns) if v in e.outvars)
     if i in chosen.never:
         return f"not recomputable: {chosen.never[i]}"
-    if jaxpr.eqns[i].primitive.name in cut_lib._MATMULS:
+    if cut_lib.eqn_flops(jaxpr.eqns[i]):
         return "recomputing it would pass max_recompute"
     return "keeping it costs less than recomputing it"
 
@@ -803,7 +803,7 @@ def _run_regions(closed, flat, strategy, device_leaves) -> list[Any]:
         sub = jex_core.Jaxpr([], inputs, outputs, list(region), jaxpr.effects, _debug_info(inputs))
         fun = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(sub, []))
         if any(
-            cut_lib._price(e).flops or e.primitive.name.startswith("reduce_window") for e in region
+            cut_lib.eqn_flops(e) or e.primitive.name.startswith("reduce_window") for e in region
         ):
             fun = wrap(
                 fun, strategy, device_argnums=[k for k, v in enumerate(inputs) if v in params]
@@ -817,10 +817,7 @@ def _run_regions(closed, flat, strategy, device_leaves) -> list[Any]:
             region.append(eqn)
             continue
         flush(n)
-        outs = eqn.primitive.bind(
-            *[read(v) for v in eqn.invars], **eqn.primitive.get_bind_params(eqn.params)
-        )
-        for v, x in zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]):
+        for v, x in zip(eqn.outvars, rewrite.bind(eqn, [read(v) for v in eqn.invars])):
             env[v] = x
     flush(len(jaxpr.eqns))
     return [read(v) for v in jaxpr.outvars]

@@ -67,6 +67,7 @@ def test_bench_writes_table_json_and_plot(tmp_path):
     # The offloading record has its own link figures, and the twin's temp (on
     # CPU nothing moves, so no twin is compiled).
     assert records[1]["d2h_gbps"] > 0 and records[1]["twin_temp_bytes"] is None
+    assert records[1]["copies_free_little"] is False
     assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"
     assert "offload-inputs" in done.stdout and "images/s" in done.stdout
     assert "host placement has no effect" in done.stderr
@@ -136,7 +137,7 @@ def test_copies_that_free_little_are_said(monkeypatch, tmp_path, capsys):
             "peak_bytes_in_use": None, "images_per_s": 2.0, "model": "flax-vgg19", "batch": 2,
             "image_size": 32, "dtype": "float32", "device": "cpu",
             "twin_temp_bytes": 4 * 2**30 if offload else None,
-            "device_to_host_bytes": 2**31 if offload else 0,
+            "device_to_host_bytes": 2**31 if offload else 0, "copies_free_little": offload,
         }  # fmt: skip
 
     monkeypatch.setattr(benchmark, "measure_in_subprocess", fake)
