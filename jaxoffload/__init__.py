@@ -3,6 +3,9 @@
 __version__ = "0.2.0"
 
 from jaxoffload import linen as linen
+from jaxoffload.planner import NoPlanFits as NoPlanFits
+from jaxoffload.planner import Plan as Plan
+from jaxoffload.planner import plan as plan
 from jaxoffload.report import MemoryReport as MemoryReport
 from jaxoffload.report import OffloadDroppedError as OffloadDroppedError
 from jaxoffload.report import OffloadWarning as OffloadWarning
@@ -23,10 +26,12 @@ from jaxoffload.transform import wrap as wrap
 __all__ = [
     "Lean",
     "MemoryReport",
+    "NoPlanFits",
     "Offload",
     "OffloadDroppedError",
     "OffloadWarning",
     "OffloadedCall",
+    "Plan",
     "Remat",
     "Residual",
     "Store",
@@ -35,6 +40,7 @@ __all__ = [
     "memory_report",
     "offload",
     "offloaded_calls",
+    "plan",
     "residuals_per_call",
     "saved_residuals",
     "wrap",

@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -28,7 +29,8 @@ from jax.extend import core as jex_core
 
 import jaxoffload
 from jaxoffload import models, transform
-from jaxoffload.planner import plan_hidden_offload
+from jaxoffload import planner
+from jaxoffload.planner import Plan, measure_link, plan_hidden_offload
 from jaxoffload.report import analyze, requested_host_transfers, with_twin
 from jaxoffload.strategies import Lean, Offload, Remat, Store, Strategy
 from jaxoffload.transform import OffloadedCall, offloaded_calls
@@ -43,9 +45,10 @@ __all__ = [
     "gradient_error",
     "hidden_offload_workload",
     "measure",
-    "measure_link",
+    "measure_link",  # from jaxoffload.planner
     "measure_all",
     "measure_in_subprocess",
+    "plan_budgets_in_subprocess",
     "plan_in_subprocess",
     "probe_device",
     "requested_host_bytes",
@@ -77,6 +80,7 @@ STRATEGIES: dict[str, Strategy] = {
 PLANNED_STRATEGIES = {
     "offload-hidden": "Offload() only the blocks whose transfers the compute can hide "
     "(jaxoffload.planner), the others Lean()",
+    "plan": "the jaxoffload.plan of a budget (bench --budget)",
 }
 
 # The share of a step's compute time that "offload-hidden" may add by recomputation.
@@ -109,7 +113,12 @@ class Workload:
       window: the ``Offload`` window of offloading blocks, or one per stage of
         a reference ResNet.
       plan: one strategy name per block, overriding ``strategy`` and
-        ``blocks``; set by the planner of a :data:`PLANNED_STRATEGIES` entry.
+        ``blocks``; set by the planner of ``"offload-hidden"``.
+      budget: for the ``"plan"`` strategy, the budget as a share of the
+        ``"none"`` run's runtime peak.
+      planned: for ``"plan"``, the :class:`jaxoffload.Plan` as
+        :meth:`~jaxoffload.Plan.to_dict` writes it; set by
+        :func:`plan_budgets_in_subprocess`.
     """
 
     model: str
@@ -121,6 +130,8 @@ class Workload:
     num_classes: int = 1000
     window: int | tuple[int, ...] = 1
     plan: tuple[str, ...] | None = None
+    budget: float | None = None
+    planned: dict[str, Any] | None = None
 
     def __post_init__(self):
         if self.model not in models.MODEL_NAMES:
@@ -143,6 +154,17 @@ class Workload:
         if isinstance(self.plan, list):
             object.__setattr__(self, "plan", tuple(self.plan))
         plain = models.is_plain(self.model)
+        if (self.strategy == "plan") != (self.budget is not None):
+            raise ValueError("the 'plan' strategy takes a budget, and only it does.")
+        if self.strategy == "plan":
+            if not plain:
+                raise ValueError(
+                    f"'plan' plans the plain-Flax models' plannable blocks; {self.model} is a "
+                    "reference model."
+                )
+            if not 0 < self.budget <= 1:
+                raise ValueError(f"budget is a share of 'none's peak in (0, 1], got {self.budget}.")
+            return
         if plain and (self.strategy in PLANNED_STRATEGIES or self.blocks is not None):
             raise ValueError(
                 f"{self.model} wraps one block class, so all its blocks take one strategy: "
@@ -162,6 +184,10 @@ class Workload:
     def block_strategies(self) -> tuple[Strategy, ...]:
         """One strategy value per block, with the windows applied to the offloading ones."""
         n = models.num_blocks(self.model)
+        if self.strategy == "plan":
+            if self.planned is None:
+                raise ValueError("'plan' needs its plan: see plan_budgets_in_subprocess.")
+            return Plan.from_dict(self.planned).strategies
         if self.plan is not None:
             names = self.plan
         elif self.strategy in PLANNED_STRATEGIES:
@@ -194,7 +220,7 @@ class Workload:
     @property
     def offloaded_blocks(self) -> int | None:
         """How many blocks offload; ``None`` for a planned strategy not yet planned."""
-        if self.strategy in PLANNED_STRATEGIES and self.plan is None:
+        if self.strategy in PLANNED_STRATEGIES and self.plan is None and self.planned is None:
             return None
         return sum(isinstance(s, Offload) for s in self.block_strategies)
 
@@ -213,12 +239,29 @@ def train_step(workload: Workload, *, abstract: bool = False):
       ``loss_fn(params, model_state, batch) -> (loss, model_state)``.
     """
     dtype = jnp.dtype(workload.dtype)
-    model = models.create(
-        workload.model,
-        strategy=workload.block_strategies,
-        dtype=dtype,
-        num_classes=workload.num_classes,
-    )
+    if workload.strategy == "plan":
+        workload.block_strategies  # noqa: B018 (says clearly when the plan is missing)
+        plannable = models.plannable_model(
+            workload.model, dtype=dtype, num_classes=workload.num_classes
+        )
+        model = Plan.from_dict(workload.planned).apply(plannable)
+    else:
+        model = models.create(
+            workload.model,
+            strategy=workload.block_strategies,
+            dtype=dtype,
+            num_classes=workload.num_classes,
+        )
+    step, state, batch, loss_fn = _training(workload, model, abstract=abstract)
+    return jax.jit(step, donate_argnums=0), state, batch, loss_fn
+
+
+def _training(workload: Workload, model, *, abstract: bool | None):
+    """``(step, state, batch, loss_fn)`` of :func:`train_step` for ``model``, ``step`` not jitted.
+
+    With ``abstract=None``, nothing is initialised: ``state`` and ``batch`` are ``None``.
+    """
+    dtype = jnp.dtype(workload.dtype)
     tx = optax.sgd(1e-3, momentum=0.9)
     # Models with dropout draw from this stream; the same key every step keeps
     # the gradients of different strategies comparable.
@@ -249,9 +292,46 @@ def train_step(workload: Workload, *, abstract: bool = False):
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), model_state, opt_state), loss
 
+    if abstract is None:
+        return step, None, None, loss_fn
     # Eager init dispatches hundreds of small ops: jit makes it one program.
     state, batch = jax.eval_shape(init) if abstract else jax.jit(init)()
-    return jax.jit(step, donate_argnums=0), state, batch, loss_fn
+    return step, state, batch, loss_fn
+
+
+def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[str, Any]]:
+    """:func:`jaxoffload.plan` of the workload's plain-Flax model at each budget, in bytes.
+
+    Returns:
+      One ``{"planned": Plan.to_dict(), "planning_s": ...}`` per budget
+      (the costs are measured once, so ``planning_s`` of the first includes
+      them), or ``{"no_plan": message}`` where no plan fits.
+    """
+    dtype = jnp.dtype(workload.dtype)
+    model = models.plannable_model(workload.model, dtype=dtype, num_classes=workload.num_classes)
+    _, state, batch, _ = _training(workload, model, abstract=True)
+
+    def step(model, state, batch):
+        return _training(workload, model, abstract=None)[0](state, batch)
+
+    start = time.perf_counter()
+    shared = planner._Planner(
+        model, step, (state, batch), None, runs=5, say=_say, donate_argnums=(0,)
+    )
+    results = []
+    for b in budgets_bytes:
+        try:
+            planned = shared.plan_for(int(b), max_rounds=3)
+            results.append({"planned": planned.to_dict()})
+        except planner.NoPlanFits as e:
+            results.append({"no_plan": str(e)})
+        results[-1]["planning_s"] = time.perf_counter() - start
+        print(results[-1].get("no_plan") or Plan.from_dict(results[-1]["planned"]), file=sys.stderr)
+    return results
+
+
+def _say(line: str) -> None:
+    print(f"[plan] {line}", file=sys.stderr, flush=True)
 
 
 def requested_host_bytes(workload: Workload) -> int:
@@ -388,6 +468,7 @@ def measure(
     reference: str | None = None,
     time_forward: bool = False,
     probe_link: bool = False,
+    time_twin: bool = False,
 ) -> dict[str, Any]:
     """Compiles and runs a workload in this process; returns one record.
 
@@ -407,10 +488,13 @@ def measure(
         the runtime peak is read.
       probe_link: also measure the host link (``d2h_gbps``, ``h2d_gbps``, see
         :func:`measure_link`), after the runtime peak is read.
+      time_twin: if the step moves residuals, also time its twin without
+        host placement (``twin_step_ms``, ``twin_forward_ms``), after the
+        runtime peak is read: the compute of its transfer bound.
 
     A planned strategy's workload must carry its plan (:func:`plan_in_subprocess`).
     """
-    if workload.strategy in PLANNED_STRATEGIES and workload.plan is None:
+    if workload.strategy in PLANNED_STRATEGIES and workload.plan is None and workload.planned is None:
         raise ValueError(
             f"{workload.strategy!r} needs a plan first: see plan_in_subprocess, whose "
             "timing runs would otherwise count in this process's peak."
@@ -421,10 +505,11 @@ def measure(
     traced = step.trace(state, batch)
     compiled = traced.lower().compile()
     report = analyze(traced, compiled, on_dropped="warn")
+    twin = None
     if report.moved:
         # The same program without host placement: what the copies free.
         with transform.without_host_placement():
-            twin_step, twin_state, twin_batch, _ = train_step(workload, abstract=True)
+            twin_step, twin_state, twin_batch, twin_loss = train_step(workload, abstract=True)
             twin = twin_step.trace(twin_state, twin_batch).lower().compile()
         report = with_twin(report, twin)
     for _ in range(warmup):
@@ -443,6 +528,17 @@ def measure(
     if time_forward:
         forward = jax.jit(lambda params, model_state, batch: loss_fn(params, model_state, batch)[0])
         extra["forward_ms"] = _median_ms(forward, state[0], state[1], batch, runs=steps)
+    if time_twin and twin is not None:
+        with transform.without_host_placement():
+            twin_forward = jax.jit(lambda p, m, b: twin_loss(p, m, b)[0])
+            extra["twin_forward_ms"] = _median_ms(twin_forward, state[0], state[1], batch, runs=steps)
+        twin_times = []
+        for _ in range(steps + 1):
+            start = time.perf_counter()
+            state, loss = twin(state, batch)
+            loss.block_until_ready()
+            twin_times.append(time.perf_counter() - start)
+        extra["twin_step_ms"] = statistics.median(twin_times[1:]) * 1e3
     del state
     if probe_link:
         # On CPU the "link" is a memcpy: a smaller array tells as much, sooner.
@@ -463,6 +559,7 @@ def measure(
         "strategy": workload.strategy,
         "window": workload.window,
         "plan": workload.plan,
+        **_plan_fields(workload),
         "offloaded_blocks": workload.offloaded_blocks,
         "framework": "jax",
         "device": device.device_kind,
@@ -492,34 +589,23 @@ def measure(
     }
 
 
-def _median_ms(fn, *args, runs: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+_median_ms = planner._median_ms
 
 
-def measure_link(nbytes: int = 2**30, runs: int = 3) -> dict[str, float]:
-    """The host link's bandwidth: ``jax.device_put`` between device and pinned host memory.
-
-    Args:
-      nbytes: size of the array moved each way.
-      runs: timed moves each way; the median counts.
-
-    Returns:
-      ``{"d2h_gbps": ..., "h2d_gbps": ...}``, in 10⁹ bytes per second.
-    """
-    device = jax.devices()[0]
-    on_host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-    on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
-    x = jax.device_put(jnp.ones(nbytes // 4, jnp.float32), on_device)
-    host = jax.device_put(x, on_host).block_until_ready()
-    d2h = _median_ms(lambda: jax.device_put(x, on_host), runs=runs)
-    h2d = _median_ms(lambda: jax.device_put(host, on_device), runs=runs)
-    return {"d2h_gbps": x.nbytes / d2h / 1e6, "h2d_gbps": x.nbytes / h2d / 1e6}
+def _plan_fields(workload: Workload) -> dict[str, Any]:
+    """A planned workload's budget and per-block choices, for its record."""
+    if workload.strategy != "plan":
+        return {}
+    planned = Plan.from_dict(workload.planned)
+    return {
+        "budget": workload.budget,
+        "budget_bytes": planned.budget_bytes,
+        "plan_choices": [planner._short(s) for s in planned.strategies],
+        "plan_outside": planner._short(planned.outside),
+        "plan_compiled_bytes": planned.compiled_bytes,
+        "plan_estimated_bytes": planned.estimated_bytes,
+        "plan_estimated_step_ms": planned.estimated_step_ms,
+    }
 
 
 def add_transfer_bounds(records: list[dict[str, Any]]) -> None:
@@ -538,10 +624,16 @@ def add_transfer_bounds(records: list[dict[str, Any]]) -> None:
     """
     done = {r["strategy"]: r for r in records if "step_time_ms" in r}
     for r in records:
-        twin = done.get(COMPUTE_TWIN.get(r["strategy"], ""))
-        if twin is None or "forward_ms" not in twin or "d2h_gbps" not in r:
+        if "d2h_gbps" not in r or not r.get("device_to_host_bytes"):
             continue
-        fwd, bwd = _compute_ms(twin)
+        if "twin_step_ms" in r:  # its own twin, timed in its process
+            fwd, bwd = r["twin_forward_ms"], r["twin_step_ms"] - r["twin_forward_ms"]
+            twin = {"strategy": r["strategy"] + " without host placement"}
+        else:
+            twin = done.get(COMPUTE_TWIN.get(r["strategy"], ""))
+            if twin is None or "forward_ms" not in twin:
+                continue
+            fwd, bwd = _compute_ms(twin)
         out_ms = r["device_to_host_bytes"] / (r["d2h_gbps"] * 1e6)
         back_ms = r["host_to_device_bytes"] / (r["h2d_gbps"] * 1e6)
         bound = max(fwd, out_ms) + max(bwd, back_ms)
@@ -645,13 +737,23 @@ def measure_all(
     if not workloads or workloads[0].strategy != "none":
         raise ValueError("the first workload must use the 'none' strategy: it is the reference.")
     records = []
+    planned: dict[float, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as folder:
         reference = os.path.join(folder, "reference_gradient.npz")
         for w in workloads:
             if on_start is not None:
                 on_start(w)
             try:
-                if w.strategy in PLANNED_STRATEGIES:
+                if w.strategy == "plan" and w.planned is None:
+                    if not planned:  # every budget in one process: the costs are measured once
+                        budgets = [v.budget for v in workloads if v.strategy == "plan"]
+                        planned.update(zip(budgets, plan_budgets_in_subprocess(
+                            w, _budget_bytes(budgets, records), env=env
+                        )))  # fmt: skip
+                    if "no_plan" in planned[w.budget]:
+                        raise RuntimeError(planned[w.budget]["no_plan"])
+                    w = dataclasses.replace(w, planned=planned[w.budget]["planned"])
+                if w.strategy == "offload-hidden":
                     w = plan_in_subprocess(w, env=env, **_hidden_budget(w, records))
                 records.append(
                     measure_in_subprocess(
@@ -661,9 +763,12 @@ def measure_all(
                         env=env,
                         time_forward=w.strategy in COMPUTE_TWIN.values(),
                         # Twins measure the link too: a planner takes it from them.
-                        probe_link=w.strategy in {*COMPUTE_TWIN, *COMPUTE_TWIN.values()},
+                        probe_link=w.strategy in {*COMPUTE_TWIN, *COMPUTE_TWIN.values(), "plan"},
+                        time_twin=w.strategy == "plan",
                     )
                 )
+                if w.strategy == "plan":
+                    records[-1]["planning_s"] = planned[w.budget]["planning_s"]
                 if on_record is not None:
                     on_record(records)
                 continue
@@ -712,6 +817,28 @@ def plan_in_subprocess(
     """
     planned = _child(["plan", json.dumps(dataclasses.asdict(workload)), json.dumps(budget)], env)
     return dataclasses.replace(workload, plan=tuple(planned["plan"]), window=planned["window"])
+
+
+def plan_budgets_in_subprocess(
+    workload: Workload, budgets_bytes: Sequence[int], *, env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """:func:`plan_budgets` in a fresh Python process, so its timing runs count in no measured peak."""
+    return _child(["plan-budgets", json.dumps(dataclasses.asdict(workload)), json.dumps(list(budgets_bytes))], env)
+
+
+def _budget_bytes(budgets: Sequence[float], records: list[dict[str, Any]]) -> list[int]:
+    """Each budget share in the planner's bytes (compiled arguments and temporaries).
+
+    A share is of the ``"none"`` run's runtime peak, less what that run's
+    allocator held beyond its compiled bytes, so that the plan's runtime
+    peak, not only its compiled bytes, fits.
+    """
+    none = next((r for r in records if r["strategy"] == "none" and "step_time_ms" in r), None)
+    if none is None:
+        raise RuntimeError("'plan' budgets are shares of the 'none' run's peak: it failed.")
+    compiled = none["compiled_temp_bytes"] + none["compiled_argument_bytes"]
+    peak = none["peak_bytes_in_use"] or compiled  # no runtime peak on some backends
+    return [int(b * peak - max(0, peak - compiled)) for b in budgets]
 
 
 def _hidden_budget(workload: Workload, records: list[dict[str, Any]]) -> dict[str, float]:
@@ -764,18 +891,35 @@ def find_max_batch(
 
 
 def _child(argv: list[str], env: dict[str, str] | None) -> Any:
-    done = subprocess.run(
+    """Runs ``python -m jaxoffload.benchmark argv`` and returns the JSON of its last stdout line.
+
+    The child's ``[plan]`` progress lines are passed on to this process's
+    stderr as they come; the rest of its stderr is kept for the error.
+    """
+    child = subprocess.Popen(
         [sys.executable, "-m", "jaxoffload.benchmark", *argv],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, **(env or {})},
     )
-    if done.returncode == 0:
-        return json.loads(done.stdout.strip().splitlines()[-1])
-    if "RESOURCE_EXHAUSTED" in done.stderr or "Out of memory" in done.stderr:
-        raise OutOfMemory(done.stderr.strip().splitlines()[-1])
-    tail = "\n".join(done.stderr.strip().splitlines()[-15:])
-    raise RuntimeError(f"the measuring process failed (exit code {done.returncode}):\n{tail}")
+    stdout: list[str] = []
+    reader = threading.Thread(target=lambda: stdout.extend(child.stdout))
+    reader.start()
+    stderr = []
+    for line in child.stderr:
+        stderr.append(line)
+        if line.startswith("[plan]"):
+            print(line, end="", file=sys.stderr, flush=True)
+    reader.join()
+    returncode = child.wait()
+    err = "".join(stderr)
+    if returncode == 0:
+        return json.loads("".join(stdout).strip().splitlines()[-1])
+    if "RESOURCE_EXHAUSTED" in err or "Out of memory" in err:
+        raise OutOfMemory(err.strip().splitlines()[-1])
+    tail = "\n".join(err.strip().splitlines()[-15:])
+    raise RuntimeError(f"the measuring process failed (exit code {returncode}):\n{tail}")
 
 
 def probe_device(env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -803,6 +947,9 @@ def _main(argv: list[str]) -> None:
     elif argv[0] == "plan":
         planned = hidden_offload_workload(Workload(**json.loads(argv[1])), **json.loads(argv[2]))
         print(json.dumps({"plan": planned.plan, "window": planned.window}), flush=True)
+    elif argv[0] == "plan-budgets":
+        results = plan_budgets(Workload(**json.loads(argv[1])), json.loads(argv[2]))
+        print(json.dumps(results), flush=True)
     elif argv[0] == "measure":
         record = measure(Workload(**json.loads(argv[1])), **json.loads(argv[2]))
         print(json.dumps(record), flush=True)

@@ -18,7 +18,8 @@ from typing import Any
 from jaxoffload import benchmark, models
 from jaxoffload.strategies import Offload
 
-STRATEGIES = (*benchmark.STRATEGIES, *benchmark.PLANNED_STRATEGIES)
+# "plan" comes from --budget, not from --strategies.
+STRATEGIES = (*benchmark.STRATEGIES, *(s for s in benchmark.PLANNED_STRATEGIES if s != "plan"))
 DEFAULT_MODEL = "flax-resnet18"
 # What a plain-Flax model takes: one strategy for all its blocks, no checkpoint names.
 DEFAULT_STRATEGIES = "none,lean,remat,remat-dots,offload,offload-inputs"
@@ -53,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
         "ResNet, e.g. 1,2,2,2 ('offload-hidden' plans its own; a window with no offloading "
         "strategy is an error)",
     )
+    bench.add_argument(
+        "--budget",
+        type=parse_budgets,
+        default=(),
+        metavar="SHARES",
+        help="also plan the model (jaxoffload.plan) at each budget, as shares of 'none's "
+        "peak, e.g. 0.75,0.5,0.35,0.25, and measure each plan (plain-Flax models)",
+    )
     bench.add_argument("--out", default="bench-out", help="folder for records.json and pareto.png")
     bench.add_argument(
         "--max-batch",
@@ -83,6 +92,23 @@ def parse_window(text: str) -> int | tuple[int, ...]:
             f"expected a window or comma-separated windows, got {text!r}"
         ) from None
     return windows[0] if len(windows) == 1 else windows
+
+
+def parse_budgets(text: str) -> tuple[float, ...]:
+    """Parses ``--budget``: comma-separated shares in (0, 1].
+
+    Example:
+      >>> parse_budgets("0.75,0.5")
+      (0.75, 0.5)
+    """
+    try:
+        budgets = tuple(float(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected shares such as 0.75,0.5, got {text!r}") from None
+    bad = [b for b in budgets if not 0 < b <= 1]
+    if bad:
+        raise argparse.ArgumentTypeError(f"budgets are shares of 'none's peak in (0, 1], got {bad}")
+    return budgets
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,6 +152,9 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
                 args.model, args.batch, args.image_size, args.dtype, s, window=args.window
             )
             for s in strategies
+        ] + [
+            benchmark.Workload(args.model, args.batch, args.image_size, args.dtype, "plan", budget=b)
+            for b in args.budget
         ]
     except ValueError as e:
         raise BenchError(str(e)) from None
@@ -160,7 +189,7 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
     for needed, why in [("none", "gradients are compared with it")] + [
         (benchmark.COMPUTE_TWIN[s], f"{s!r} is planned from its run")
         for s in strategies
-        if s in benchmark.PLANNED_STRATEGIES
+        if s in benchmark.PLANNED_STRATEGIES and s != "plan"
     ]:
         if needed not in strategies:
             console.print(f"note: adding the {needed!r} strategy: {why}.")
@@ -173,7 +202,10 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
         task = progress.add_task("measuring", total=len(workloads) * (1 + args.max_batch))
 
         def on_start(w):
-            progress.update(task, description=f"{w.strategy}: compile and {args.steps} steps")
+            if w.strategy == "plan" and w.planned is None and w.budget == args.budget[0]:
+                progress.update(task, description=f"planning at {len(args.budget)} budgets")
+            else:
+                progress.update(task, description=f"{_name(w)}: compile and {args.steps} steps")
             if w is not workloads[0]:
                 progress.advance(task)
 
@@ -187,7 +219,7 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
         for w, r in zip(workloads, records):
             r["memory_cap_gib"] = args.memory_cap
             r["command"] = command
-            if args.max_batch:
+            if args.max_batch and w.strategy != "plan":  # a plan is made for one batch
                 progress.update(task, description=f"{w.strategy}: largest batch")
                 if r.get("plan"):  # search with the plan that was measured
                     w = dataclasses.replace(w, plan=tuple(r["plan"]), window=r["window"])
@@ -207,11 +239,15 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
                 "the copies: they free less than a tenth of what they move. The peak is a "
                 "working set, not residuals; 'lean' keeps as little without the transfers."
             )
-        if r["strategy"] in benchmark.PLANNED_STRATEGIES and r.get("offloaded_blocks") == 0:
+        if r["strategy"] == "offload-hidden" and r.get("offloaded_blocks") == 0:
             console.print(
                 f"[yellow]note:[/] {r['strategy']!r} offloads nothing here: no block's transfers "
                 f"fit behind the compute around it, so it ran as {r['plan'][0]!r}."
             )
+    for r in records:
+        if r["strategy"] == "plan" and "plan_choices" in r:
+            choices = ", ".join(f"{c} x{r['plan_choices'].count(c)}" for c in dict.fromkeys(r["plan_choices"]))
+            console.print(f"{_name(r)}: {choices}; outside the blocks {r['plan_outside']}")
     plotted = plot_records(records, out / "pareto.png")
     console.print(f"wrote {out / 'records.json'}" + (f" and {plotted}" if plotted else ""))
     failed = [r for r in records if "error" in r]
@@ -236,6 +272,12 @@ def _memory_cap_env(gib: float, bytes_limit: int | None) -> dict[str, str]:
     return {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{gib * 2**30 / total:.6f}"}
 
 
+def _name(r) -> str:
+    """A record's or workload's strategy, with its budget for plans: ``plan@0.5``."""
+    get = r.get if isinstance(r, dict) else lambda k, d=None: getattr(r, k, d)
+    return f"plan@{get('budget'):g}" if get("strategy") == "plan" else get("strategy")
+
+
 def _gib(nbytes: int | None) -> str:
     return "-" if nbytes is None else f"{nbytes / 2**30:.3f}"
 
@@ -257,11 +299,11 @@ def _table(records: list[dict[str, Any]]):
     for r in records:
         if r.get("out_of_memory") or "error" in r:
             failure = "out of memory" if r.get("out_of_memory") else "failed"
-            table.add_row(r["strategy"], *[failure] + [""] * (len(columns) - 2))
+            table.add_row(_name(r), *[failure] + [""] * (len(columns) - 2))
             continue
         err = r["grad_rel_err"]
         row = [
-            r["strategy"],
+            _name(r),
             _gib(r["compiled_temp_bytes"]),
             _gib(r["compiled_host_temp_bytes"]),
             _gib(r["peak_bytes_in_use"]),
@@ -321,7 +363,7 @@ def plot_records(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.P
     fig, ax = plt.subplots(figsize=(8, 4.2), constrained_layout=True)
     for r, (x, y) in zip(done, points):
         jax_record = r.get("framework", "jax") == "jax"
-        label = r["strategy"] if jax_record else f"{r['framework']} {r['strategy']}"
+        label = _name(r) if jax_record else f"{r['framework']} {r['strategy']}"
         ax.scatter(x, y, s=45, marker="o" if jax_record else "s", label=label, zorder=3)
     front = pareto_front(points)
     ax.plot(*zip(*[points[i] for i in front]), "k--", lw=1, label="Pareto front")

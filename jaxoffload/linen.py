@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import flax.linen as nn
+import jax
+import numpy as np
 from flax.core import lift
 from flax.linen import transforms as linen_transforms
 
 from jaxoffload import transform
 from jaxoffload.strategies import Offload, Store, Strategy, check_strategy
 
-__all__ = ["offload", "wrap"]
+__all__ = ["offload", "plannable", "wrap"]
 
 Target = TypeVar("Target")
 
@@ -150,6 +154,113 @@ def offload(
         variables=variables,
         rngs=rngs,
         methods=methods,
+    )
+
+
+# The plan that picks the strategies of plannable blocks during a call of a
+# planned model (see :meth:`jaxoffload.Plan.apply`): anything with a
+# ``strategy_for(path) -> Strategy`` method.
+_active = threading.local()
+
+
+def plannable(
+    target: Target,
+    *,
+    static_argnums: int | Sequence[int] = (),
+    device_argnums: int | Sequence[int] = (),
+    variables: Any = True,
+    rngs: Any = True,
+) -> Target:
+    """A Module class whose strategy a :class:`jaxoffload.Plan` picks, instance by instance.
+
+    The class keeps ``target``'s name, fields and variables. Called outside a
+    planned model it is ``target`` itself (``Store()``). Inside a model made
+    by :meth:`jaxoffload.Plan.apply`, each instance takes the strategy that the
+    plan gives its path (``"BottleneckResNetBlock_3"``), with
+    :func:`wrap`'s arguments. :func:`jaxoffload.plan` finds the plannable
+    instances by tracing the model, and picks a strategy for each.
+
+    Args:
+      target: a Module class, or a ``functools.partial`` of one; its
+        ``__call__`` is what the plan transforms.
+      static_argnums, device_argnums, variables, rngs: as in :func:`wrap`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn
+      >>> import jaxoffload
+      >>> Dense = jaxoffload.linen.plannable(nn.Dense)
+      >>> Dense.__name__, issubclass(Dense, nn.Dense)
+      ('Dense', True)
+    """
+    options = dict(
+        static_argnums=static_argnums, device_argnums=device_argnums, variables=variables, rngs=rngs
+    )
+    wrap(target, Store(), **options)  # checks the arguments now, not at the first call
+    base = target.func if isinstance(target, functools.partial) else target
+    if not (isinstance(base, type) and issubclass(base, nn.Module)):
+        raise TypeError(f"plannable takes a Module class, got {target!r}.")
+    by_strategy: dict[Strategy, Any] = {}
+
+    def __call__(self, *args, **kwargs):
+        plan = getattr(_active, "plan", None)
+        strategy = Store() if plan is None else plan.strategy_for("/".join(self.path))
+        if strategy not in by_strategy:
+            by_strategy[strategy] = wrap(base, strategy, **options)
+        return by_strategy[strategy].__call__(self, *args, **kwargs)
+
+    __call__.__doc__ = base.__call__.__doc__
+    planned = type(
+        base.__name__,
+        (base,),
+        {"__call__": __call__, "__qualname__": base.__qualname__, "__module__": base.__module__},
+    )
+    planned.__jaxoffload_plannable__ = base
+    if isinstance(target, functools.partial):
+        return functools.partial(planned, *target.args, **target.keywords)  # type: ignore[return-value]
+    return planned  # type: ignore[return-value]
+
+
+def apply_plan(plan: Any, model: nn.Module) -> nn.Module:
+    """``model`` under ``plan``: see :meth:`jaxoffload.Plan.apply`."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Plan.apply takes a linen Module instance, got {model!r}.")
+    if model.scope is not None:
+        raise TypeError("Plan.apply takes an unbound Module: apply the plan before init/apply.")
+    base = type(model)
+    wrapped_by_static: dict[tuple[int, ...], Any] = {}
+
+    def __call__(self, *args, **kwargs):
+        outer = getattr(_active, "plan", None)
+        _active.plan = plan
+        try:
+            if isinstance(plan.outside, Store):
+                return base.__call__(self, *args, **kwargs)
+            # Non-array arguments (``train=True``) are static, as nn.remat's
+            # static_argnums would make them.
+            static = tuple(n + 1 for n, a in enumerate(args) if not _holds_arrays(a))
+            if static not in wrapped_by_static:
+                wrapped_by_static[static] = wrap(base, plan.outside, static_argnums=static)
+            return wrapped_by_static[static].__call__(self, *args, **kwargs)
+        finally:
+            _active.plan = outer
+
+    planned = type(
+        base.__name__,
+        (base,),
+        {"__call__": __call__, "__qualname__": base.__qualname__, "__module__": base.__module__},
+    )
+    fields = {
+        f.name: getattr(model, f.name)
+        for f in dataclasses.fields(model)
+        if f.init and f.name not in ("parent", "name")
+    }
+    return planned(**fields, name=model.name)
+
+
+def _holds_arrays(value: Any) -> bool:
+    return any(
+        isinstance(leaf, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
+        for leaf in jax.tree.leaves(value)
     )
 
 

@@ -1,12 +1,56 @@
-"""Bandwidth-aware partial offload: move only the bytes that compute can hide."""
+"""Planning: a strategy per block that fits a memory budget at the least step time.
+
+:func:`plan` takes a model whose blocks are :func:`jaxoffload.linen.plannable`,
+its training step and a budget, and returns a :class:`Plan`: one strategy
+value per block, which :meth:`Plan.apply` puts on the model. The costs come
+from the device: each distinct block is timed under each strategy, the host
+link is measured, and the plan's compiled program is checked against the
+budget. :func:`plan_hidden_offload` is the older, offload-only planner of the
+reference models.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
-from collections.abc import Sequence
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
-__all__ = ["HiddenPlan", "plan_hidden_offload"]
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+from jaxoffload import linen as offload_linen
+from jaxoffload import transform
+from jaxoffload.strategies import (
+    Lean,
+    Offload,
+    Remat,
+    Store,
+    Strategy,
+    check_strategy,
+    strategy_from_dict,
+    strategy_to_dict,
+)
+
+__all__ = [
+    "BlockCost",
+    "HiddenPlan",
+    "NoPlanFits",
+    "Plan",
+    "compiled_bytes",
+    "estimate_peak_bytes",
+    "estimate_step_ms",
+    "measure_link",
+    "plan",
+    "plan_hidden_offload",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,3 +205,774 @@ def _most_freed(candidates, freed, extra, window, budget) -> tuple[int, ...]:
         options.sort(key=lambda o: (o[0], -o[1]))
         after[i] = [o for k, o in enumerate(options) if all(o[1] > p[1] for p in options[:k])]
     return max(after[0], key=lambda o: (o[1], -o[0]))[2]
+
+
+# ---- plans ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One strategy per plannable block of a model, and one for the code between the blocks.
+
+    A plan is a value: it prints as a table, compares, hashes, and saves to
+    JSON. :meth:`apply` puts it on a model, so the training loop is the one
+    that trained the plain model. :func:`plan` makes one for a budget; one
+    can also be written by hand.
+
+    Attributes:
+      blocks: ``(path, strategy)`` pairs in call order. A path is the
+        block's Flax path joined by ``/`` (``"BottleneckResNetBlock_3"``).
+      outside: the strategy of the code outside the blocks (a stem, a
+        classifier), applied as :func:`jaxoffload.linen.wrap` nests.
+      budget_bytes: the budget the plan was made for, if any.
+      estimated_bytes: the planner's model of the step's device bytes.
+      compiled_bytes: the compiled step's device bytes (arguments and
+        temporaries), as the planner checked them.
+      estimated_step_ms: the planner's model of the step's time: the blocks'
+        measured compute, and the transfers that it cannot hide.
+      notes: per block, what the planner measured for its choice.
+
+    Example:
+      >>> import jaxoffload
+      >>> p = Plan((("Block_0", jaxoffload.Lean()), ("Block_1", jaxoffload.Offload(window=2))))
+      >>> p.strategy_for("Block_1")
+      Offload(names=None, recompute=False, min_bytes=0, max_recompute=0.25, window=2)
+      >>> Plan.from_json(p.to_json()) == p
+      True
+    """
+
+    blocks: tuple[tuple[str, Strategy], ...]
+    outside: Strategy = Store()
+    budget_bytes: int | None = dataclasses.field(default=None, compare=False)
+    estimated_bytes: int | None = dataclasses.field(default=None, compare=False)
+    compiled_bytes: int | None = dataclasses.field(default=None, compare=False)
+    estimated_step_ms: float | None = dataclasses.field(default=None, compare=False)
+    notes: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+
+    def __post_init__(self):
+        blocks = tuple((path, check_strategy(s)) for path, s in self.blocks)
+        bad = [path for path, _ in blocks if not isinstance(path, str)]
+        if bad:
+            raise TypeError(f"block paths must be strings such as 'Block_0', got {bad!r}.")
+        seen = [path for n, (path, _) in enumerate(blocks) if path in dict(blocks[:n])]
+        if seen:
+            raise ValueError(f"a plan gives each block one strategy; {seen} appear twice.")
+        object.__setattr__(self, "blocks", blocks)
+        object.__setattr__(self, "outside", check_strategy(self.outside))
+        object.__setattr__(self, "notes", tuple(self.notes))
+
+    def strategy_for(self, path: str) -> Strategy:
+        """The strategy of the block at ``path``.
+
+        Raises:
+          ValueError: if the plan has no such block: it was made for another model.
+        """
+        for p, strategy in self.blocks:
+            if p == path:
+                return strategy
+        known = ", ".join(p for p, _ in self.blocks[:6]) + (", ..." if len(self.blocks) > 6 else "")
+        raise ValueError(
+            f"the plan has no block {path!r}; it was made for a model whose plannable blocks "
+            f"are {known or 'none'}. Plan this model with jaxoffload.plan."
+        )
+
+    @property
+    def strategies(self) -> tuple[Strategy, ...]:
+        """The blocks' strategies, in call order."""
+        return tuple(s for _, s in self.blocks)
+
+    def apply(self, model: Any) -> Any:
+        """``model``, whose plannable blocks take this plan's strategies.
+
+        ``model`` is an unbound linen Module. The result is a Module of the
+        same class name and fields: its variables are ``model``'s, and
+        ``init``, ``apply`` and the training step are unchanged.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, flax.linen as nn
+          >>> import jaxoffload
+          >>> Dense = jaxoffload.linen.plannable(nn.Dense)
+          >>> class Net(nn.Module):
+          ...     @nn.compact
+          ...     def __call__(self, x):
+          ...         return Dense(2)(nn.relu(Dense(4)(x)))
+          >>> plan = Plan((("Dense_0", jaxoffload.Lean()), ("Dense_1", jaxoffload.Remat())))
+          >>> v = plan.apply(Net()).init(jax.random.key(0), jnp.ones((1, 3)))
+          >>> sorted(v["params"])
+          ['Dense_0', 'Dense_1']
+        """
+        return offload_linen.apply_plan(self, model)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data; :meth:`from_dict` reads it back."""
+        return {
+            "blocks": [[path, strategy_to_dict(s)] for path, s in self.blocks],
+            "outside": strategy_to_dict(self.outside),
+            "budget_bytes": self.budget_bytes,
+            "estimated_bytes": self.estimated_bytes,
+            "compiled_bytes": self.compiled_bytes,
+            "estimated_step_ms": self.estimated_step_ms,
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """The plan that :meth:`to_dict` wrote."""
+        return cls(
+            tuple((path, strategy_from_dict(s)) for path, s in data["blocks"]),
+            strategy_from_dict(data.get("outside", {"kind": "Store"})),
+            **{k: data.get(k) for k in ("budget_bytes", "estimated_bytes", "compiled_bytes")},
+            estimated_step_ms=data.get("estimated_step_ms"),
+            notes=tuple(data.get("notes", ())),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str) -> None:
+        """Writes the plan to ``path`` as JSON."""
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str) -> Plan:
+        """Reads a plan that :meth:`save` wrote."""
+        with open(path) as f:
+            return cls.from_json(f.read())
+
+    def __str__(self) -> str:
+        rows = [("block", "strategy", "measured")]
+        notes = self.notes if len(self.notes) == len(self.blocks) else ("",) * len(self.blocks)
+        rows += [(path, _short(s), note) for (path, s), note in zip(self.blocks, notes)]
+        rows.append(("(outside the blocks)", _short(self.outside), ""))
+        widths = [max(len(r[k]) for r in rows) for k in range(2)]
+        lines = [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c}".rstrip() for a, b, c in rows]
+        figures = [
+            f"{name} {_gib(value)}"
+            for name, value in (
+                ("budget", self.budget_bytes),
+                ("estimated", self.estimated_bytes),
+                ("compiled", self.compiled_bytes),
+            )
+            if value is not None
+        ]
+        if self.estimated_step_ms is not None:
+            figures.append(f"estimated step {self.estimated_step_ms:.1f} ms")
+        return "\n".join(lines + ([", ".join(figures)] if figures else []))
+
+
+def _short(strategy: Strategy) -> str:
+    """A strategy as a short, readable phrase: ``Offload(window=2)``."""
+    defaults = type(strategy)()
+    changed = [
+        f"{f.name}={_policy_or(getattr(strategy, f.name))}"
+        for f in dataclasses.fields(strategy)
+        if getattr(strategy, f.name) != getattr(defaults, f.name)
+    ]
+    return f"{type(strategy).__name__}({', '.join(changed)})"
+
+
+def _policy_or(value: Any) -> str:
+    return getattr(value, "__name__", None) or repr(value)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if abs(nbytes) >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+# ---- costs ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCost:
+    """What one block costs under one strategy, measured on the device and read from traces.
+
+    Attributes:
+      device_bytes: residuals that stay on the device, other than its input
+        and outputs.
+      input_bytes: its input, if it keeps it on the device (else 0).
+      output_bytes: its outputs, if it keeps them on the device (else 0).
+      host_bytes: residuals that wait in host memory: what moves each way.
+      recompute_bytes: what its backward pass recomputes and holds at once.
+      forward_ms: its forward pass, alone on the device.
+      backward_ms: its backward pass, recomputation included, transfers not.
+    """
+
+    device_bytes: int
+    input_bytes: int
+    output_bytes: int
+    host_bytes: int
+    recompute_bytes: int
+    forward_ms: float
+    backward_ms: float
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCosts:
+    """One plannable block: its path, the sizes at its edges, and its cost under each strategy."""
+
+    path: str
+    input_bytes: int
+    output_bytes: int
+    costs: dict[Strategy, BlockCost]
+
+    def cost(self, strategy: Strategy) -> BlockCost:
+        return self.costs[_costed_as(strategy)]
+
+
+def _costed_as(strategy: Strategy) -> Strategy:
+    """Windows change when transfers happen, not what a block keeps or computes."""
+    return dataclasses.replace(strategy, window=1) if isinstance(strategy, Offload) else strategy
+
+
+def _window(strategy: Strategy) -> int:
+    return strategy.window if isinstance(strategy, Offload) else 1
+
+
+def estimate_peak_bytes(blocks: Sequence[BlockCosts], choice: Sequence[Strategy]) -> int:
+    """The most device bytes that the blocks' residuals and work hold at once, over the step.
+
+    A model of time, not a sum: the forward pass runs the blocks in order,
+    each adding what it keeps; the backward pass runs them in reverse, each
+    holding what it keeps, what it fetched, what it recomputes and the
+    gradients at its edges, while the blocks before it hold theirs. An
+    activation between two blocks counts once, if either keeps it. With an
+    ``Offload`` window ``w``, a block's device copies live until ``w - 1``
+    blocks later, and its fetched residuals from the backward pass of the
+    block ``w - 1`` later. What the rest of the step holds (parameters,
+    gradients, the stem) is a constant that :func:`plan` measures.
+    """
+    c = [b.cost(s) for b, s in zip(blocks, choice)]
+    w = [_window(s) for s in choice]
+    n = len(c)
+    kept = []
+    for k in range(n):
+        boundary = c[k].input_bytes > 0 or (k > 0 and c[k - 1].output_bytes > 0)
+        kept.append(c[k].device_bytes + (blocks[k].input_bytes if boundary else 0))
+
+    def in_flight(i):  # host bytes of earlier blocks whose transfers overlap block i
+        return sum(c[j].host_bytes for j in range(max(0, i - max(w) + 1), i) if j + w[j] > i)
+
+    peak = live = 0
+    for i in range(n):
+        running = blocks[i].input_bytes + blocks[i].output_bytes + c[i].device_bytes + c[i].host_bytes
+        peak = max(peak, live + in_flight(i) + running)
+        live += kept[i]
+    live += c[-1].output_bytes if n else 0
+    for i in reversed(range(n)):
+        live -= kept[i]
+        edges = blocks[i].input_bytes + blocks[i].output_bytes
+        work = kept[i] + c[i].host_bytes + c[i].recompute_bytes + edges
+        peak = max(peak, live + in_flight(i) + work)
+    return peak
+
+
+def estimate_step_ms(
+    blocks: Sequence[BlockCosts], choice: Sequence[Strategy], link: tuple[float, float] | None
+) -> float:
+    """The blocks' time in a step: their compute, and the transfers it cannot hide.
+
+    A block's copies to the host overlap the forward passes of the next
+    ``w - 1`` blocks (its window ``w``), and its fetches their backward
+    passes; what sticks out is added. Each phase takes at least its
+    transfers' time on the link.
+
+    Args:
+      link: ``(d2h_gbps, h2d_gbps)``; ``None`` if nothing moves.
+    """
+    c = [b.cost(s) for b, s in zip(blocks, choice)]
+    w = [_window(s) for s in choice]
+    forward = sum(x.forward_ms for x in c)
+    backward = sum(x.backward_ms for x in c)
+    moved = [x.host_bytes for x in c]
+    if not any(moved):
+        return forward + backward
+    if link is None:
+        raise ValueError("a plan that moves bytes needs the link's bandwidth.")
+    out_ms = [m / (link[0] * 1e6) for m in moved]
+    back_ms = [m / (link[1] * 1e6) for m in moved]
+    n = len(c)
+    exposed_out = sum(
+        max(0.0, out_ms[i] - sum(c[j].forward_ms for j in range(i + 1, min(n, i + w[i]))))
+        for i in range(n)
+    )
+    exposed_back = sum(
+        max(0.0, back_ms[i] - sum(c[j].backward_ms for j in range(i + 1, min(n, i + w[i]))))
+        for i in range(n)
+    )
+    return max(forward + exposed_out, sum(out_ms)) + max(backward + exposed_back, sum(back_ms))
+
+
+def _nbytes(aval) -> int:
+    return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+
+
+def _residual_bytes(fun, structs, device_inputs) -> tuple[int, int, int, int]:
+    """``(device, input, output, host)`` bytes of the residuals that ``jax.vjp(fun)`` keeps and reads."""
+    trees = {}
+
+    def forward(*args):
+        out, vjp_fun = jax.vjp(fun, *args)
+        leaves, trees["vjp"] = jax.tree.flatten(vjp_fun)
+        trees["out"] = jax.tree.structure(out)
+        return out, leaves
+
+    jaxpr = jax.make_jaxpr(forward)(*structs).jaxpr
+    num_out = trees["out"].num_leaves
+    outputs, residuals = jaxpr.outvars[:num_out], jaxpr.outvars[num_out:]
+    used = transform._used_residuals(trees["vjp"], [a.aval for a in residuals], trees["out"], jaxpr)
+    inputs = {v: k for k, v in enumerate(jaxpr.invars)}
+    device = kept_input = kept_output = host = 0
+    for v in dict.fromkeys(a for a, u in zip(residuals, used) if u):
+        if not isinstance(v, jex_core.Var) or inputs.get(v, -1) in device_inputs:
+            continue
+        size = _nbytes(v.aval)
+        if getattr(v.aval, "memory_space", None) == jax.memory.Space.Host:
+            host += size
+        elif v in inputs:
+            kept_input += size
+        elif v in outputs:
+            kept_output += size
+        else:
+            device += size
+    return device, kept_input, kept_output, host
+
+
+def _median_ms(fn, *args, runs: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _zeros(struct) -> jax.Array:
+    if jax.dtypes.issubdtype(struct.dtype, jax.dtypes.prng_key):
+        keys = jax.random.split(jax.random.key(0), math.prod(struct.shape))
+        return keys.reshape(struct.shape)
+    return jnp.zeros(struct.shape, struct.dtype)
+
+
+def _time_block(fun, structs, runs: int) -> tuple[float, float]:
+    """``(forward_ms, forward_and_backward_ms)`` of ``fun`` alone on the default device."""
+    args = [_zeros(s) for s in structs]
+    out_structs = jax.eval_shape(fun, *structs)
+    floats = [jax.dtypes.issubdtype(o.dtype, np.inexact) for o in out_structs]
+
+    def both(args, cotangents):
+        out, vjp_fun = jax.vjp(fun, *args)
+        it = iter(cotangents)
+        full = [next(it) if f else np.zeros(o.shape, jax.dtypes.float0) for f, o in zip(floats, out)]
+        return vjp_fun(full)
+
+    cotangents = [_zeros(o) for f, o in zip(floats, out_structs) if f]
+    forward_ms = _median_ms(jax.jit(fun), *args, runs=runs)
+    both_ms = _median_ms(jax.jit(both), args, cotangents, runs=runs)
+    return forward_ms, both_ms
+
+
+def _cost_blocks(paths, calls, options, *, runs, say) -> list[BlockCosts]:
+    """Each block's cost under each option: traced once and timed once per distinct program."""
+    costed = [_costed_as(s) for s in options]
+    costed = list(dict.fromkeys([Store(), *costed]))
+    by_program: dict[tuple, dict[Strategy, BlockCost]] = {}
+    programs = [(str(call.forward), call.device_inputs) for call in calls]
+    distinct = list(dict.fromkeys(programs))
+    blocks = []
+    for path, call, program in zip(paths, calls, programs):
+        fun = jex_core.jaxpr_as_fun(call.forward)
+        invars, outvars = call.forward.jaxpr.invars, call.forward.jaxpr.outvars
+        structs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars]
+        input_bytes = sum(
+            _nbytes(v.aval) for k, v in enumerate(invars) if k not in call.device_inputs
+        )
+        output_bytes = sum(_nbytes(v.aval) for v in outvars)
+        if program not in by_program:
+            say(f"timing block program {distinct.index(program) + 1}/{len(distinct)} ({path})")
+            by_program[program] = _cost_program(fun, structs, call.device_inputs, costed, runs)
+        blocks.append(BlockCosts(path, input_bytes, output_bytes, by_program[program]))
+    return blocks
+
+
+def _cost_program(fun, structs, device_inputs, strategies, runs) -> dict[Strategy, BlockCost]:
+    store_forward_ms = None
+    measured = {}
+    for strategy in strategies:
+        wrapped = transform.wrap(fun, strategy, device_argnums=device_inputs)
+        device, kept_input, kept_output, host = _residual_bytes(wrapped, structs, device_inputs)
+        # Compute alone: the link's share is the planner's model (estimate_step_ms).
+        with transform.without_host_placement():
+            forward_ms, both_ms = _time_block(wrapped, structs, runs)
+        if store_forward_ms is None:
+            store_forward_ms = forward_ms
+        measured[strategy] = (device, kept_input, kept_output, host, both_ms)
+    store_device = measured[Store()][0]
+    costs = {}
+    for strategy, (device, kept_input, kept_output, host, both_ms) in measured.items():
+        recomputes = isinstance(strategy, Remat) or (
+            isinstance(strategy, Offload) and strategy.recompute
+        )
+        costs[strategy] = BlockCost(
+            device, kept_input, kept_output, host,
+            max(0, store_device - device) if recomputes else 0,
+            store_forward_ms, max(0.0, both_ms - store_forward_ms),
+        )  # fmt: skip
+    return costs
+
+
+def measure_link(nbytes: int = 2**30, runs: int = 3) -> dict[str, float]:
+    """The host link's bandwidth: ``jax.device_put`` between device and pinned host memory.
+
+    Args:
+      nbytes: size of the array moved each way.
+      runs: timed moves each way; the median counts.
+
+    Returns:
+      ``{"d2h_gbps": ..., "h2d_gbps": ...}``, in 10⁹ bytes per second.
+    """
+    device = jax.devices()[0]
+    on_host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    x = jax.device_put(jnp.ones(nbytes // 4, jnp.float32), on_device)
+    host = jax.device_put(x, on_host).block_until_ready()
+    d2h = _median_ms(lambda: jax.device_put(x, on_host), runs=runs)
+    h2d = _median_ms(lambda: jax.device_put(host, on_device), runs=runs)
+    return {"d2h_gbps": x.nbytes / d2h / 1e6, "h2d_gbps": x.nbytes / h2d / 1e6}
+
+
+# ---- the search -------------------------------------------------------------------------
+
+
+def _search(blocks, options, budget, link) -> tuple[Strategy, ...] | None:
+    """The fastest choice, by the models, whose estimated peak fits ``budget``; ``None`` if none.
+
+    Greedy descent from two starts (each block at its fastest option, and
+    every block lean): while the estimate is over budget, make the change
+    that frees the most estimated peak per millisecond added; then make
+    any change that is faster and still fits. Every uniform choice is a
+    candidate too, so the result is never slower, by the models, than one
+    strategy for all blocks.
+    """
+    n = len(blocks)
+
+    def peak(choice):
+        return estimate_peak_bytes(blocks, choice)
+
+    def ms(choice):
+        return estimate_step_ms(blocks, choice, link)
+
+    def descend(choice):
+        choice = list(choice)
+        current = peak(choice)
+        while current > budget:
+            base_ms, best = ms(choice), None
+            for i in range(n):
+                for s in options:
+                    if s == choice[i]:
+                        continue
+                    trial = [*choice[:i], s, *choice[i + 1 :]]
+                    freed = current - peak(trial)
+                    if freed <= 0:
+                        continue
+                    rate = freed / max(ms(trial) - base_ms, 1e-6)
+                    if best is None or rate > best[0]:
+                        best = (rate, trial)
+            if best is None:
+                return None
+            choice = best[1]
+            current = peak(choice)
+        improved = True
+        while improved:
+            improved = False
+            for i in range(n):
+                for s in options:
+                    trial = [*choice[:i], s, *choice[i + 1 :]]
+                    if peak(trial) <= budget and ms(trial) < ms(choice) - 1e-9:
+                        choice, improved = trial, True
+        return tuple(choice)
+
+    fastest = tuple(
+        min(options, key=lambda s: (b.cost(s).forward_ms + b.cost(s).backward_ms)) for b in blocks
+    )
+    candidates = [descend(fastest)]
+    if Lean() in options:
+        candidates.append(descend((Lean(),) * n))
+    candidates += [(s,) * n for s in options]
+    fitting = [c for c in candidates if c is not None and peak(c) <= budget]
+    return min(fitting, key=ms) if fitting else None
+
+
+# ---- planning ---------------------------------------------------------------------------
+
+
+class NoPlanFits(ValueError):
+    """No mix of the planner's options fits the budget."""
+
+
+def default_options() -> tuple[Strategy, ...]:
+    """The strategies a block may take: every kind, and offload with windows 1 and 2.
+
+    Host placement does nothing on a CPU (host and device memory are one),
+    so there the options that offload are left out.
+    """
+    options: list[Strategy] = [Store(), Lean(), Remat()]
+    if jax.default_backend() != "cpu":
+        options += [Offload(), Offload(window=2), Offload(recompute=True)]
+    return tuple(options)
+
+
+class _Discovery:
+    """Stands in for a plan while tracing: every block lean, and its path noted."""
+
+    outside = Store()
+
+    def __init__(self):
+        self.paths: list[str] = []
+
+    def strategy_for(self, path: str) -> Strategy:
+        self.paths.append(path)
+        return Lean()
+
+    def apply(self, model):
+        return offload_linen.apply_plan(self, model)
+
+
+def compiled_bytes(
+    model: Any,
+    step: Callable[..., Any],
+    *args: Any,
+    plan: Plan,
+    donate_argnums: int | Sequence[int] = (),
+) -> int:
+    """The device bytes of ``step``'s compiled program under ``plan``: arguments and temporaries.
+
+    Outputs are not counted: a training step donates its state, so its
+    outputs reuse the arguments' buffers. ``donate_argnums`` counts the
+    arguments after ``model``, as the training loop's ``jax.jit`` does.
+    """
+    jitted = jax.jit(functools.partial(step, plan.apply(model)), donate_argnums=donate_argnums)
+    memory = jitted.trace(*args).lower().compile().memory_analysis()
+    return int(memory.temp_size_in_bytes + memory.argument_size_in_bytes)
+
+
+def plan(
+    model: Any,
+    step: Callable[..., Any],
+    *args: Any,
+    budget: int | float | Sequence[int | float],
+    options: Sequence[Strategy] | None = None,
+    donate_argnums: int | Sequence[int] = (),
+    runs: int = 5,
+    max_rounds: int = 3,
+    progress: bool | Callable[[str], None] = True,
+) -> Plan | list[Plan]:
+    """A strategy per plannable block that fits ``budget`` at the least step time.
+
+    The costs come from the device. Each distinct block is timed alone under
+    each option, and its residuals are read from traces; the host link is
+    measured once. A model of the step's peak over time
+    (:func:`estimate_peak_bytes`), calibrated against the compiled plain
+    step, picks the plan; the plan's compiled program is then checked
+    against the budget, and a plan over it is replanned under a tighter
+    model budget.
+
+    Args:
+      model: an unbound linen Module whose blocks are
+        :func:`jaxoffload.linen.plannable`.
+      step: the training step as ``step(model, *args)``: the planner calls it
+        with the model under each candidate plan.
+      *args: ``step``'s other arguments, as arrays or
+        :class:`jax.ShapeDtypeStruct`\\ s (a training state, a batch).
+      budget: device bytes (an int), or a share of the plain model's (a
+        float in (0, 1]). Device bytes are the compiled step's arguments and
+        temporaries. A sequence of budgets gives a list of plans, and
+        measures the costs once.
+      options: the strategies a block may take; :func:`default_options` by
+        default.
+      donate_argnums: the arguments (after ``model``) that the training loop
+        donates, as in its ``jax.jit``: the compiled checks do the same.
+      runs: timed runs per block and option.
+      max_rounds: compiled checks before giving up.
+      progress: print progress to stderr, or a function that takes each line.
+
+    Returns:
+      A :class:`Plan` whose compiled step fits ``budget``.
+
+    Raises:
+      NoPlanFits: if no plan's compiled step fits; the message gives the
+        least that was reached.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn
+      >>> import jaxoffload
+      >>> Dense = jaxoffload.linen.plannable(nn.Dense)
+      >>> class Net(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x):
+      ...         h = nn.relu(Dense(256)(x))
+      ...         return Dense(8)(h)
+      >>> def step(model, params, x):
+      ...     return jax.grad(lambda p: model.apply(p, x).sum())(params)
+      >>> x = jnp.ones((64, 256))
+      >>> params = Net().init(jax.random.key(0), x)
+      >>> p = jaxoffload.plan(Net(), step, params, x, budget=1.0, runs=1, progress=False)
+      >>> [path for path, _ in p.blocks]
+      ['Dense_0', 'Dense_1']
+    """
+    say = _progress_printer(progress)
+    budgets = list(budget) if isinstance(budget, Sequence) else [budget]
+    for b in budgets:
+        _check_budget(b)
+    planner = _Planner(
+        model, step, args, options, runs=runs, say=say, donate_argnums=donate_argnums
+    )
+    plans = [planner.plan_for(b, max_rounds=max_rounds) for b in budgets]
+    return plans if isinstance(budget, Sequence) else plans[0]
+
+
+class _Planner:
+    """What planning measures once per model and step: blocks, costs, link and calibration."""
+
+    def __init__(self, model, step, args, options, *, runs, say, donate_argnums=()):
+        self.model, self.step, self.args, self.say = model, step, args, say
+        self.donate_argnums = donate_argnums
+        options = default_options() if options is None else tuple(check_strategy(s) for s in options)
+        if not options:
+            raise ValueError("options is empty: a block needs at least one strategy to take.")
+        self.options = options
+        say("tracing the step to find the plannable blocks")
+        discovery = _Discovery()
+        calls = transform.offloaded_calls(functools.partial(step, discovery.apply(model)), *args)
+        self.paths = discovery.paths
+        _check_blocks(self.paths, calls)
+        self.link = None
+        if any(isinstance(s, Offload) for s in options):
+            link = measure_link()
+            self.link = (link["d2h_gbps"], link["h2d_gbps"])
+            say(f"host link: {self.link[0]:.1f} GB/s out, {self.link[1]:.1f} GB/s back")
+        self.blocks = _cost_blocks(self.paths, calls, options, runs=runs, say=say)
+        self.plain = Plan(tuple((p, Store()) for p in self.paths))
+        self.lean_outside = dataclasses.replace(self.plain, outside=Lean())
+        say("compiling the plain step, and again with the code outside the blocks lean")
+        # Every compiled plan is a candidate for every budget.
+        self.checked = {p: self.compiled(p) for p in (self.plain, self.lean_outside)}
+        # What the step holds besides the blocks' residuals and work.
+        blocks_peak = estimate_peak_bytes(self.blocks, self.plain.strategies)
+        self.constant = {p.outside: self.checked[p] - blocks_peak for p in self.checked}
+        say(f"plain step: {_gib(self.checked[self.plain])}")
+
+    def compiled(self, candidate: Plan) -> int:
+        return compiled_bytes(
+            self.model, self.step, *self.args, plan=candidate, donate_argnums=self.donate_argnums
+        )
+
+    def ms(self, choice) -> float:
+        return estimate_step_ms(self.blocks, choice, self.link)
+
+    def plan_for(self, budget, *, max_rounds: int) -> Plan:
+        say, blocks = self.say, self.blocks
+        plain_bytes = self.checked[self.plain]
+        budget_bytes = int(budget * plain_bytes) if isinstance(budget, float) else int(budget)
+        say(f"planning for {_gib(budget_bytes)}")
+        targets = {outside: budget_bytes - c for outside, c in self.constant.items()}
+        for round_ in range(max_rounds):
+            found = {o: _search(blocks, self.options, t, self.link) for o, t in targets.items()}
+            found = {o: c for o, c in found.items() if c is not None}
+            if not found:
+                break
+            # A stored outside is taken at equal estimated time: its cost is not timed.
+            outside = min(found, key=lambda o: (self.ms(found[o]), o != Store()))
+            candidate = Plan(tuple(zip(self.paths, found[outside])), outside)
+            if candidate in self.checked:
+                if self.checked[candidate] <= budget_bytes:
+                    break
+            else:
+                say(f"round {round_ + 1}: compiling {_summary(candidate.strategies)}")
+                self.checked[candidate] = self.compiled(candidate)
+                if self.checked[candidate] <= budget_bytes:
+                    break
+            say(f"compiled: {_gib(self.checked[candidate])}, over the budget; replanning tighter")
+            over = self.checked[candidate] - budget_bytes + budget_bytes // 100
+            targets = {o: t - over for o, t in targets.items()}
+        fitting = [p for p, got in self.checked.items() if got <= budget_bytes]
+        if not fitting:
+            raise NoPlanFits(
+                f"no plan of {[_short(s) for s in self.options]} fits {_gib(budget_bytes)} "
+                f"(the plain step takes {_gib(plain_bytes)}; the least compiled was "
+                f"{_gib(min(self.checked.values()))}). Try a smaller batch"
+                + (", or plan on a GPU, where blocks can offload." if self.link is None else ".")
+            )
+        best = min(fitting, key=lambda p: (self.ms(p.strategies), self.checked[p]))
+        say(f"chose {_summary(best.strategies)}: compiled {_gib(self.checked[best])}")
+        return dataclasses.replace(
+            best,
+            budget_bytes=budget_bytes,
+            estimated_bytes=self.constant[best.outside] + estimate_peak_bytes(blocks, best.strategies),
+            compiled_bytes=self.checked[best],
+            estimated_step_ms=self.ms(best.strategies),
+            notes=tuple(_note(b.cost(s)) for b, s in zip(blocks, best.strategies)),
+        )
+
+
+def _check_budget(budget) -> None:
+    if isinstance(budget, bool) or not isinstance(budget, int | float):
+        raise TypeError(f"budget must be bytes (an int) or a share (a float), got {budget!r}.")
+    if isinstance(budget, float) and not 0 < budget <= 1:
+        raise ValueError(
+            f"a budget given as a float is a share of the plain step's memory, in (0, 1]; got "
+            f"{budget}. Give bytes as an int."
+        )
+    if isinstance(budget, int) and budget <= 0:
+        raise ValueError(f"budget must be positive, got {budget} bytes.")
+
+
+def _check_blocks(paths, calls) -> None:
+    if not paths:
+        raise ValueError(
+            "the step calls no plannable block: wrap the model's block class with "
+            "jaxoffload.linen.plannable, e.g. block_cls=jaxoffload.linen.plannable(Block)."
+        )
+    twice = sorted({p for p in paths if paths.count(p) > 1})
+    if twice:
+        raise ValueError(
+            f"blocks {twice} are called more than once per step; a plan gives each instance "
+            "one strategy, so wrap the repeated call in a Module of its own."
+        )
+    if len(calls) != len(paths):
+        raise ValueError(
+            f"the step differentiates {len(calls)} wrapped calls but {len(paths)} plannable "
+            "blocks; a plannable block must not contain or sit beside other jaxoffload-wrapped "
+            "Modules."
+        )
+
+
+def _note(cost: BlockCost) -> str:
+    parts = [f"keeps {cost.device_bytes + cost.input_bytes + cost.output_bytes:,} B"]
+    if cost.host_bytes:
+        parts.append(f"moves {cost.host_bytes:,} B")
+    parts.append(f"{cost.forward_ms + cost.backward_ms:.2f} ms")
+    return ", ".join(parts)
+
+
+def _summary(choice) -> str:
+    counts: dict[str, int] = {}
+    for s in choice:
+        counts[_short(s)] = counts.get(_short(s), 0) + 1
+    return ", ".join(f"{k} x{v}" for k, v in counts.items())
+
+
+def _progress_printer(progress) -> Callable[[str], None]:
+    if callable(progress):
+        return progress
+    if not progress:
+        return lambda line: None
+    start = time.perf_counter()
+    return lambda line: print(
+        f"[plan {time.perf_counter() - start:6.1f} s] {line}", file=sys.stderr, flush=True
+    )

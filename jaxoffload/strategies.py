@@ -17,7 +17,18 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Lean", "Offload", "Remat", "Store", "Strategy", "check_strategy"]
+import jax
+
+__all__ = [
+    "Lean",
+    "Offload",
+    "Remat",
+    "Store",
+    "Strategy",
+    "check_strategy",
+    "strategy_from_dict",
+    "strategy_to_dict",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,4 +177,53 @@ def check_strategy(strategy: Any) -> Strategy:
         hint = " Strategy names such as 'lean' are for the command line; write Lean()."
     raise TypeError(
         f"expected a strategy (Store(), Lean(), Remat(...) or Offload(...)), got {strategy!r}.{hint}"
+    )
+
+
+def strategy_to_dict(strategy: Strategy) -> dict[str, Any]:
+    """A strategy as a JSON-ready dict: ``{"kind": "Offload", "window": 2, ...}``.
+
+    A ``Remat`` policy is saved by its name in ``jax.checkpoint_policies``;
+    a parameterised policy (``save_only_these_names(...)``) has none.
+
+    Example:
+      >>> strategy_to_dict(Offload(window=2))["window"]
+      2
+      >>> strategy_from_dict(strategy_to_dict(Lean(max_recompute=0.1)))
+      Lean(max_recompute=0.1)
+    """
+    strategy = check_strategy(strategy)
+    fields = dataclasses.asdict(strategy)
+    if isinstance(strategy, Remat):
+        fields["policy"] = _policy_name(strategy.policy)
+    if isinstance(strategy, Offload) and strategy.names is not None:
+        fields["names"] = list(strategy.names)
+    return {"kind": type(strategy).__name__, **fields}
+
+
+def strategy_from_dict(fields: dict[str, Any]) -> Strategy:
+    """The strategy that :func:`strategy_to_dict` wrote."""
+    kinds = {cls.__name__: cls for cls in (Store, Lean, Remat, Offload)}
+    fields = dict(fields)
+    kind = fields.pop("kind", None)
+    if kind not in kinds:
+        raise ValueError(f"unknown strategy kind {kind!r}; expected one of {sorted(kinds)}.")
+    if kind == "Remat" and fields.get("policy") is not None:
+        name = fields["policy"]
+        policy = getattr(jax.checkpoint_policies, name, None)
+        if not callable(policy):
+            raise ValueError(f"jax.checkpoint_policies has no policy {name!r}.")
+        fields["policy"] = policy
+    return kinds[kind](**fields)
+
+
+def _policy_name(policy: Callable[..., Any] | None) -> str | None:
+    if policy is None:
+        return None
+    for name in dir(jax.checkpoint_policies):
+        if getattr(jax.checkpoint_policies, name) is policy:
+            return name
+    raise ValueError(
+        f"Remat policy {policy!r} has no name in jax.checkpoint_policies, so it cannot be "
+        "saved; parameterised policies (save_only_these_names(...)) cannot be written to JSON."
     )

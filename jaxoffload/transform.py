@@ -88,6 +88,8 @@ class OffloadedCall:
       forward: its forward pass as a closed jaxpr, on its own:
         ``jax.extend.core.jaxpr_as_fun(call.forward)`` runs it, so that a
         planner can time it.
+      device_inputs: the positions, among ``forward``'s inputs, of those
+        kept on the device anyway (parameters).
     """
 
     residuals: tuple[Residual, ...]
@@ -95,6 +97,7 @@ class OffloadedCall:
     grad_flops: int
     rewrites: tuple[rewrite.Rewrite, ...] = ()
     forward: Any = dataclasses.field(default=None, repr=False, compare=False)
+    device_inputs: tuple[int, ...] = ()
 
     @property
     def host_bytes(self) -> int:
@@ -855,7 +858,7 @@ def _custom_call(call, strategy, dynamic, kwargs, device_leaves, fun):
     def run_fwd(dynamic, kwargs, gates):
         plan = plans["plan"] = _plan(call, dynamic, kwargs, strategy, device_leaves)
         if recorder is not None:
-            recorder.append(_describe(call, plan, dynamic, kwargs))
+            recorder.append(_describe(call, plan, dynamic, kwargs, device_leaves))
         if (
             to_host
             and plan.residuals
@@ -951,7 +954,7 @@ def _put(value, space):
     return value if getattr(_placement, "off", False) else jax.device_put(value, space)
 
 
-def _describe(call, plan: _Plan, dynamic, kwargs) -> OffloadedCall:
+def _describe(call, plan: _Plan, dynamic, kwargs, device_leaves) -> OffloadedCall:
     """The record :func:`offloaded_calls` gives of one call."""
     forward = jax.make_jaxpr(call)(dynamic, kwargs)
     # Of the function that is differentiated: recomputation under names included.
@@ -962,6 +965,7 @@ def _describe(call, plan: _Plan, dynamic, kwargs) -> OffloadedCall:
         sum(cut_lib.eqn_flops(e) for e in both.jaxpr.eqns) + plan.recompute_flops,
         plan.rewrites,
         forward,
+        tuple(sorted(device_leaves)),
     )
 
 

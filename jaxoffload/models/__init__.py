@@ -76,6 +76,7 @@ __all__ = [
     "is_plain",
     "num_blocks",
     "plain_model",
+    "plannable_model",
     "wrap_block",
 ]
 
@@ -170,6 +171,29 @@ def plain_model(model: Any, block: Any, strategy: Strategy, **kwargs: Any) -> nn
         # The stem and the classifier: `train` (argument 2) is static.
         model = offload_linen.wrap(model, outside, static_argnums=(2,))
     return model(**{_BLOCK_ATTRIBUTE[base]: wrapped}, **kwargs)
+
+
+def plannable_model(name: str, *, dtype: Any = jnp.float32, num_classes: int = 1000) -> nn.Module:
+    """A plain-Flax model whose block class is :func:`jaxoffload.linen.plannable`, for :func:`jaxoffload.plan`.
+
+    Unplanned, it is the plain model; ``plan.apply(model)`` gives it a plan.
+
+    Example:
+      >>> model = plannable_model("flax-resnet18", num_classes=10)
+      >>> model.block_cls.__name__
+      'ResNetBlock'
+    """
+    _check_name(name)
+    if name not in _PLAIN:
+        raise ValueError(
+            f"{name} is a reference model, which takes strategies per block directly; plan one "
+            f"of the plain-Flax models ({', '.join(_PLAIN)})."
+        )
+    model, block = _PLAIN[name]
+    base = model.func if isinstance(model, functools.partial) else model
+    return model(
+        **{_BLOCK_ATTRIBUTE[base]: offload_linen.plannable(block)}, num_classes=num_classes, dtype=dtype
+    )
 
 
 def _check_name(name: str) -> None:
