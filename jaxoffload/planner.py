@@ -230,6 +230,7 @@ class Plan:
         temporaries), as the planner checked them.
       estimated_step_ms: the planner's model of the step's time: the blocks'
         measured compute, and the transfers that it cannot hide.
+      measured_step_ms: the compiled plan's step, as the planner timed it.
       notes: per block, what the planner measured for its choice.
 
     Example:
@@ -247,6 +248,7 @@ class Plan:
     estimated_bytes: int | None = dataclasses.field(default=None, compare=False)
     compiled_bytes: int | None = dataclasses.field(default=None, compare=False)
     estimated_step_ms: float | None = dataclasses.field(default=None, compare=False)
+    measured_step_ms: float | None = dataclasses.field(default=None, compare=False)
     notes: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self):
@@ -312,6 +314,7 @@ class Plan:
             "estimated_bytes": self.estimated_bytes,
             "compiled_bytes": self.compiled_bytes,
             "estimated_step_ms": self.estimated_step_ms,
+            "measured_step_ms": self.measured_step_ms,
             "notes": list(self.notes),
         }
 
@@ -323,6 +326,7 @@ class Plan:
             strategy_from_dict(data.get("outside", {"kind": "Store"})),
             **{k: data.get(k) for k in ("budget_bytes", "estimated_bytes", "compiled_bytes")},
             estimated_step_ms=data.get("estimated_step_ms"),
+            measured_step_ms=data.get("measured_step_ms"),
             notes=tuple(data.get("notes", ())),
         )
 
@@ -362,6 +366,8 @@ class Plan:
         ]
         if self.estimated_step_ms is not None:
             figures.append(f"estimated step {self.estimated_step_ms:.1f} ms")
+        if self.measured_step_ms is not None:
+            figures.append(f"measured step {self.measured_step_ms:.1f} ms")
         return "\n".join(lines + ([", ".join(figures)] if figures else []))
 
 
@@ -400,6 +406,8 @@ class BlockCost:
       recompute_bytes: what its backward pass recomputes and holds at once.
       forward_ms: its forward pass, alone on the device.
       backward_ms: its backward pass, recomputation included, transfers not.
+      scale: what the compiled step holds per byte that the traces give,
+        for this kind of strategy (:func:`plan` fits it).
     """
 
     device_bytes: int
@@ -409,6 +417,7 @@ class BlockCost:
     recompute_bytes: int
     forward_ms: float
     backward_ms: float
+    scale: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -449,26 +458,27 @@ def estimate_peak_bytes(blocks: Sequence[BlockCosts], choice: Sequence[Strategy]
     c = [b.cost(s) for b, s in zip(blocks, choice)]
     w = [_window(s) for s in choice]
     n = len(c)
-    kept = []
+    kept, host = [], [x.host_bytes * x.scale for x in c]
     for k in range(n):
         boundary = c[k].input_bytes > 0 or (k > 0 and c[k - 1].output_bytes > 0)
-        kept.append(c[k].device_bytes + (blocks[k].input_bytes if boundary else 0))
+        kept.append(c[k].scale * (c[k].device_bytes + (blocks[k].input_bytes if boundary else 0)))
 
     def in_flight(i):  # host bytes of earlier blocks whose transfers overlap block i
-        return sum(c[j].host_bytes for j in range(max(0, i - max(w) + 1), i) if j + w[j] > i)
+        return sum(host[j] for j in range(max(0, i - max(w) + 1), i) if j + w[j] > i)
 
-    peak = live = 0
+    peak = live = 0.0
     for i in range(n):
-        running = blocks[i].input_bytes + blocks[i].output_bytes + c[i].device_bytes + c[i].host_bytes
+        edges = blocks[i].input_bytes + blocks[i].output_bytes
+        running = edges + c[i].scale * c[i].device_bytes + host[i]
         peak = max(peak, live + in_flight(i) + running)
         live += kept[i]
     live += c[-1].output_bytes if n else 0
     for i in reversed(range(n)):
         live -= kept[i]
         edges = blocks[i].input_bytes + blocks[i].output_bytes
-        work = kept[i] + c[i].host_bytes + c[i].recompute_bytes + edges
+        work = kept[i] + host[i] + c[i].scale * c[i].recompute_bytes + edges
         peak = max(peak, live + in_flight(i) + work)
-    return peak
+    return int(peak)
 
 
 def estimate_step_ms(
@@ -842,6 +852,8 @@ class _Planner:
     def __init__(self, model, step, args, options, *, runs, say, donate_argnums=()):
         self.model, self.step, self.args, self.say = model, step, args, say
         self.donate_argnums = donate_argnums
+        self.executables: dict[Plan, Any] = {}
+        self.measured_ms: dict[Plan, float] = {}
         options = default_options() if options is None else tuple(check_strategy(s) for s in options)
         if not options:
             raise ValueError("options is empty: a block needs at least one strategy to take.")
@@ -866,11 +878,69 @@ class _Planner:
         blocks_peak = estimate_peak_bytes(self.blocks, self.plain.strategies)
         self.constant = {p.outside: self.checked[p] - blocks_peak for p in self.checked}
         say(f"plain step: {_gib(self.checked[self.plain])}")
+        self._calibrate()
+
+    def _calibrate(self) -> None:
+        """Fits, per kind of strategy, the compiled bytes per traced byte, from uniform plans.
+
+        XLA's buffers are not the traces' residuals: it fuses some away and
+        keeps others longer. Each uniform plan (every block lean, every block
+        rematerialised, every block offloaded), compiled, is also a candidate.
+        """
+        scales = {Store: 1.0}
+        for kind in (Lean, Remat, Offload):
+            if kind not in {type(s) for s in self.options}:
+                continue
+            strategy = next(s for s in self.options if type(s) is kind)
+            uniform = Plan(tuple((p, strategy) for p in self.paths), Lean())
+            self.say(f"compiling every block {_short(strategy)}, to calibrate")
+            self.checked[uniform] = self.compiled(uniform)
+            traced = estimate_peak_bytes(self.blocks, uniform.strategies)
+            held = self.checked[uniform] - self.constant[Lean()]
+            scales[kind] = min(4.0, max(0.25, held / traced)) if traced > 0 else 1.0
+        self.say("compiled bytes per traced byte: " + ", ".join(
+            f"{k.__name__} {v:.2f}" for k, v in scales.items()
+        ))  # fmt: skip
+        self.blocks = [
+            dataclasses.replace(
+                b,
+                costs={
+                    s: dataclasses.replace(c, scale=scales[type(s)]) for s, c in b.costs.items()
+                },
+            )
+            for b in self.blocks
+        ]
 
     def compiled(self, candidate: Plan) -> int:
-        return compiled_bytes(
-            self.model, self.step, *self.args, plan=candidate, donate_argnums=self.donate_argnums
+        jitted = jax.jit(
+            functools.partial(self.step, candidate.apply(self.model)),
+            donate_argnums=self.donate_argnums,
         )
+        executable = jitted.trace(*self.args).lower().compile()
+        self.executables[candidate] = executable
+        memory = executable.memory_analysis()
+        return int(memory.temp_size_in_bytes + memory.argument_size_in_bytes)
+
+    def step_ms(self, candidate: Plan, runs: int = 3) -> float:
+        """The compiled candidate's step time, run on zeros; ``inf`` if it cannot run here."""
+        if candidate not in self.measured_ms:
+            limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+            executable = self.executables.get(candidate)
+            if executable is None or (limit and self.checked[candidate] > 0.9 * limit):
+                return math.inf
+            times = []
+            try:
+                for _ in range(runs + 1):
+                    # Donated arguments are used up: fresh zeros for every run.
+                    args = jax.block_until_ready(jax.tree.map(_zeros, self.args))
+                    start = time.perf_counter()
+                    jax.block_until_ready(executable(*args))
+                    times.append(time.perf_counter() - start)
+                    del args
+            except jax.errors.JaxRuntimeError:  # out of memory here: not a candidate to time
+                return math.inf
+            self.measured_ms[candidate] = statistics.median(times[1:]) * 1e3
+        return self.measured_ms[candidate]
 
     def ms(self, choice) -> float:
         return estimate_step_ms(self.blocks, choice, self.link)
@@ -881,7 +951,10 @@ class _Planner:
         budget_bytes = int(budget * plain_bytes) if isinstance(budget, float) else int(budget)
         say(f"planning for {_gib(budget_bytes)}")
         targets = {outside: budget_bytes - c for outside, c in self.constant.items()}
-        for round_ in range(max_rounds):
+        rounds = tries = 0
+        tighten = 1.0
+        while rounds < max_rounds and tries < 4 * max_rounds:
+            tries += 1
             found = {o: _search(blocks, self.options, t, self.link) for o, t in targets.items()}
             found = {o: c for o, c in found.items() if c is not None}
             if not found:
@@ -889,16 +962,16 @@ class _Planner:
             # A stored outside is taken at equal estimated time: its cost is not timed.
             outside = min(found, key=lambda o: (self.ms(found[o]), o != Store()))
             candidate = Plan(tuple(zip(self.paths, found[outside])), outside)
-            if candidate in self.checked:
-                if self.checked[candidate] <= budget_bytes:
-                    break
-            else:
-                say(f"round {round_ + 1}: compiling {_summary(candidate.strategies)}")
+            if candidate not in self.checked:
+                rounds += 1
+                say(f"round {rounds}: compiling {_summary(candidate.strategies)}")
                 self.checked[candidate] = self.compiled(candidate)
-                if self.checked[candidate] <= budget_bytes:
-                    break
-            say(f"compiled: {_gib(self.checked[candidate])}, over the budget; replanning tighter")
-            over = self.checked[candidate] - budget_bytes + budget_bytes // 100
+            if self.checked[candidate] <= budget_bytes:
+                break
+            say(f"{_gib(self.checked[candidate])} compiled: over the budget; planning tighter")
+            # Tighter each time the same plan comes back, so the search moves on.
+            over = (self.checked[candidate] - budget_bytes + budget_bytes // 100) * tighten
+            tighten *= 2
             targets = {o: t - over for o, t in targets.items()}
         fitting = [p for p, got in self.checked.items() if got <= budget_bytes]
         if not fitting:
@@ -908,14 +981,20 @@ class _Planner:
                 f"{_gib(min(self.checked.values()))}). Try a smaller batch"
                 + (", or plan on a GPU, where blocks can offload." if self.link is None else ".")
             )
-        best = min(fitting, key=lambda p: (self.ms(p.strategies), self.checked[p]))
-        say(f"chose {_summary(best.strategies)}: compiled {_gib(self.checked[best])}")
+        # The compiled candidates that fit are run: the measured step decides.
+        say(f"timing the {len(fitting)} compiled plans that fit")
+        best = min(fitting, key=lambda p: (self.step_ms(p), self.ms(p.strategies)))
+        say(
+            f"chose {_summary(best.strategies)}, outside {_short(best.outside)}: compiled "
+            f"{_gib(self.checked[best])}, step {self.step_ms(best):.1f} ms"
+        )
         return dataclasses.replace(
             best,
             budget_bytes=budget_bytes,
             estimated_bytes=self.constant[best.outside] + estimate_peak_bytes(blocks, best.strategies),
             compiled_bytes=self.checked[best],
             estimated_step_ms=self.ms(best.strategies),
+            measured_step_ms=self.step_ms(best),
             notes=tuple(_note(b.cost(s)) for b, s in zip(blocks, best.strategies)),
         )
 
