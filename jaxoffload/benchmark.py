@@ -28,8 +28,7 @@ import optax
 from jax.extend import core as jex_core
 
 import jaxoffload
-from jaxoffload import models, transform
-from jaxoffload import planner
+from jaxoffload import models, planner, transform
 from jaxoffload.planner import Plan, measure_link, plan_hidden_offload
 from jaxoffload.report import analyze, requested_host_transfers, with_twin
 from jaxoffload.strategies import Lean, Offload, Remat, Store, Strategy
@@ -240,7 +239,8 @@ def train_step(workload: Workload, *, abstract: bool = False):
     """
     dtype = jnp.dtype(workload.dtype)
     if workload.strategy == "plan":
-        workload.block_strategies  # noqa: B018 (says clearly when the plan is missing)
+        if workload.planned is None:
+            raise ValueError("'plan' needs its plan: see plan_budgets_in_subprocess.")
         plannable = models.plannable_model(
             workload.model, dtype=dtype, num_classes=workload.num_classes
         )
@@ -494,7 +494,11 @@ def measure(
 
     A planned strategy's workload must carry its plan (:func:`plan_in_subprocess`).
     """
-    if workload.strategy in PLANNED_STRATEGIES and workload.plan is None and workload.planned is None:
+    if (
+        workload.strategy in PLANNED_STRATEGIES
+        and workload.plan is None
+        and workload.planned is None
+    ):
         raise ValueError(
             f"{workload.strategy!r} needs a plan first: see plan_in_subprocess, whose "
             "timing runs would otherwise count in this process's peak."
@@ -531,7 +535,9 @@ def measure(
     if time_twin and twin is not None:
         with transform.without_host_placement():
             twin_forward = jax.jit(lambda p, m, b: twin_loss(p, m, b)[0])
-            extra["twin_forward_ms"] = _median_ms(twin_forward, state[0], state[1], batch, runs=steps)
+            extra["twin_forward_ms"] = _median_ms(
+                twin_forward, state[0], state[1], batch, runs=steps
+            )
         twin_times = []
         for _ in range(steps + 1):
             start = time.perf_counter()
@@ -824,7 +830,10 @@ def plan_budgets_in_subprocess(
     workload: Workload, budgets_bytes: Sequence[int], *, env: dict[str, str] | None = None
 ) -> list[dict[str, Any]]:
     """:func:`plan_budgets` in a fresh Python process, so its timing runs count in no measured peak."""
-    return _child(["plan-budgets", json.dumps(dataclasses.asdict(workload)), json.dumps(list(budgets_bytes))], env)
+    return _child(
+        ["plan-budgets", json.dumps(dataclasses.asdict(workload)), json.dumps(list(budgets_bytes))],
+        env,
+    )
 
 
 def _budget_bytes(budgets: Sequence[float], records: list[dict[str, Any]]) -> list[int]:

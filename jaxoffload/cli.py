@@ -104,7 +104,9 @@ def parse_budgets(text: str) -> tuple[float, ...]:
     try:
         budgets = tuple(float(b) for b in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected shares such as 0.75,0.5, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected shares such as 0.75,0.5, got {text!r}"
+        ) from None
     bad = [b for b in budgets if not 0 < b <= 1]
     if bad:
         raise argparse.ArgumentTypeError(f"budgets are shares of 'none's peak in (0, 1], got {bad}")
@@ -153,7 +155,9 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
             )
             for s in strategies
         ] + [
-            benchmark.Workload(args.model, args.batch, args.image_size, args.dtype, "plan", budget=b)
+            benchmark.Workload(
+                args.model, args.batch, args.image_size, args.dtype, "plan", budget=b
+            )
             for b in args.budget
         ]
     except ValueError as e:
@@ -246,7 +250,9 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
             )
     for r in records:
         if r["strategy"] == "plan" and "plan_choices" in r:
-            choices = ", ".join(f"{c} x{r['plan_choices'].count(c)}" for c in dict.fromkeys(r["plan_choices"]))
+            choices = ", ".join(
+                f"{c} x{r['plan_choices'].count(c)}" for c in dict.fromkeys(r["plan_choices"])
+            )
             console.print(f"{_name(r)}: {choices}; outside the blocks {r['plan_outside']}")
     plotted = plot_records(records, out / "pareto.png")
     console.print(f"wrote {out / 'records.json'}" + (f" and {plotted}" if plotted else ""))

@@ -1,5 +1,6 @@
 """The jaxoffload command: arguments, errors, and what it writes."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -8,7 +9,7 @@ import sys
 import pytest
 
 import jaxoffload
-from jaxoffload import cli
+from jaxoffload import benchmark, cli
 
 REQUIRED = {
     "model", "batch", "image_size", "dtype", "strategy", "framework", "device", "jax_version",
@@ -282,3 +283,26 @@ def test_planned_strategy_failures_and_empty_plans_are_reported(monkeypatch, tmp
         record = json.loads((tmp_path / failing / "records.json").read_text())[-1]
         assert record["out_of_memory"], failing
         assert record["offloaded_blocks"] == (0 if failing == "measure" else None), failing
+
+
+def test_budgets_parse_and_make_plan_workloads():
+    assert cli.parse_budgets("0.75,0.5") == (0.75, 0.5)
+    for bad, error in [("0.5,x", "expected shares"), ("1.5", r"in \(0, 1\]")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=error):
+            cli.parse_budgets(bad)
+    with pytest.raises(ValueError, match="takes a budget"):
+        benchmark.Workload("flax-resnet18", 2, 32, "float32", "plan")
+    with pytest.raises(ValueError, match="reference model"):
+        benchmark.Workload("resnet18", 2, 32, "float32", "plan", budget=0.5)
+    with pytest.raises(ValueError, match="needs its plan"):
+        _ = benchmark.Workload(
+            "flax-resnet18", 2, 32, "float32", "plan", budget=0.5
+        ).block_strategies
+
+
+def test_plan_budgets_are_shares_of_the_none_peak_less_the_allocator_s_excess():
+    none = {"strategy": "none", "step_time_ms": 1.0, "compiled_temp_bytes": 800,
+            "compiled_argument_bytes": 100, "peak_bytes_in_use": 1000}  # fmt: skip
+    # Half of the 1000-byte peak, less the 100 bytes the allocator held beyond the program's.
+    assert benchmark._budget_bytes([0.5, 1.0], [none]) == [400, 900]
+    assert benchmark._budget_bytes([0.5], [{**none, "peak_bytes_in_use": None}]) == [450]

@@ -151,7 +151,7 @@ def test_what_the_lean_rules_do_not_take_falls_back_to_flax(x, kwargs):
     )
 
 
-@settings(deadline=None, max_examples=10)
+@settings(deadline=None, max_examples=6)
 @given(
     shape=st.lists(st.integers(1, 7), min_size=1, max_size=4),
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),

@@ -24,6 +24,22 @@ def test_the_example_trains_a_users_model():
                                                         "Block_3", "Conv_0", "Dense_0"]  # fmt: skip
 
 
+def test_the_planning_example_plans_and_applies(tmp_path, monkeypatch):
+    namespace = {}
+    exec(_python(0), namespace)
+    monkeypatch.chdir(tmp_path)
+    # XLA:CPU's temps barely move with the strategy (nothing is offloaded on a CPU), so a
+    # share under the plain step's may not fit here: on CPU the example plans for 1.0.
+    code = _python(3).replace("budget=0.5", "budget=1.0, runs=1, progress=False")
+    assert "budget=1.0" in code
+    exec(code, namespace)
+    plan = namespace["plan"]
+    assert [path for path, _ in plan.blocks] == ["Block_0", "Block_1", "Block_2", "Block_3"]
+    assert plan.compiled_bytes <= plan.budget_bytes
+    assert jaxoffload.Plan.load("plan.json") == plan
+    assert type(namespace["model"]).__name__ == "Net"
+
+
 def test_the_nesting_and_function_examples_run():
     namespace = {"jaxoffload": jaxoffload, "jnp": jnp, **vars(flax_resnet)}
     exec(_python(1), namespace)

@@ -192,7 +192,9 @@ def plannable_model(name: str, *, dtype: Any = jnp.float32, num_classes: int = 1
     model, block = _PLAIN[name]
     base = model.func if isinstance(model, functools.partial) else model
     return model(
-        **{_BLOCK_ATTRIBUTE[base]: offload_linen.plannable(block)}, num_classes=num_classes, dtype=dtype
+        **{_BLOCK_ATTRIBUTE[base]: offload_linen.plannable(block)},
+        num_classes=num_classes,
+        dtype=dtype,
     )
 
 

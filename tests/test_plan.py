@@ -1,0 +1,225 @@
+"""jaxoffload.plan and Plan values: JSON, application to a linen model, budgets, the peak model."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxoffload
+from jaxoffload import Lean, Offload, Plan, Remat, Store, planner
+from jaxoffload.planner import BlockCost, BlockCosts, estimate_peak_bytes, estimate_step_ms
+from tests.helpers import host_device_puts, normal, rel_err
+
+
+class Block(nn.Module):  # a user's block, unmodified
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.relu(nn.BatchNorm(use_running_average=False)(nn.Conv(self.features, (3, 3))(x)))
+        y = nn.BatchNorm(use_running_average=False)(nn.Conv(self.features, (3, 3))(y))
+        return nn.relu(x + y)
+
+
+class Net(nn.Module):
+    block: type = Block
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(8, (3, 3))(x))
+        for _ in range(3):
+            x = self.block(8)(x)
+        return nn.Dense(4)(x.mean((1, 2)))
+
+
+PLANNABLE = Net(block=jaxoffload.linen.plannable(Block))
+PATHS = ("Block_0", "Block_1", "Block_2")
+X = normal(0, (4, 16, 16, 3))
+LABELS = jnp.array([0, 1, 2, 3])
+VARIABLES = Net().init(jax.random.key(1), X)
+
+
+def step(model, params, batch_stats, x, labels):
+    def loss_fn(params):
+        logits, updates = model.apply(
+            {"params": params, "batch_stats": batch_stats}, x, mutable=["batch_stats"]
+        )
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        return loss, updates["batch_stats"]
+
+    return jax.grad(loss_fn, has_aux=True)(params)
+
+
+ARGS = (VARIABLES["params"], VARIABLES["batch_stats"], X, LABELS)
+
+
+def gradients(model):
+    return jax.jit(functools.partial(step, model))(*ARGS)
+
+
+PLAIN_GRADS = gradients(Net())
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        Plan(tuple(zip(PATHS, (Store(), Lean(), Remat())))),
+        Plan(tuple(zip(PATHS, (Offload(), Offload(window=2), Offload(recompute=True)))), Lean()),
+        Plan(tuple(zip(PATHS, (Remat(),) * 3)), Lean()),  # same arithmetic as plain: the control
+    ],
+    ids=["mixed", "offload", "remat-control"],
+)
+def test_applied_plan_gives_the_plain_gradients_and_variables(plan):
+    model = plan.apply(PLANNABLE)
+    assert jax.tree.map(jnp.shape, model.init(jax.random.key(1), X)) == jax.tree.map(
+        jnp.shape, VARIABLES
+    )
+    grads, stats = gradients(model)
+    assert rel_err(grads, PLAIN_GRADS[0]) <= 1e-6
+    assert rel_err(stats, PLAIN_GRADS[1]) <= 1e-6
+
+
+def test_offload_plan_places_residuals_on_the_host():
+    plan = Plan(tuple(zip(PATHS, (Store(), Offload(), Store()))))
+    jaxpr = jax.make_jaxpr(functools.partial(step, plan.apply(PLANNABLE)))(*ARGS)
+    assert host_device_puts(jaxpr) > 0
+    plain = jax.make_jaxpr(functools.partial(step, PLANNABLE))(*ARGS)
+    assert host_device_puts(plain) == 0
+
+
+def test_unplanned_plannable_model_is_the_plain_model():
+    assert rel_err(gradients(PLANNABLE)[0], PLAIN_GRADS[0]) == 0.0
+
+
+def test_plan_values_round_trip_through_json(tmp_path):
+    plan = Plan(
+        tuple(
+            zip(
+                PATHS,
+                (
+                    Lean(max_recompute=0.1),
+                    Remat(jax.checkpoint_policies.dots_saveable),
+                    Offload(window=3, min_bytes=8),
+                ),
+            )
+        ),
+        Lean(),
+        budget_bytes=123,
+        notes=("a", "b", "c"),
+    )
+    assert Plan.from_json(plan.to_json()) == plan
+    plan.save(tmp_path / "plan.json")
+    loaded = Plan.load(tmp_path / "plan.json")
+    assert loaded == plan and loaded.budget_bytes == 123 and hash(loaded) == hash(plan)
+    assert "Offload(min_bytes=8, window=3)" in str(plan)
+
+
+def test_plan_errors_name_the_problem():
+    with pytest.raises(ValueError, match="appear twice"):
+        Plan((("Block_0", Lean()), ("Block_0", Store())))
+    with pytest.raises(TypeError, match="write Lean()"):
+        Plan((("Block_0", Lean),))
+    policy = jax.checkpoint_policies.save_only_these_names("x")
+    with pytest.raises(ValueError, match="cannot be written to JSON"):
+        Plan((("Block_0", Remat(policy)),)).to_json()
+    other = Plan((("Dense_0", Lean()),))
+    with pytest.raises(ValueError, match="no block 'Block_0'"):
+        gradients(other.apply(PLANNABLE))
+
+
+@pytest.mark.parametrize(
+    "budget, error", [(1.5, "in \\(0, 1\\]"), (0, "positive"), (True, "bytes"), ("1", "bytes")]
+)
+def test_bad_budgets_are_refused(budget, error):
+    with pytest.raises((ValueError, TypeError), match=error):
+        jaxoffload.plan(PLANNABLE, step, *ARGS, budget=budget, progress=False)
+
+
+def test_a_model_without_plannable_blocks_is_refused():
+    with pytest.raises(ValueError, match="linen.plannable"):
+        jaxoffload.plan(Net(), step, *ARGS, budget=1.0, progress=False)
+
+
+@pytest.fixture(scope="module")
+def shared_planner():
+    """One planner for the test model: its costs are measured once for every budget."""
+    lines = []
+    made = planner._Planner(PLANNABLE, step, ARGS, None, runs=1, say=lines.append)
+    return made, lines
+
+
+def test_plan_fits_its_budget_and_trains_like_plain(shared_planner):
+    made, lines = shared_planner
+    for budget in (1.0, 10**12):
+        plan = made.plan_for(budget, max_rounds=3)
+        assert [p for p, _ in plan.blocks] == list(PATHS)
+        assert plan.compiled_bytes <= plan.budget_bytes
+        assert plan.measured_step_ms > 0
+        grads, _ = gradients(plan.apply(PLANNABLE))
+        assert rel_err(grads, PLAIN_GRADS[0]) <= 1e-6
+    assert any("timing block program" in line for line in lines)
+
+
+def test_no_plan_fits_says_what_was_reached(shared_planner):
+    made, _ = shared_planner
+    with pytest.raises(jaxoffload.NoPlanFits, match="the least compiled was"):
+        made.plan_for(1000, max_rounds=3)
+
+
+def _blocks(n=4, kept=100, lean=40, host=40):
+    costs = {
+        Store(): BlockCost(kept, 10, 0, 0, 0, 1.0, 2.0),
+        Lean(): BlockCost(lean, 10, 0, 0, 0, 1.0, 2.0),
+        Remat(): BlockCost(0, 10, 0, 0, kept, 1.0, 3.0),
+        Offload(): BlockCost(0, 0, 0, host, 0, 1.0, 2.0),
+    }
+    return [BlockCosts(f"Block_{i}", 10, 10, costs) for i in range(n)]
+
+
+def test_the_peak_model_is_a_peak_over_time_not_a_sum():
+    blocks = _blocks()
+    store = estimate_peak_bytes(blocks, [Store()] * 4)
+    # All four blocks' residuals and the last block's backward work are live at once.
+    assert store == 4 * (100 + 10) + 20
+    # Rematerialising recomputes one block at a time: its residuals, not all of them.
+    remat = estimate_peak_bytes(blocks, [Remat()] * 4)
+    assert remat == 4 * 10 + 100 + 20
+    assert estimate_peak_bytes(blocks, [Lean()] * 4) < store
+    # A wider window keeps more transfers in flight.
+    one = estimate_peak_bytes(blocks, [Offload()] * 4)
+    two = estimate_peak_bytes(blocks, [Offload(window=2)] * 4)
+    assert two > one
+
+
+def test_the_time_model_adds_transfers_that_compute_cannot_hide():
+    blocks = _blocks(host=2_000_000)  # 1 ms each way at 2 GB/s
+    assert estimate_step_ms(blocks, [Store()] * 4, None) == 12.0
+    exposed = estimate_step_ms(blocks, [Offload()] * 4, (2.0, 2.0))
+    hidden = estimate_step_ms(blocks, [Offload(window=2)] * 4, (2.0, 2.0))
+    assert exposed == pytest.approx(12.0 + 8.0)
+    assert hidden < exposed
+
+
+def test_search_prefers_the_fastest_plan_that_fits():
+    blocks = _blocks()
+    options = (Store(), Lean(), Remat())
+    # Store and Lean take the same time here: the leaner is taken.
+    assert planner._search(blocks, options, budget=10**9, link=None) == (Lean(),) * 4
+    slower_lean = [
+        BlockCosts(
+            b.path,
+            b.input_bytes,
+            b.output_bytes,
+            {**b.costs, Lean(): BlockCost(40, 10, 0, 0, 0, 1.0, 2.5)},
+        )
+        for b in blocks
+    ]
+    assert planner._search(slower_lean, options, budget=10**9, link=None) == (Store(),) * 4
+    tight = planner._search(
+        blocks, options, budget=estimate_peak_bytes(blocks, [Lean()] * 4), link=None
+    )
+    assert estimate_peak_bytes(blocks, tight) <= estimate_peak_bytes(blocks, [Lean()] * 4)
+    assert planner._search(blocks, options, budget=1, link=None) is None
