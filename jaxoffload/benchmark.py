@@ -41,6 +41,7 @@ __all__ = [
     "OutOfMemory",
     "Workload",
     "find_max_batch",
+    "largest_fitting_batch",
     "gradient_error",
     "hidden_offload_workload",
     "measure",
@@ -867,37 +868,94 @@ def _hidden_budget(workload: Workload, records: list[dict[str, Any]]) -> dict[st
 def find_max_batch(
     workload: Workload, *, env: dict[str, str] | None = None, limit: int = 4096
 ) -> int:
-    """The largest batch, to within 1/16, with which ``workload`` trains without running out of memory.
+    """The largest batch, to within 1/16, with which ``workload`` trains in device memory.
 
-    Doubles the batch from ``workload.batch`` until a step runs out of memory
-    (or ``limit`` is passed), then bisects between the last batch that fitted
-    (0 at first) and the first that did not. Each try is one step in a fresh
-    process.
+    Compiling is the check: in one child process (under ``env``'s memory
+    cap), the step is compiled at a few batches, allocating nothing, and its
+    compiled bytes (temporaries and arguments) are compared with the
+    device's limit (:func:`largest_fitting_batch`). One real step at the
+    batch found, in a fresh process, confirms it; if it runs out of memory,
+    the batch drops by 1/16 and runs again, at most three times.
 
     Returns:
-      The largest batch seen to fit, which may be below ``workload.batch``;
-      ``limit``'s last doubling if every try fitted; 0 if not even 1 fits.
+      The largest batch confirmed to train; 0 if none was.
     """
-
-    def fits(batch: int) -> bool:
+    found = _child(
+        ["largest-compiled", json.dumps(dataclasses.asdict(workload)), json.dumps(limit)], env
+    )["batch"]
+    for _ in range(3):
+        if found < 1:
+            return 0
         try:
-            measure_in_subprocess(dataclasses.replace(workload, batch=batch), steps=1, env=env)
-            return True
+            measure_in_subprocess(dataclasses.replace(workload, batch=found), steps=1, env=env)
+            return found
         except OutOfMemory:
-            return False
+            found -= max(1, found // 16)
+    return 0
 
-    fit, fail, batch = 0, None, workload.batch
-    while batch <= limit:
-        if not fits(batch):
-            fail = batch
-            break
-        fit, batch = batch, batch * 2
-    if fail is None:
-        return fit
-    while fail - fit > max(1, fit // 16):
-        middle = (fit + fail) // 2
-        fit, fail = (middle, fail) if fits(middle) else (fit, middle)
-    return fit
+
+def largest_fitting_batch(bytes_at: Any, capacity: int, *, start: int, limit: int = 4096) -> int:
+    """The largest batch up to ``limit`` whose ``bytes_at(batch)`` is at most ``capacity``, to within 1/16.
+
+    A CNN's training step holds bytes nearly affine in the batch, so two
+    checks predict the answer, and a few more bracket it: about five calls
+    of ``bytes_at`` (one compile each) where doubling and bisecting takes
+    ten. The answer is always a batch that was checked and fitted (0 if
+    even 1 does not fit).
+
+    Example:
+      >>> largest_fitting_batch(lambda b: 100 + 10 * b, 1000, start=8)
+      90
+    """
+    seen: dict[int, int] = {}
+
+    def fits(batch):
+        if batch not in seen:
+            seen[batch] = bytes_at(batch)
+        return seen[batch] <= capacity
+
+    first = max(1, min(start, limit))
+    second = min(limit, first * 2) if fits(first) else max(1, first // 2)
+    if second != first:
+        fits(second)
+    points = sorted(seen.items())
+    (b0, y0), (b1, y1) = points[0], points[-1]
+    slope = (y1 - y0) / (b1 - b0) if b1 != b0 else 0
+    guess = limit if slope <= 0 else int(b0 + (capacity - y0) / slope)
+    guess = max(1, min(limit, guess))
+    good = max((b for b in seen if seen[b] <= capacity), default=0)
+    bad = min((b for b in seen if seen[b] > capacity), default=limit + 1)
+    # The guess, then its neighbour a sixteenth away (which brackets an affine
+    # step's answer), then bisection.
+    probe, near = guess, True
+    while bad - good > max(1, good // 16):
+        if not good < probe < bad:
+            probe = (good + bad) // 2
+        fitted = fits(probe)
+        good, bad = (probe, bad) if fitted else (good, probe)
+        step = max(1, probe // 16)
+        probe = (probe + step if fitted else probe - step) if near else (good + bad) // 2
+        near = False
+    return good
+
+
+def _largest_compiled(workload: Workload, limit: int) -> dict[str, int]:
+    """:func:`largest_fitting_batch` by compiled bytes against this process's device limit."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        raise RuntimeError("--max-batch needs a device that reports its memory limit (a GPU).")
+    # What the allocator holds beyond the compiled bytes: a few percent.
+    capacity = int(stats["bytes_limit"] * 0.97)
+
+    def bytes_at(batch):
+        step, state, batch_, _ = train_step(
+            dataclasses.replace(workload, batch=batch), abstract=True
+        )
+        memory = step.trace(state, batch_).lower().compile().memory_analysis()
+        return memory.temp_size_in_bytes + memory.argument_size_in_bytes
+
+    batch = largest_fitting_batch(bytes_at, capacity, start=workload.batch, limit=limit)
+    return {"batch": batch, "capacity": capacity}
 
 
 def _child(argv: list[str], env: dict[str, str] | None) -> Any:
@@ -957,6 +1015,8 @@ def _main(argv: list[str]) -> None:
     elif argv[0] == "plan":
         planned = hidden_offload_workload(Workload(**json.loads(argv[1])), **json.loads(argv[2]))
         print(json.dumps({"plan": planned.plan, "window": planned.window}), flush=True)
+    elif argv[0] == "largest-compiled":
+        print(json.dumps(_largest_compiled(Workload(**json.loads(argv[1])), json.loads(argv[2]))))
     elif argv[0] == "plan-budgets":
         results = plan_budgets(Workload(**json.loads(argv[1])), json.loads(argv[2]))
         print(json.dumps(results), flush=True)

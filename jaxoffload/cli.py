@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--max-batch",
         action="store_true",
-        help="also find, per strategy, the largest batch that trains (GPU only)",
+        help="also find, per strategy, the largest batch that trains: by compiling, then "
+        "one step to confirm (GPU only)",
     )
     bench.add_argument(
         "--memory-cap",

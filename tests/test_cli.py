@@ -181,25 +181,54 @@ def test_a_failing_strategy_is_recorded_and_the_others_still_run(monkeypatch, tm
 
 
 @pytest.mark.parametrize(
-    ("start", "fits_up_to", "expected"), [(8, 100, 100), (8, 5, 5), (8, 0, 0), (8, 10_000, 4096)]
+    "bytes_at",
+    [
+        lambda b: 1000 + 37 * b,  # affine, as a CNN's step nearly is
+        lambda b: 1000 + 37 * b + (5000 if b > 300 else 0),  # a jump the line does not predict
+        lambda b: 1000 + b * b,  # far from affine
+    ],
+    ids=["affine", "jump", "quadratic"],
 )
-def test_find_max_batch_doubles_then_bisects(monkeypatch, start, fits_up_to, expected):
-    from jaxoffload import benchmark
+@pytest.mark.parametrize("start", [1, 8, 256, 5000])
+def test_largest_fitting_batch_is_checked_and_within_a_sixteenth(bytes_at, start):
+    calls = []
 
+    def counted(b):
+        calls.append(b)
+        return bytes_at(b)
+
+    capacity = 20_000
+    found = benchmark.largest_fitting_batch(counted, capacity, start=start, limit=4096)
+    truth = max(b for b in range(4097) if b == 0 or bytes_at(b) <= capacity)
+    assert found in calls and bytes_at(found) <= capacity
+    assert truth - found <= max(1, truth // 16)
+    assert len(calls) <= 14
+
+
+def test_largest_fitting_batch_at_the_edges():
+    assert benchmark.largest_fitting_batch(lambda b: b, 10**9, start=8, limit=64) == 64
+    assert benchmark.largest_fitting_batch(lambda b: 10 + b, 5, start=8) == 0
+
+
+def test_find_max_batch_confirms_by_running_and_steps_down(monkeypatch):
     tried = []
 
-    def fake(workload, *, steps, env):
+    def fake_child(argv, env):
+        assert argv[0] == "largest-compiled"
+        return {"batch": 160}
+
+    def fake_measure(workload, *, steps, env):
         tried.append(workload.batch)
-        if workload.batch > fits_up_to:
+        if workload.batch > 150:
             raise benchmark.OutOfMemory("RESOURCE_EXHAUSTED")
         return {}
 
-    monkeypatch.setattr(benchmark, "measure_in_subprocess", fake)
-    w = benchmark.Workload("flax-resnet18", start, 32, "float32", "none")
-    found = benchmark.find_max_batch(w, limit=4096)
-    assert found == expected
-    assert found <= fits_up_to
-    assert len(tried) <= 2 * 10  # doubling, then bisection: logarithmic in the batch
+    monkeypatch.setattr(benchmark, "_child", fake_child)
+    monkeypatch.setattr(benchmark, "measure_in_subprocess", fake_measure)
+    w = benchmark.Workload("flax-resnet18", 8, 32, "float32", "none")
+    # The compiled answer ran out of memory: a sixteenth less ran.
+    assert benchmark.find_max_batch(w) == 150
+    assert tried == [160, 150]
 
 
 def test_transfer_bound_uses_the_twins_compute_and_the_records_own_link():
