@@ -785,8 +785,16 @@ def compiled_bytes(
     outputs reuse the arguments' buffers. ``donate_argnums`` counts the
     arguments after ``model``, as the training loop's ``jax.jit`` does.
     """
+    return _device_bytes(_compile(model, step, args, plan, donate_argnums))
+
+
+def _compile(model, step, args, plan: Plan, donate_argnums):
     jitted = jax.jit(functools.partial(step, plan.apply(model)), donate_argnums=donate_argnums)
-    memory = jitted.trace(*args).lower().compile().memory_analysis()
+    return jitted.trace(*args).lower().compile()
+
+
+def _device_bytes(executable) -> int:
+    memory = executable.memory_analysis()
     return int(memory.temp_size_in_bytes + memory.argument_size_in_bytes)
 
 
@@ -933,14 +941,9 @@ class _Planner:
         ]
 
     def compiled(self, candidate: Plan) -> int:
-        jitted = jax.jit(
-            functools.partial(self.step, candidate.apply(self.model)),
-            donate_argnums=self.donate_argnums,
-        )
-        executable = jitted.trace(*self.args).lower().compile()
+        executable = _compile(self.model, self.step, self.args, candidate, self.donate_argnums)
         self.executables[candidate] = executable
-        memory = executable.memory_analysis()
-        return int(memory.temp_size_in_bytes + memory.argument_size_in_bytes)
+        return _device_bytes(executable)
 
     def step_ms(self, candidate: Plan, runs: int = 3) -> float:
         """The compiled candidate's step time, run on zeros; ``inf`` if it cannot run here."""
