@@ -3,6 +3,7 @@
 __version__ = "0.2.0"
 
 from jaxoffload import linen as linen
+from jaxoffload import nnx as nnx
 from jaxoffload.planner import NoPlanFits as NoPlanFits
 from jaxoffload.planner import Plan as Plan
 from jaxoffload.planner import plan as plan
@@ -38,6 +39,7 @@ __all__ = [
     "Strategy",
     "linen",
     "memory_report",
+    "nnx",
     "offload",
     "offloaded_calls",
     "plan",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import operator
 import threading
 import warnings
@@ -18,6 +19,7 @@ from typing import Any, TypeVar, overload
 
 import jax
 import numpy as np
+from flax import nnx as flax_nnx
 from jax.extend import core as jex_core
 
 from jaxoffload import cut as cut_lib
@@ -149,12 +151,19 @@ def wrap(
         raise TypeError(f"wrap expects a callable, got {fun!r} of type {type(fun).__name__}.")
     device_argnums = _check_argnums("device_argnums", device_argnums)
     static_argnums = _check_argnums("static_argnums", static_argnums)
+    if inspect.ismethod(fun) and _is_nnx_module(fun.__self__):
+        raise TypeError(_NNX_HINT.format(name=type(fun.__self__).__name__))
     if isinstance(strategy, Store):
         return fun
     argnums = _Argnums(device=device_argnums, static=static_argnums)
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
+        modules = [
+            x for x in jax.tree.leaves((args, kwargs), is_leaf=_is_nnx_module) if _is_nnx_module(x)
+        ]
+        if modules:
+            raise TypeError(_NNX_HINT.format(name=type(modules[0]).__name__))
         return _wrapped_call(fun, strategy, argnums, args, kwargs)
 
     wrapped.__jaxoffload__ = (fun, strategy, argnums)  # type: ignore[attr-defined]
@@ -278,6 +287,17 @@ def offload(
         return wrap(fun, strategy, device_argnums=device_argnums, static_argnums=static_argnums)
 
     return decorate if fun is None else decorate(fun)
+
+
+_NNX_HINT = (
+    "jaxoffload.wrap and jaxoffload.offload take arrays, but got the NNX Module {name}: its "
+    "variable updates (BatchNorm statistics, RNG counts) would be lost. Use "
+    "jaxoffload.nnx.wrap(f, strategy) or jaxoffload.nnx.offload, which write them back."
+)
+
+
+def _is_nnx_module(x) -> bool:
+    return isinstance(x, flax_nnx.Module)
 
 
 # ---- listing residuals ------------------------------------------------------------------

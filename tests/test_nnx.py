@@ -1,0 +1,154 @@
+"""jaxoffload.nnx: every strategy on an NNX CNN trains as plain NNX and nnx.remat do."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+import jaxoffload
+from jaxoffload import Lean, Offload, Remat, Store
+from tests.helpers import host_device_puts, normal, rel_err
+
+
+class Block(nnx.Module):
+    def __init__(self, features, rngs):
+        self.conv1 = nnx.Conv(features, features, (3, 3), rngs=rngs)
+        self.bn1 = nnx.BatchNorm(features, rngs=rngs)
+        self.conv2 = nnx.Conv(features, features, (3, 3), rngs=rngs)
+        self.bn2 = nnx.BatchNorm(features, rngs=rngs)
+        self.drop = nnx.Dropout(0.25, rngs=rngs)
+
+    def __call__(self, x):
+        y = self.drop(nnx.relu(self.bn1(self.conv1(x))))
+        return nnx.relu(x + self.bn2(self.conv2(y)))
+
+
+class Net(nnx.Module):
+    def __init__(self, wrap_block, rngs):
+        self.stem = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+        self.blocks = nnx.List([Block(8, rngs) for _ in range(2)])
+        self.head = nnx.Linear(8, 4, rngs=rngs)
+        self.wrap_block = wrap_block
+
+    def __call__(self, x):
+        x = nnx.max_pool(nnx.relu(self.stem(x)), (2, 2), (2, 2))
+        for block in self.blocks:
+            x = self.wrap_block(lambda b, x: b(x))(block, x)
+        return self.head(x.mean((1, 2)))
+
+
+X = normal(0, (4, 16, 16, 3))
+LABELS = jnp.array([0, 1, 2, 3])
+WRAPS = {
+    "plain": lambda f: f,
+    "nnx.remat": nnx.remat,
+    **{
+        name: (lambda s: lambda f: jaxoffload.nnx.wrap(f, s))(s)
+        for name, s in {
+            "Store": Store(),
+            "Lean": Lean(),
+            "Remat": Remat(),
+            "Offload": Offload(),
+            "Offload(window=2)": Offload(window=2),
+        }.items()
+    },
+}
+
+
+def _train(wrap, steps=2):
+    model = Net(wrap, nnx.Rngs(0, dropout=1))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x, labels):
+        def loss_fn(model):
+            logits = model(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss, grads
+
+    losses, grads = [], []
+    for _ in range(steps):
+        loss, g = step(model, optimizer, X, LABELS)
+        losses.append(loss)
+        grads.append(g)
+    return model, losses, grads
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return _train(WRAPS["plain"])
+
+
+@pytest.mark.parametrize("name", [n for n in WRAPS if n != "plain"])
+def test_every_strategy_trains_as_plain_and_nnx_remat(plain, name):
+    model, losses, grads = _train(WRAPS[name])
+    plain_model, plain_losses, plain_grads = plain
+    for g, p in zip(grads, plain_grads):
+        assert rel_err(nnx.to_pure_dict(g), nnx.to_pure_dict(p)) <= 1e-6, name
+    assert rel_err(losses, plain_losses) <= 1e-6
+    stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+    plain_stats = nnx.to_pure_dict(nnx.state(plain_model, nnx.BatchStat))
+    assert rel_err(stats, plain_stats) <= 1e-6
+    # The statistics did move, and the dropout stream advanced as in plain NNX.
+    assert float(jnp.abs(model.blocks[0].bn1.mean[...]).sum()) > 0
+    counts = nnx.to_pure_dict(nnx.state(model, nnx.RngCount))
+    assert counts == nnx.to_pure_dict(nnx.state(plain_model, nnx.RngCount))
+
+
+def test_offload_places_residuals_on_the_host():
+    model = Net(lambda f: jaxoffload.nnx.wrap(f, Offload()), nnx.Rngs(0, dropout=1))
+
+    def loss(model, x):
+        return model(x).sum()
+
+    graphdef, state = nnx.split(model)
+
+    def gradient(state, x):
+        return nnx.grad(loss)(nnx.merge(graphdef, state), x)
+
+    assert host_device_puts(jax.make_jaxpr(gradient)(state, X)) > 0
+
+
+def test_a_bound_method_is_wrapped_with_its_module():
+    block = Block(8, nnx.Rngs(0, dropout=1))
+    x = normal(1, (2, 8, 8, 8))
+    lean = jaxoffload.nnx.wrap(block.__call__, Lean())
+    y = lean(x)
+    assert float(jnp.abs(block.bn1.mean[...]).sum()) > 0 and y.shape == x.shape
+
+
+def test_the_function_transform_refuses_nnx_modules():
+    block = Block(8, nnx.Rngs(0, dropout=1))
+    x = normal(1, (2, 8, 8, 8))
+    with pytest.raises(TypeError, match="jaxoffload.nnx.wrap"):
+        jaxoffload.offload(lambda m, x: m(x))(block, x)
+    with pytest.raises(TypeError, match="NNX Module Block"):
+        jaxoffload.offload(block.__call__)
+    with pytest.raises(TypeError, match="jaxoffload.nnx"):
+        jaxoffload.wrap(lambda ms, x: ms[0](x), Lean())([block], x)
+
+
+def test_a_module_instance_is_wrapped_in_place_with_its_paths_kept():
+    plain = Net(WRAPS["plain"], nnx.Rngs(0, dropout=1))
+    model = Net(WRAPS["plain"], nnx.Rngs(0, dropout=1))
+    for block in model.blocks:
+        assert jaxoffload.nnx.wrap(block, Offload()) is block
+    assert type(model.blocks[0]).__name__ == "Block"
+    assert jax.tree.structure(nnx.to_pure_dict(nnx.state(model))) == jax.tree.structure(
+        nnx.to_pure_dict(nnx.state(plain))
+    )
+    graphdef, state = nnx.split(model)
+
+    def gradient(state, x):
+        return nnx.grad(lambda m, x: m(x).sum())(nnx.merge(graphdef, state), x)
+
+    assert host_device_puts(jax.make_jaxpr(gradient)(state, X)) > 0
+    # Wrapping again replaces the strategy; it does not nest. Store() is the plain class.
+    jaxoffload.nnx.wrap(model.blocks[0], Lean())
+    assert type(model.blocks[0]).__mro__[1] is Block
+    jaxoffload.nnx.wrap(model.blocks[0], Store())
+    assert type(model.blocks[0]) is Block
