@@ -1,5 +1,7 @@
 """jaxoffload.nnx: every strategy on an NNX CNN trains as plain NNX and nnx.remat do."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -40,19 +42,17 @@ class Net(nnx.Module):
 
 X = normal(0, (4, 16, 16, 3))
 LABELS = jnp.array([0, 1, 2, 3])
+STRATEGIES = {
+    "Store": Store(),
+    "Lean": Lean(),
+    "Remat": Remat(),
+    "Offload": Offload(),
+    "Offload(window=2)": Offload(window=2),
+}
 WRAPS = {
     "plain": lambda f: f,
     "nnx.remat": nnx.remat,
-    **{
-        name: (lambda s: lambda f: jaxoffload.nnx.wrap(f, s))(s)
-        for name, s in {
-            "Store": Store(),
-            "Lean": Lean(),
-            "Remat": Remat(),
-            "Offload": Offload(),
-            "Offload(window=2)": Offload(window=2),
-        }.items()
-    },
+    **{name: functools.partial(jaxoffload.nnx.wrap, strategy=s) for name, s in STRATEGIES.items()},
 }
 
 
