@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.extend import core as jex_core
 
 import jaxoffload
@@ -157,6 +158,11 @@ class Workload:
         if (self.strategy == "plan") != (self.budget is not None):
             raise ValueError("the 'plan' strategy takes a budget, and only it does.")
         if self.strategy == "plan":
+            if models.is_nnx(self.model):
+                raise ValueError(
+                    f"'plan' plans linen models' plannable blocks; planning {self.model}, an NNX "
+                    "model, is not built yet."
+                )
             if not plain:
                 raise ValueError(
                     f"'plan' plans the plain-Flax models' plannable blocks; {self.model} is a "
@@ -239,6 +245,9 @@ def train_step(workload: Workload, *, abstract: bool = False):
       ``loss_fn(params, model_state, batch) -> (loss, model_state)``.
     """
     dtype = jnp.dtype(workload.dtype)
+    if models.is_nnx(workload.model):
+        step, state, batch, loss_fn = _nnx_training(workload, abstract=abstract)
+        return jax.jit(step, donate_argnums=0), state, batch, loss_fn
     if workload.strategy == "plan":
         if workload.planned is None:
             raise ValueError("'plan' needs its plan: see plan_budgets_in_subprocess.")
@@ -296,6 +305,51 @@ def _training(workload: Workload, model, *, abstract: bool | None):
     if abstract is None:
         return step, None, None, loss_fn
     # Eager init dispatches hundreds of small ops: jit makes it one program.
+    state, batch = jax.eval_shape(init) if abstract else jax.jit(init)()
+    return step, state, batch, loss_fn
+
+
+def _nnx_training(workload: Workload, *, abstract: bool):
+    """:func:`_training` for a plain Flax NNX model: the state is its split, as pytrees."""
+    dtype = jnp.dtype(workload.dtype)
+    (strategy,) = set(workload.block_strategies)
+    tx = optax.sgd(1e-3, momentum=0.9)
+
+    def build():
+        return models.create_nnx(
+            workload.model,
+            strategy=strategy,
+            dtype=dtype,
+            num_classes=workload.num_classes,
+            rngs=nnx.Rngs(1),
+        )
+
+    graphdef, _, _ = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
+
+    def init():
+        key = jax.random.key(0)
+        shape = (workload.batch, workload.image_size, workload.image_size, 3)
+        x = jax.random.normal(key, shape, dtype)
+        labels = jax.random.randint(key, (workload.batch,), 0, workload.num_classes)
+        _, params, rest = nnx.split(build(), nnx.Param, ...)
+        return (params, rest, tx.init(params)), (x, labels)
+
+    def loss_fn(params, model_state, batch):
+        x, labels = batch
+        # Fresh Variables of this trace: NNX refuses to mutate those of an outer one.
+        model = nnx.merge(graphdef, params, model_state, copy=True)
+        logits = model(x)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+        return loss.mean(), nnx.split(model, nnx.Param, ...)[2]
+
+    def step(state, batch):
+        params, model_state, opt_state = state
+        (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, model_state, batch
+        )
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), model_state, opt_state), loss
+
     state, batch = jax.eval_shape(init) if abstract else jax.jit(init)()
     return step, state, batch, loss_fn
 
@@ -662,7 +716,8 @@ def _compute_ms(twin: dict[str, Any]) -> tuple[float, float]:
 
 def _compare_gradients(loss_fn, initial, batch, reference: str) -> float:
     params, model_state = initial
-    grads = jax.jit(jax.grad(lambda p: loss_fn(p, model_state, batch)[0]))(params)
+    # Arguments, not constants: NNX writes BatchNorm statistics in place into its variables.
+    grads = jax.jit(jax.grad(lambda p, s: loss_fn(p, s, batch)[0]))(params, model_state)
     return gradient_error([np.asarray(g, np.float64) for g in jax.tree.leaves(grads)], reference)
 
 

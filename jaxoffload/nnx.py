@@ -183,9 +183,9 @@ def _call(f, strategy, static_argnums, args, kwargs):
     changed: list[int] = []
 
     def pure(variables, rest):
-        # Before the call: merge shares these Variables, so they change with it.
         inputs = jax.tree.leaves(variables)
-        dynamic, kwargs = nnx.merge(graphdef, variables, rest)
+        # Fresh Variables of this trace: NNX refuses to mutate those of an outer one.
+        dynamic, kwargs = nnx.merge(graphdef, variables, rest, copy=True)
         values = dict(zip(positions, dynamic))
         out = f(*[values[i] if i in values else args[i] for i in range(n)], **kwargs)
         _, new_variables, _ = nnx.split((dynamic, kwargs), nnx.Variable, ...)

@@ -44,7 +44,7 @@ def test_plain_models_import_nothing_from_jaxoffload():
     import ast
     import pathlib
 
-    for module in (models.flax_resnet, models.flax_vgg):
+    for module in (models.flax_resnet, models.flax_vgg, models.flax_nnx_resnet):
         tree = ast.parse(pathlib.Path(module.__file__).read_text())
         imported = [
             alias.name if isinstance(node, ast.Import) else node.module

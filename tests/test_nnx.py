@@ -152,3 +152,24 @@ def test_a_module_instance_is_wrapped_in_place_with_its_paths_kept():
     assert type(model.blocks[0]).__mro__[1] is Block
     jaxoffload.nnx.wrap(model.blocks[0], Store())
     assert type(model.blocks[0]) is Block
+
+
+@pytest.mark.parametrize("strategy", [Lean(), Offload()], ids=["Lean", "Offload"])
+def test_the_plain_nnx_resnet_trains_as_plain_with_its_stem_wrapped_too(strategy):
+    from jaxoffload import models
+    from jaxoffload.models import flax_nnx_resnet
+
+    def gradient(strategy):
+        model = flax_nnx_resnet.ResNet(
+            (1, 1), flax_nnx_resnet.BottleneckResNetBlock, num_classes=4, num_filters=4,
+            rngs=nnx.Rngs(0),
+        )  # fmt: skip
+        models.wrap_nnx_blocks(model, strategy)
+        return nnx.jit(nnx.grad(lambda m: m(X).sum()))(model), model
+
+    plain, plain_model = gradient(Store())
+    grads, model = gradient(strategy)
+    assert type(model).__mro__[1] is flax_nnx_resnet.ResNet  # the stem's strategy
+    assert rel_err(nnx.to_pure_dict(grads), nnx.to_pure_dict(plain)) <= 1e-6
+    stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+    assert rel_err(stats, nnx.to_pure_dict(nnx.state(plain_model, nnx.BatchStat))) <= 1e-6

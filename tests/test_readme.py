@@ -3,6 +3,7 @@
 import pathlib
 import re
 
+import jax
 import jax.numpy as jnp
 
 import jaxoffload
@@ -24,13 +25,32 @@ def test_the_example_trains_a_users_model():
                                                         "Block_3", "Conv_0", "Dense_0"]  # fmt: skip
 
 
+def test_the_nnx_example_trains_and_keeps_its_statistics():
+    from flax import nnx
+
+    namespace = {"jaxoffload": jaxoffload}
+    exec(_python(3), namespace)
+    blocks, head = namespace["blocks"], namespace["head"]
+    dense = nnx.Linear(32, 10, rngs=nnx.Rngs(9))
+
+    def loss(blocks, dense, x):
+        for block in blocks:
+            x = block(x)
+        return head(dense, x).sum()
+
+    x = jnp.ones((2, 8, 8, 32))
+    grads = nnx.jit(nnx.grad(loss))(blocks, dense, x)
+    assert type(blocks[0]).__name__ == "NNXBlock" and jax.tree.leaves(grads)
+    assert float(abs(blocks[0].norm.mean[...]).sum()) > 0  # the statistics were written back
+
+
 def test_the_planning_example_plans_and_applies(tmp_path, monkeypatch):
     namespace = {}
     exec(_python(0), namespace)
     monkeypatch.chdir(tmp_path)
     # XLA:CPU's temps barely move with the strategy (nothing is offloaded on a CPU), so a
     # share under the plain step's may not fit here: on CPU the example plans for 1.0.
-    code = _python(3).replace("budget=0.5", "budget=1.0, runs=1, progress=False")
+    code = _python(4).replace("budget=0.5", "budget=1.0, runs=1, progress=False")
     assert "budget=1.0" in code
     exec(code, namespace)
     plan = namespace["plan"]

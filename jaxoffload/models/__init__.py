@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxoffload import linen as offload_linen
-from jaxoffload.models import flax_resnet, flax_vgg
+from jaxoffload.models import flax_nnx_resnet, flax_resnet, flax_vgg
 from jaxoffload.models.common import check_strategies as check_strategies
 from jaxoffload.models.common import uses_lean_layers as uses_lean_layers
 from jaxoffload.models.common import wrap_block as wrap_block
@@ -46,6 +46,11 @@ _PLAIN = {
     "flax-vgg16": (flax_vgg.VGG16, flax_vgg.VGGStage),
     "flax-vgg19": (flax_vgg.VGG19, flax_vgg.VGGStage),
 }
+# Plain Flax NNX models, whose block instances are wrapped in place.
+_NNX = {
+    "flax-nnx-resnet18": (flax_nnx_resnet.ResNet18, flax_nnx_resnet.ResNetBlock),
+    "flax-nnx-resnet50": (flax_nnx_resnet.ResNet50, flax_nnx_resnet.BottleneckResNetBlock),
+}
 # The attribute through which each plain model takes its block class.
 _BLOCK_ATTRIBUTE = {flax_resnet.ResNet: "block_cls", flax_vgg.VGG: "stage_cls"}
 
@@ -55,7 +60,7 @@ _BLOCK_ATTRIBUTE = {flax_resnet.ResNet: "block_cls", flax_vgg.VGG: "stage_cls"}
 _OUTSIDE_BLOCKS = {Lean: Lean(), Offload: Lean()}
 
 MODEL_NAMES = tuple(
-    [*_PLAIN]
+    [*_PLAIN, *_NNX]
     + sorted(
         [*_VGGS, *(f"{name}_bn" for name in _VGGS), *RESNETS], key=lambda n: (n[:3], len(n), n)
     )
@@ -73,6 +78,9 @@ __all__ = [
     "ConvBlock",
     "ResNet",
     "create",
+    "create_nnx",
+    "wrap_nnx_blocks",
+    "is_nnx",
     "is_plain",
     "num_blocks",
     "plain_model",
@@ -84,14 +92,20 @@ __all__ = [
 def is_plain(name: str) -> bool:
     """Whether the named model is a plain-Flax one, whose code knows nothing of jaxoffload."""
     _check_name(name)
-    return name in _PLAIN
+    return name in _PLAIN or name in _NNX
+
+
+def is_nnx(name: str) -> bool:
+    """Whether the named model is a plain Flax NNX one (build it with :func:`create_nnx`)."""
+    _check_name(name)
+    return name in _NNX
 
 
 def num_blocks(name: str) -> int:
     """How many blocks (each taking one strategy) the named model has."""
     _check_name(name)
-    if name in _PLAIN:
-        return sum(_PLAIN[name][0].keywords["stage_sizes"])
+    if name in _PLAIN or name in _NNX:
+        return sum({**_PLAIN, **_NNX}[name][0].keywords["stage_sizes"])
     if name in RESNETS:
         return sum(RESNETS[name][0])
     return num_conv_blocks(_VGGS[name.removesuffix("_bn")])
@@ -126,6 +140,8 @@ def create(
       ('ResNet', 'ResNetBlock')
     """
     _check_name(name)
+    if name in _NNX:
+        raise ValueError(f"{name} is an NNX model: build it with create_nnx.")
     n = num_blocks(name)
     strategy = Store() if strategy is None else strategy
     strategies = check_strategies(
@@ -171,6 +187,50 @@ def plain_model(model: Any, block: Any, strategy: Strategy, **kwargs: Any) -> nn
         # The stem and the classifier: `train` (argument 2) is static.
         model = offload_linen.wrap(model, outside, static_argnums=(2,))
     return model(**{_BLOCK_ATTRIBUTE[base]: wrapped}, **kwargs)
+
+
+def create_nnx(
+    name: str,
+    *,
+    strategy: Strategy | None = None,
+    dtype: Any = jnp.float32,
+    num_classes: int = 1000,
+    rngs: Any,
+) -> Any:
+    """Builds a plain Flax NNX model by name, its blocks wrapped in place with ``strategy``.
+
+    As :func:`create` does for linen, under ``Lean`` and ``Offload`` the model
+    itself is wrapped too, which reaches its stem and classifier.
+
+    Example:
+      >>> from flax import nnx
+      >>> import jaxoffload
+      >>> model = create_nnx("flax-nnx-resnet18", strategy=jaxoffload.Lean(), num_classes=10,
+      ...                    rngs=nnx.Rngs(0))
+      >>> type(model).__name__, type(model.blocks[0]).__name__
+      ('ResNet', 'ResNetBlock')
+    """
+    _check_name(name)
+    if name not in _NNX:
+        raise ValueError(f"{name} is a linen model: build it with create.")
+    strategy = Store() if strategy is None else check_strategies((strategy,), 1)[0]
+    model = _NNX[name][0](num_classes=num_classes, dtype=dtype, rngs=rngs)
+    return wrap_nnx_blocks(model, strategy)
+
+
+def wrap_nnx_blocks(model: Any, strategy: Strategy) -> Any:
+    """Wraps the blocks of a plain NNX model (``model.blocks``) in place, as a user would.
+
+    Under ``Lean`` and ``Offload`` the model is wrapped too (see ``_OUTSIDE_BLOCKS``).
+    """
+    from jaxoffload import nnx as offload_nnx
+
+    for block in model.blocks:
+        offload_nnx.wrap(block, strategy)
+    outside = _OUTSIDE_BLOCKS.get(type(strategy))
+    if outside is not None:
+        offload_nnx.wrap(model, outside)
+    return model
 
 
 def plannable_model(name: str, *, dtype: Any = jnp.float32, num_classes: int = 1000) -> nn.Module:
