@@ -56,7 +56,7 @@ def _check_pool_against_flax(ours, flax, x, seed):
     assert rel_err(grad(ours), grad(flax)) <= 1e-6
 
 
-@settings(deadline=None, max_examples=7)
+@settings(deadline=None, max_examples=5)
 @given(pool_cases())
 def test_matches_flax_max_pool(case):
     x, (window, strides, padding), seed = case
@@ -189,7 +189,7 @@ def test_relu_keeps_no_mask_of_its_own():
     assert dtypes(relu) == ["float32"]
 
 
-@settings(deadline=None, max_examples=7)
+@settings(deadline=None, max_examples=5)
 @given(pool_cases())
 def test_relu_max_pool_matches_flax(case):
     x, (window, strides, padding), seed = case
@@ -226,7 +226,7 @@ def norm_cases(draw):
     return shape, draw(st.booleans()), draw(st.integers(0, 2**16))
 
 
-@settings(deadline=None, max_examples=7)
+@settings(deadline=None, max_examples=5)
 @given(norm_cases())
 def test_batch_norm_matches_flax(case):
     shape, fused_relu, seed = case
@@ -359,7 +359,7 @@ class _NormReluConv(nn.Module):
         return conv()(jax.nn.relu(nn.BatchNorm(**options)(x)))
 
 
-@settings(deadline=None, max_examples=5)
+@settings(deadline=None, max_examples=4)
 @given(norm_conv_cases())
 def test_batch_norm_relu_conv_matches_flax(case):
     shape, kernel_size, conv, seed = case

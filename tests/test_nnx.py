@@ -42,8 +42,8 @@ class Net(nnx.Module):
 
 X = normal(0, (4, 16, 16, 3))
 LABELS = jnp.array([0, 1, 2, 3])
+# Store() is the function itself: nothing to compare.
 STRATEGIES = {
-    "Store": Store(),
     "Lean": Lean(),
     "Remat": Remat(),
     "Offload": Offload(),
@@ -154,8 +154,7 @@ def test_a_module_instance_is_wrapped_in_place_with_its_paths_kept():
     assert type(model.blocks[0]) is Block
 
 
-@pytest.mark.parametrize("strategy", [Lean(), Offload()], ids=["Lean", "Offload"])
-def test_the_plain_nnx_resnet_trains_as_plain_with_its_stem_wrapped_too(strategy):
+def test_the_plain_nnx_resnet_trains_as_plain_with_its_stem_wrapped_too():
     from jaxoffload import models
     from jaxoffload.models import flax_nnx_resnet
 
@@ -168,8 +167,10 @@ def test_the_plain_nnx_resnet_trains_as_plain_with_its_stem_wrapped_too(strategy
         return nnx.jit(nnx.grad(lambda m: m(X).sum()))(model), model
 
     plain, plain_model = gradient(Store())
-    grads, model = gradient(strategy)
-    assert type(model).__mro__[1] is flax_nnx_resnet.ResNet  # the stem's strategy
-    assert rel_err(nnx.to_pure_dict(grads), nnx.to_pure_dict(plain)) <= 1e-6
-    stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
-    assert rel_err(stats, nnx.to_pure_dict(nnx.state(plain_model, nnx.BatchStat))) <= 1e-6
+    plain_stats = nnx.to_pure_dict(nnx.state(plain_model, nnx.BatchStat))
+    for strategy in (Lean(), Offload()):
+        grads, model = gradient(strategy)
+        assert type(model).__mro__[1] is flax_nnx_resnet.ResNet  # the stem's strategy
+        assert rel_err(nnx.to_pure_dict(grads), nnx.to_pure_dict(plain)) <= 1e-6
+        stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+        assert rel_err(stats, plain_stats) <= 1e-6
