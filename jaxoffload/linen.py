@@ -223,7 +223,16 @@ def plannable(
 def apply_plan(plan: Any, model: nn.Module) -> nn.Module:
     """``model`` under ``plan``: see :meth:`jaxoffload.Plan.apply`."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"Plan.apply takes a linen Module instance, got {model!r}.")
+        from flax import nnx
+
+        hint = (
+            " Plans for NNX models are not built yet: wrap NNX blocks with jaxoffload.nnx.wrap."
+            if isinstance(model, nnx.Module)
+            else ""
+        )
+        raise TypeError(
+            f"Plan.apply takes a linen Module instance, got {type(model).__name__}.{hint}"
+        )
     if model.scope is not None:
         raise TypeError("Plan.apply takes an unbound Module: apply the plan before init/apply.")
     base = type(model)

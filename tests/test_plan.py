@@ -125,6 +125,10 @@ def test_plan_errors_name_the_problem():
     policy = jax.checkpoint_policies.save_only_these_names("x")
     with pytest.raises(ValueError, match="cannot be written to JSON"):
         Plan((("Block_0", Remat(policy)),)).to_json()
+    from flax import nnx
+
+    with pytest.raises(TypeError, match="jaxoffload.nnx.wrap"):
+        Plan((("Block_0", Lean()),)).apply(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
     other = Plan((("Dense_0", Lean()),))
     with pytest.raises(ValueError, match="no block 'Block_0'"):
         gradients(other.apply(PLANNABLE))

@@ -205,8 +205,8 @@ def create_nnx(
     Example:
       >>> from flax import nnx
       >>> import jaxoffload
-      >>> model = create_nnx("flax-nnx-resnet18", strategy=jaxoffload.Lean(), num_classes=10,
-      ...                    rngs=nnx.Rngs(0))
+      >>> model = nnx.eval_shape(lambda: create_nnx(
+      ...     "flax-nnx-resnet18", strategy=jaxoffload.Lean(), num_classes=10, rngs=nnx.Rngs(0)))
       >>> type(model).__name__, type(model.blocks[0]).__name__
       ('ResNet', 'ResNetBlock')
     """
