@@ -9,8 +9,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import flax.linen as nn
-import jax
-import numpy as np
 from flax.core import lift
 from flax.linen import transforms as linen_transforms
 
@@ -246,7 +244,7 @@ def apply_plan(plan: Any, model: nn.Module) -> nn.Module:
                 return base.__call__(self, *args, **kwargs)
             # Non-array arguments (``train=True``) are static, as nn.remat's
             # static_argnums would make them.
-            static = tuple(n + 1 for n, a in enumerate(args) if not _holds_arrays(a))
+            static = tuple(n + 1 for n, a in enumerate(args) if not transform._holds_arrays(a))
             if static not in wrapped_by_static:
                 wrapped_by_static[static] = wrap(base, plan.outside, static_argnums=static)
             return wrapped_by_static[static].__call__(self, *args, **kwargs)
@@ -264,13 +262,6 @@ def apply_plan(plan: Any, model: nn.Module) -> nn.Module:
         if f.init and f.name not in ("parent", "name")
     }
     return planned(**fields, name=model.name)
-
-
-def _holds_arrays(value: Any) -> bool:
-    return any(
-        isinstance(leaf, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
-        for leaf in jax.tree.leaves(value)
-    )
 
 
 def _named_like(transformed, target):

@@ -296,6 +296,13 @@ _NNX_HINT = (
 )
 
 
+def _holds_arrays(value) -> bool:
+    return any(
+        isinstance(leaf, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
+        for leaf in jax.tree.leaves(value)
+    )
+
+
 def _is_nnx_module(x) -> bool:
     return isinstance(x, flax_nnx.Module)
 
@@ -750,10 +757,14 @@ _INNER_CALLS = ("checkpoint", "remat", "remat2")
 
 def _wrapped_call(fun, strategy, argnums: _Argnums, args: tuple, kwargs: dict):
     dynamic, rebuild, device = argnums.split(args, kwargs)
+    # Keywords that hold no arrays (``train=True``) are static, as jit's static
+    # arguments are: traced, a Python bool could not steer the function.
+    static_kwargs = {k: v for k, v in kwargs.items() if not _holds_arrays(v)}
+    kwargs = {k: v for k, v in kwargs.items() if k not in static_kwargs}
 
     def call(dynamic, kwargs):
         args, kwargs = rebuild(dynamic, kwargs)
-        return fun(*args, **kwargs)
+        return fun(*args, **kwargs, **static_kwargs)
 
     # Flat positions of the leaves of device_argnums among (dynamic, kwargs).
     sizes = [len(jax.tree.leaves(a)) for a in dynamic]

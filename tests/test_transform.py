@@ -461,3 +461,19 @@ def test_schedule_gates_ride_on_a_gradient_that_a_step_reads():
 
     args = jnp.ones(8), jnp.full(8, 2.0), jnp.ones(2), jnp.ones((3, 3))
     assert "cosine" in _optimized_hlo(f, *args)
+
+
+def test_keywords_without_arrays_are_static():
+    def layer(x, *, relu=True, scale=None):
+        y = jnp.sin(x) * (1.0 if scale is None else scale)
+        return jax.nn.relu(y) if relu else y
+
+    def gradient(f, x, kwargs):
+        return jax.grad(lambda x: f(x, **kwargs).sum())(x)
+
+    x = jnp.linspace(-2.0, 2.0, 8)
+    for strategy in (jaxoffload.Lean(), jaxoffload.Offload(), jaxoffload.Remat()):
+        wrapped = jaxoffload.wrap(layer, strategy)
+        for kwargs in ({"relu": True}, {"relu": False}, {"relu": False, "scale": jnp.float32(2)}):
+            got, want = gradient(wrapped, x, kwargs), gradient(layer, x, kwargs)
+            assert jnp.allclose(got, want), (strategy, kwargs)
