@@ -132,7 +132,8 @@ def wrap(
       device_argnums: positional arguments that are kept on the device anyway,
         typically parameters: they cost nothing to keep and never move.
       static_argnums: positional arguments that are not arrays, as with
-        :func:`jax.checkpoint`.
+        :func:`jax.checkpoint`. Keyword arguments that hold no arrays
+        (``train=True``) are static without being named.
 
     Returns:
       A function with ``fun``'s signature, outputs and gradients.
