@@ -249,6 +249,15 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
                 f"[yellow]note:[/] {r['strategy']!r} offloads nothing here: no block's transfers "
                 f"fit behind the compute around it, so it ran as {r['plan'][0]!r}."
             )
+    flagged = gradient_flags(records)
+    if flagged:
+        control = next(r for r in records if r["strategy"] == GRADIENT_CONTROL)["grad_rel_err"]
+        console.print(
+            "[yellow]note:[/] gradient error over twice the same-arithmetic control's "
+            f"({GRADIENT_CONTROL!r}, {control:.1e}) in this run: "
+            + ", ".join(f"{_name(r)} {r['grad_rel_err']:.1e}" for r in flagged)
+            + " (marked !)."
+        )
     for r in records:
         if r["strategy"] == "plan" and "plan_choices" in r:
             choices = ", ".join(
@@ -297,6 +306,7 @@ def _table(records: list[dict[str, Any]]):
         title=f"{first['model']}, batch {first['batch']}, {first['image_size']}², {first['dtype']}"
     )
     columns = ["strategy", "temp GiB", "host GiB", "peak GiB", "step ms", "images/s", "grad err"]
+    flagged = gradient_flags(records)
     if any("bound_ratio" in r for r in records):
         columns.append("× bound")
     if any("max_batch" in r for r in records):
@@ -309,6 +319,7 @@ def _table(records: list[dict[str, Any]]):
             table.add_row(_name(r), *[failure] + [""] * (len(columns) - 2))
             continue
         err = r["grad_rel_err"]
+        flag = " !" if r in flagged else ""
         row = [
             _name(r),
             _gib(r["compiled_temp_bytes"]),
@@ -316,7 +327,7 @@ def _table(records: list[dict[str, Any]]):
             _gib(r["peak_bytes_in_use"]),
             f"{r['step_time_ms']:.1f}",
             f"{r['images_per_s']:.1f}",
-            "-" if err is None else f"{err:.1e}",
+            "-" if err is None else f"{err:.1e}{flag}",
         ]
         if "× bound" in columns:
             row.append(f"{r['bound_ratio']:.2f}" if "bound_ratio" in r else "-")
@@ -324,6 +335,34 @@ def _table(records: list[dict[str, Any]]):
             row.append(str(r["max_batch"]))
         table.add_row(*row)
     return table
+
+
+# The run whose arithmetic is the plain model's, rematerialised: its gradient error is
+# rounding, the scale against which the other strategies' errors are read.
+GRADIENT_CONTROL = "remat"
+
+
+def gradient_flags(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records whose gradient error is over twice the same-arithmetic control's, same run.
+
+    The control is :data:`GRADIENT_CONTROL`'s record; without it, or with a
+    control error of 0 (float64, or a CPU that sums in one order), nothing is
+    flagged.
+
+    Example:
+      >>> records = [{"strategy": "remat", "grad_rel_err": 1e-3},
+      ...            {"strategy": "lean", "grad_rel_err": 3e-3}]
+      >>> [r["strategy"] for r in gradient_flags(records)]
+      ['lean']
+    """
+    control = next(
+        (r.get("grad_rel_err") for r in records if r.get("strategy") == GRADIENT_CONTROL), None
+    )
+    if not control:
+        return []
+    return [
+        r for r in records if r.get("grad_rel_err") is not None and r["grad_rel_err"] > 2 * control
+    ]
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:

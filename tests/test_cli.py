@@ -335,3 +335,17 @@ def test_plan_budgets_are_shares_of_the_none_peak_less_the_allocator_s_excess():
     # Half of the 1000-byte peak, less the 100 bytes the allocator held beyond the program's.
     assert benchmark._budget_bytes([0.5, 1.0], [none]) == [400, 900]
     assert benchmark._budget_bytes([0.5], [{**none, "peak_bytes_in_use": None}]) == [450]
+
+
+def test_gradient_errors_are_flagged_against_the_same_arithmetic_control():
+    records = [
+        {"strategy": "none", "grad_rel_err": 0.0},
+        {"strategy": "remat", "grad_rel_err": 1e-3},
+        {"strategy": "lean", "grad_rel_err": 1.9e-3},
+        {"strategy": "offload", "grad_rel_err": 5e-3},
+        {"strategy": "plan", "budget": 0.5, "grad_rel_err": None},
+    ]
+    assert [r["strategy"] for r in cli.gradient_flags(records)] == ["offload"]
+    # Without the control, or where it is exact, nothing can be read as rounding.
+    assert cli.gradient_flags([r for r in records if r["strategy"] != "remat"]) == []
+    assert cli.gradient_flags([{**records[1], "grad_rel_err": 0.0}, records[3]]) == []
