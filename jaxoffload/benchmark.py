@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -271,17 +270,13 @@ def _training(workload: Workload, model, *, abstract: bool | None):
 
     With ``abstract=None``, nothing is initialised: ``state`` and ``batch`` are ``None``.
     """
-    dtype = jnp.dtype(workload.dtype)
-    tx = optax.sgd(1e-3, momentum=0.9)
+    tx = _OPTIMIZER
     # Models with dropout draw from this stream; the same key every step keeps
     # the gradients of different strategies comparable.
     rngs = {"dropout": jax.random.key(2)}
 
     def init():
-        key = jax.random.key(0)
-        shape = (workload.batch, workload.image_size, workload.image_size, 3)
-        x = jax.random.normal(key, shape, dtype)
-        labels = jax.random.randint(key, (workload.batch,), 0, workload.num_classes)
+        x, labels = _batch(workload)
         variables = model.init({"params": jax.random.key(1), **rngs}, x[:1], True)
         params = variables.pop("params")
         return (params, dict(variables), tx.init(params)), (x, labels)
@@ -291,17 +286,9 @@ def _training(workload: Workload, model, *, abstract: bool | None):
         logits, new_state = model.apply(
             {"params": params, **model_state}, x, True, mutable=list(model_state), rngs=rngs
         )
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
-        return loss.mean(), new_state
+        return _loss(logits, labels), new_state
 
-    def step(state, batch):
-        params, model_state, opt_state = state
-        (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, model_state, batch
-        )
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), model_state, opt_state), loss
-
+    step = _sgd_step(loss_fn, tx)
     if abstract is None:
         return step, None, None, loss_fn
     # Eager init dispatches hundreds of small ops: jit makes it one program.
@@ -313,7 +300,7 @@ def _nnx_training(workload: Workload, *, abstract: bool):
     """:func:`_training` for a plain Flax NNX model: the state is its split, as pytrees."""
     dtype = jnp.dtype(workload.dtype)
     (strategy,) = set(workload.block_strategies)
-    tx = optax.sgd(1e-3, momentum=0.9)
+    tx = _OPTIMIZER
 
     def build():
         return models.create_nnx(
@@ -327,20 +314,39 @@ def _nnx_training(workload: Workload, *, abstract: bool):
     graphdef, _, _ = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
 
     def init():
-        key = jax.random.key(0)
-        shape = (workload.batch, workload.image_size, workload.image_size, 3)
-        x = jax.random.normal(key, shape, dtype)
-        labels = jax.random.randint(key, (workload.batch,), 0, workload.num_classes)
         _, params, rest = nnx.split(build(), nnx.Param, ...)
-        return (params, rest, tx.init(params)), (x, labels)
+        return (params, rest, tx.init(params)), _batch(workload)
 
     def loss_fn(params, model_state, batch):
         x, labels = batch
         # Fresh Variables of this trace: NNX refuses to mutate those of an outer one.
         model = nnx.merge(graphdef, params, model_state, copy=True)
-        logits = model(x)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
-        return loss.mean(), nnx.split(model, nnx.Param, ...)[2]
+        return _loss(model(x), labels), nnx.split(model, nnx.Param, ...)[2]
+
+    step = _sgd_step(loss_fn, tx)
+    state, batch = jax.eval_shape(init) if abstract else jax.jit(init)()
+    return step, state, batch, loss_fn
+
+
+# Every workload's optimizer: SGD with momentum, as in the records.
+_OPTIMIZER = optax.sgd(1e-3, momentum=0.9)
+
+
+def _batch(workload: Workload):
+    """The workload's images and labels, the same for every strategy and API."""
+    key = jax.random.key(0)
+    shape = (workload.batch, workload.image_size, workload.image_size, 3)
+    x = jax.random.normal(key, shape, jnp.dtype(workload.dtype))
+    return x, jax.random.randint(key, (workload.batch,), 0, workload.num_classes)
+
+
+def _loss(logits, labels):
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    return loss.mean()
+
+
+def _sgd_step(loss_fn, tx):
+    """``step(state, batch)`` for ``state = (params, model_state, opt_state)``."""
 
     def step(state, batch):
         params, model_state, opt_state = state
@@ -350,8 +356,7 @@ def _nnx_training(workload: Workload, *, abstract: bool):
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), model_state, opt_state), loss
 
-    state, batch = jax.eval_shape(init) if abstract else jax.jit(init)()
-    return step, state, batch, loss_fn
+    return step
 
 
 def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[str, Any]]:
@@ -509,12 +514,6 @@ def time_offloaded_calls(calls: Sequence[OffloadedCall], runs: int = 5) -> list[
     return [times[program] for program in programs]
 
 
-def _zeros(aval) -> jax.Array:
-    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
-        return jax.random.split(jax.random.key(0), math.prod(aval.shape)).reshape(aval.shape)
-    return jnp.zeros(aval.shape, aval.dtype)
-
-
 def measure(
     workload: Workload,
     *,
@@ -651,6 +650,7 @@ def measure(
 
 
 _median_ms = planner._median_ms
+_zeros = planner._zeros
 
 
 def _plan_fields(workload: Workload) -> dict[str, Any]:

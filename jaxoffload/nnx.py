@@ -174,10 +174,7 @@ _WRAPPED_CLASSES: dict[tuple, type] = {}
 
 
 def _call(f, strategy, static_argnums, args, kwargs):
-    n = len(args)
-    static = {i % n for i in static_argnums if -n <= i < n}
-    positions = [i for i in range(n) if i not in static]
-    dynamic = tuple(args[i] for i in positions)
+    dynamic, rebuild, _ = transform._Argnums(device=(), static=static_argnums).split(args, kwargs)
     graphdef, variables, rest = nnx.split((dynamic, kwargs), nnx.Variable, ...)
     old_leaves, variables_tree = jax.tree.flatten(variables)
     changed: list[int] = []
@@ -186,8 +183,8 @@ def _call(f, strategy, static_argnums, args, kwargs):
         inputs = jax.tree.leaves(variables)
         # Fresh Variables of this trace: NNX refuses to mutate those of an outer one.
         dynamic, kwargs = nnx.merge(graphdef, variables, rest, copy=True)
-        values = dict(zip(positions, dynamic))
-        out = f(*[values[i] if i in values else args[i] for i in range(n)], **kwargs)
+        all_args, all_kwargs = rebuild(dynamic, kwargs)
+        out = f(*all_args, **all_kwargs)
         _, new_variables, _ = nnx.split((dynamic, kwargs), nnx.Variable, ...)
         new_leaves = jax.tree.leaves(new_variables)
         # Traced once: the variables whose values are new tracers are the ones it changed.

@@ -174,3 +174,17 @@ def test_the_plain_nnx_resnet_trains_as_plain_with_its_stem_wrapped_too():
         assert rel_err(nnx.to_pure_dict(grads), nnx.to_pure_dict(plain)) <= 1e-6
         stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
         assert rel_err(stats, plain_stats) <= 1e-6
+
+
+def test_static_argnums_are_checked_and_honoured():
+    dense = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+
+    def layer(dense, x, relu):
+        return nnx.relu(dense(x)) if relu else dense(x)
+
+    x = normal(2, (4, 3))
+    wrapped = jaxoffload.nnx.wrap(layer, Lean(), static_argnums=2)
+    for relu in (True, False):
+        assert rel_err(wrapped(dense, x, relu), layer(dense, x, relu)) <= 1e-6
+    with pytest.raises(ValueError, match="static_argnums=\\(5,\\)"):
+        jaxoffload.nnx.wrap(layer, Lean(), static_argnums=5)(dense, x, True)
