@@ -681,8 +681,9 @@ def add_transfer_bounds(records: list[dict[str, Any]]) -> None:
     record's :data:`COMPUTE_TWIN` in the same run (``forward_ms``, and the
     rest of its step, optimizer update included), the bandwidths those that
     the record's own process measured, and the bytes those of its compiled
-    program's host copies. Records without a twin in ``records``, or without
-    link figures, are left as they are.
+    program's host copies (or of its own twin, ``twin_step_ms``, when its
+    process timed one). Records that move nothing (every record on CPU),
+    without a twin, or without link figures, are left as they are.
     """
     done = {r["strategy"]: r for r in records if "step_time_ms" in r}
     for r in records:
