@@ -56,7 +56,8 @@ def main():
             os.environ.get("XLA_FLAGS", "")
             + f" --xla_dump_to={dump} --xla_dump_hlo_module_re=.*step.*"
         )
-    from jaxoffload import benchmark, transform  # after XLA_FLAGS: jax reads them once
+    from jaxoffload import transform  # after XLA_FLAGS: jax reads them once
+    from jaxoffload.bench import benchmark
     from jaxoffload.report import analyze
 
     for name in args.strategies:

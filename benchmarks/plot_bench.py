@@ -11,7 +11,7 @@ import argparse
 import json
 import pathlib
 
-from jaxoffload.cli import plot_records
+from jaxoffload.bench.cli import plot_records
 
 
 def main(argv=None) -> None:

@@ -47,3 +47,15 @@ __all__ = [
     "saved_residuals",
     "wrap",
 ]
+
+
+def __getattr__(name: str):
+    # Removed names that a user of an earlier version may still write.
+    if name == "schedule":
+        raise AttributeError(
+            "jaxoffload.schedule was removed in 0.2.0: a context around a call that was "
+            "already compiled changed nothing. The window is now part of the strategy, fixed "
+            "where a call is wrapped: write jaxoffload.offload(f, window=2), or "
+            "jaxoffload.Offload(window=2) for jaxoffload.wrap and jaxoffload.linen.wrap."
+        )
+    raise AttributeError(f"module 'jaxoffload' has no attribute {name!r}")

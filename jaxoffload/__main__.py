@@ -1,6 +1,6 @@
 """``python -m jaxoffload``: the same as the ``jaxoffload`` command."""
 
-from jaxoffload.cli import main
+from jaxoffload.bench.cli import main
 
 if __name__ == "__main__":
     main()

@@ -4,8 +4,8 @@ That is ResNet's stem pool. ``layers._Pool.route`` computes the same gradient
 with XLA's elementwise operations, which write it in several passes. This kernel
 writes each element of the gradient once. Measured alone on an H200 for a
 bf16 input of 256x112x112x64, it took 0.32 ms, against 1.12 ms for XLA's route
-(``benchmarks/results/pool_kernel_h200.json``; ``benchmarks/pool_probe.py`` times
-both). The two results are equal bit for bit.
+(``benchmarks/results/pool_kernel_h200.json``, whose probe
+``benchmarks/results/MANIFEST.md`` names). The two results are equal bit for bit.
 
 Geometry, per spatial dimension: window ``o`` covers input ``2o - 1``, ``2o``
 and ``2o + 1``. With an even input size, input ``2m`` lies only in window

@@ -630,15 +630,29 @@ def _residual_tail_bwd(epsilon, dtype, conv, residuals, cotangents):
 _residual_tail.defvjp(_residual_tail_fwd, _residual_tail_bwd)
 
 
+# flax.linen.BatchNorm's arguments that the lean rule does not take: the value it
+# takes, and what it computes instead.
+_FIXED = {
+    "axis_name": (None, "no cross-device statistics (under jax.jit, XLA reduces sharded inputs "
+                  "across devices by itself)"),
+    "axis_index_groups": (None, "no cross-device statistics"),
+    "use_fast_variance": (True, "the variance as mean(x²) - mean(x)² only"),
+    "force_float32_reductions": (True, "its statistics in float32 at least"),
+}  # fmt: skip
+
+
 class BatchNorm(nn.Module):
     """``flax.linen.BatchNorm`` over the last axis, with :func:`batch_norm`'s lean backward pass.
 
-    A drop-in replacement: the same variables (``params``: ``scale``,
-    ``bias``; ``batch_stats``: ``mean``, ``var``), the same statistics and the
-    same outputs. ``relu=True`` fuses the ReLU that usually follows, so that
-    its mask is not stored either. Cross-device statistics (``axis_name``)
-    are not supported; under ``jax.sharding`` the compiler reduces across
-    devices by itself.
+    A drop-in replacement: the same arguments, in the same order, the same
+    variables (``params``: ``scale``, ``bias``; ``batch_stats``: ``mean``,
+    ``var``), the same statistics and the same outputs. ``relu=True`` fuses
+    the ReLU that usually follows, so that its mask is not stored either.
+    The features must be on the last axis. What the rule does not compute
+    is refused by name: cross-device statistics (``axis_name``,
+    ``axis_index_groups``; under ``jax.jit`` the compiler reduces sharded
+    inputs across devices by itself), ``use_fast_variance=False``,
+    ``force_float32_reductions=False`` and a ``mask``.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -650,17 +664,38 @@ class BatchNorm(nn.Module):
     """
 
     use_running_average: bool | None = None
+    axis: int | Sequence[int] = -1
     momentum: float = 0.99
     epsilon: float = 1e-5
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    use_bias: bool = True
+    use_scale: bool = True
+    bias_init: Callable[..., Any] = nn.initializers.zeros
+    scale_init: Callable[..., Any] = nn.initializers.ones
+    axis_name: str | None = None
+    axis_index_groups: Any = None
+    use_fast_variance: bool = True
+    force_float32_reductions: bool = True
     relu: bool = False
+
+    def __post_init__(self):
+        for name, (value, instead) in _FIXED.items():
+            given = getattr(self, name)
+            if given is value or (value is not None and given == value):
+                continue
+            raise ValueError(
+                f"jaxoffload.layers.BatchNorm computes {instead}, so it takes no "
+                f"{name}={given!r}: leave {name} out, or use flax.linen.BatchNorm for this layer."
+            )
+        super().__post_init__()
 
     def __call__(
         self,
         x: jax.Array,
         use_running_average: bool | None = None,
         *,
+        mask: jax.Array | None = None,
         conv_kernel: jax.Array | None = None,
         **conv_kwargs: Any,
     ) -> jax.Array:
@@ -672,10 +707,19 @@ class BatchNorm(nn.Module):
         use_running_average = nn.merge_param(
             "use_running_average", self.use_running_average, use_running_average
         )
+        if mask is not None:
+            raise ValueError(
+                "jaxoffload.layers.BatchNorm takes no mask: use flax.linen.BatchNorm for this layer."
+            )
+        if conv_kernel is None and conv_kwargs:
+            raise TypeError(
+                f"BatchNorm got the unexpected keyword arguments {sorted(conv_kwargs)}; they are "
+                "for the convolution, and need conv_kernel."
+            )
         if conv_kernel is not None and not self.relu:
             raise ValueError("BatchNorm convolves its output (conv_kernel) only with relu=True.")
-        scale, bias, ra_mean, ra_var = self._variables(x.shape[-1])
-        dtype = self.dtype or jnp.result_type(x, scale, bias)
+        scale, bias, ra_mean, ra_var = self._variables(x.shape[-1], x.ndim)
+        dtype = self._dtype(x, scale, bias)
         if use_running_average:
             y = self._normalise_with_running_statistics(x, scale, bias, ra_mean, ra_var, dtype)
             y = relu(y) if self.relu else y
@@ -694,13 +738,37 @@ class BatchNorm(nn.Module):
         return y
 
     @nn.compact
-    def _variables(self, features: int):
-        """``(scale, bias, running mean, running var)``; the last two are flax ``Variable``s."""
+    def _variables(self, features: int, ndim: int):
+        """``(scale, bias, running mean, running var)``; the last two are flax ``Variable``s.
+
+        Without ``use_scale`` or ``use_bias``, that parameter is a constant
+        of ones or zeros, which the rules multiply or add exactly.
+        """
+        axes = self.axis if isinstance(self.axis, Sequence) else (self.axis,)
+        if [a % ndim for a in axes] != [ndim - 1]:
+            raise ValueError(
+                f"BatchNorm(axis={self.axis!r}) takes the features of this {ndim}-d input from "
+                f"axes {sorted(a % ndim for a in axes)}, but jaxoffload.layers.BatchNorm takes "
+                "them from the last axis only: write axis=-1 and move the features last "
+                "(jnp.moveaxis), or use flax.linen.BatchNorm for this layer."
+            )
         ra_mean = self.variable("batch_stats", "mean", lambda: jnp.zeros((features,), jnp.float32))
         ra_var = self.variable("batch_stats", "var", lambda: jnp.ones((features,), jnp.float32))
-        scale = self.param("scale", nn.initializers.ones, (features,), self.param_dtype)
-        bias = self.param("bias", nn.initializers.zeros, (features,), self.param_dtype)
+        shape = (features,)
+        if self.use_scale:
+            scale = self.param("scale", self.scale_init, shape, self.param_dtype)
+        else:
+            scale = jnp.ones(shape, self.param_dtype)
+        if self.use_bias:
+            bias = self.param("bias", self.bias_init, shape, self.param_dtype)
+        else:
+            bias = jnp.zeros(shape, self.param_dtype)
         return scale, bias, ra_mean, ra_var
+
+    def _dtype(self, x, scale, bias):
+        """The output's dtype, as flax's: ``dtype``, or that of ``x`` and the parameters it has."""
+        params = [p for p, used in ((scale, self.use_scale), (bias, self.use_bias)) if used]
+        return self.dtype or jnp.result_type(x, *params)
 
     def _normalise_with_running_statistics(self, x, scale, bias, ra_mean, ra_var, dtype):
         inv_std = jax.lax.rsqrt(ra_var.value + self.epsilon)
@@ -751,12 +819,14 @@ def tail_conv(
 
     def conv_general_dilated(lhs, rhs, window_strides, padding, **conv_kwargs):
         conv_kwargs = dict(window_strides=window_strides, padding=padding, **conv_kwargs)
-        scale, bias, ra_mean, ra_var = before._variables(lhs.shape[-1])
-        o_scale, o_bias, o_ra_mean, o_ra_var = after._variables(rhs.shape[-1])
+        scale, bias, ra_mean, ra_var = before._variables(lhs.shape[-1], lhs.ndim)
+        o_scale, o_bias, o_ra_mean, o_ra_var = after._variables(rhs.shape[-1], lhs.ndim)
         s_scale = s_bias = None
         if shortcut_norm is not None:
-            s_scale, s_bias, *s_running = shortcut_norm._variables(shortcut.shape[-1])
-        dtype = before.dtype or jnp.result_type(lhs, scale, bias)
+            s_scale, s_bias, *s_running = shortcut_norm._variables(
+                shortcut.shape[-1], shortcut.ndim
+            )
+        dtype = before._dtype(lhs, scale, bias)
         if before.use_running_average:
             a = before._normalise_with_running_statistics(lhs, scale, bias, ra_mean, ra_var, dtype)
             y = jax.lax.conv_general_dilated(relu(a), rhs, **conv_kwargs)

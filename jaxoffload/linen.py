@@ -83,11 +83,13 @@ def wrap(
     strategy = check_strategy(strategy)
     static_argnums = transform._check_argnums("static_argnums", static_argnums)
     device_argnums = transform._check_argnums("device_argnums", device_argnums)
-    if any(i == 0 for i in static_argnums + device_argnums):
+    if any(i <= 0 for i in static_argnums + device_argnums):
         raise ValueError(
-            "static_argnums and device_argnums count `self` as 0, which cannot be in them; "
-            "the first argument after self is 1."
+            "static_argnums and device_argnums count `self` as 0, which cannot be in them, and "
+            f"take no negative positions; got static_argnums={static_argnums} and "
+            f"device_argnums={device_argnums}. The first argument after self is 1."
         )
+    transform._Argnums(device=device_argnums, static=static_argnums)  # refuses overlaps
     if isinstance(target, nn.Module):
         raise TypeError(
             f"wrap takes a Module class or a method, not an instance: write "
@@ -101,11 +103,12 @@ def wrap(
         strategy=strategy,
         variables=variables,
         rngs=rngs,
-        # The lifted function takes (variables, rngs, *args): `self` becomes two.
-        device_argnums=tuple(i + 1 for i in device_argnums),
-        static_argnums=tuple(i + 1 for i in static_argnums),
+        device_argnums=device_argnums,
+        static_argnums=static_argnums,
         methods=methods,
     )
+    if not linen_transforms._is_module_class(target):
+        return _method(transformed, target)
     return _named_like(transformed, target)
 
 
@@ -221,15 +224,9 @@ def plannable(
 def apply_plan(plan: Any, model: nn.Module) -> nn.Module:
     """``model`` under ``plan``: see :meth:`jaxoffload.Plan.apply`."""
     if not isinstance(model, nn.Module):
-        from flax import nnx
-
-        hint = (
-            " Plans for NNX models are not built yet: wrap NNX blocks with jaxoffload.nnx.wrap."
-            if isinstance(model, nnx.Module)
-            else ""
-        )
         raise TypeError(
-            f"Plan.apply takes a linen Module instance, got {type(model).__name__}.{hint}"
+            f"Plan.apply takes a linen Module instance or an NNX Module, got "
+            f"{type(model).__name__}."
         )
     if model.scope is not None:
         raise TypeError("Plan.apply takes an unbound Module: apply the plan before init/apply.")
@@ -274,6 +271,29 @@ def _named_like(transformed, target):
     return transformed
 
 
+def _method(transformed, target):
+    """``transformed``, the method made from the function ``target``, refusing a non-Module ``self``.
+
+    Given a function, ``nn.remat`` and :func:`wrap` make a method; called on
+    arrays, flax would fail deep inside, with no word of why.
+    """
+    name = getattr(target, "__name__", repr(target))
+
+    @functools.wraps(transformed)
+    def method(self, *args, **kwargs):
+        if not isinstance(self, nn.Module):
+            raise TypeError(
+                f"jaxoffload.linen.wrap({name}, ...) and jaxoffload.linen.offload({name}) make a "
+                f"method of a linen Module, but self, its first argument, is of type "
+                f"{type(self).__name__}. Use them on a Module class or on a method in a class "
+                f"body; for a function of arrays, write jaxoffload.offload({name}) or "
+                f"jaxoffload.wrap({name}, strategy)."
+            )
+        return transformed(self, *args, **kwargs)
+
+    return method
+
+
 def _lifted(
     fn: Callable[..., Any],
     strategy: Strategy,
@@ -282,14 +302,25 @@ def _lifted(
     device_argnums: tuple[int, ...] = (),
     static_argnums: tuple[int, ...] = (),
 ) -> Callable[..., Any]:
-    """``transform.wrap`` lifted over Flax scopes, as ``flax.core.lift.checkpoint`` lifts ``jax.checkpoint``."""
+    """``transform.wrap`` lifted over Flax scopes, as ``flax.core.lift.checkpoint`` lifts ``jax.checkpoint``.
+
+    ``device_argnums`` and ``static_argnums`` count ``self`` as 0.
+    """
 
     def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
+        # Checked here, in the user's numbering: the lifted function's differs.
+        for what, argnums in (
+            ("static_argnums", static_argnums),
+            ("device_argnums", device_argnums),
+        ):
+            transform._check_positions(what, argnums, len(args), kwargs, first=1)
+
         @functools.partial(
             transform.wrap,
             strategy=strategy,
-            device_argnums=(0, 1, *device_argnums),
-            static_argnums=static_argnums,
+            # The lifted function takes (variables, rngs, *args): `self` becomes two.
+            device_argnums=(0, 1, *(i + 1 for i in device_argnums)),
+            static_argnums=tuple(i + 1 for i in static_argnums),
         )
         @functools.wraps(fn)
         def wrapped(variable_groups, rng_groups, *args, **kwargs):
@@ -299,6 +330,12 @@ def _lifted(
 
         return wrapped(variable_groups, rng_groups, *args, **kwargs)
 
+    # enable_kwargs: otherwise flax drops keyword arguments, with only a RuntimeWarning.
     return lift.pack(
-        inner, (variables,), (variables,), (rngs,), name=type(strategy).__name__.lower()
+        inner,
+        (variables,),
+        (variables,),
+        (rngs,),
+        name=type(strategy).__name__.lower(),
+        enable_kwargs=True,
     )

@@ -10,9 +10,11 @@ on them under the strategy, and the variables it changed are written back, as
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar, overload
 
 import jax
@@ -145,22 +147,32 @@ def offload(
     return decorate if f is None else decorate(f)
 
 
-def _wrap_instance(module, strategy, static_argnums):
-    """``module``, its class swapped for a subclass of the same name whose calls take ``strategy``."""
+def _wrap_instance(module, strategy, static_argnums, path=None):
+    """``module``, its class swapped for a subclass of the same name whose calls take ``strategy``.
+
+    A planned block also knows its ``path``, so that the planner can see the
+    order in which the blocks are called.
+    """
     base = getattr(type(module), "__jaxoffload_base__", type(module))
     static_argnums = transform._check_argnums("static_argnums", static_argnums)
     if isinstance(strategy, Store):
         module.__class__ = base
         return module
-    key = (base, strategy, static_argnums)
+    key = (base, strategy, static_argnums, path)
     if key not in _WRAPPED_CLASSES:
         # `self` becomes the first argument of the wrapped function.
         call = wrap(base.__call__, strategy, static_argnums=tuple(i + 1 for i in static_argnums))
+
+        def __call__(self, *args, **kwargs):
+            if path is not None and hasattr(_recording, "paths"):
+                _recording.paths.append(path)
+            return call(self, *args, **kwargs)
+
         _WRAPPED_CLASSES[key] = type(
             base.__name__,
             (base,),
             {
-                "__call__": lambda self, *args, **kwargs: call(self, *args, **kwargs),
+                "__call__": __call__,
                 "__qualname__": base.__qualname__,
                 "__module__": base.__module__,
                 "__jaxoffload_base__": base,
@@ -197,3 +209,153 @@ def _call(f, strategy, static_argnums, args, kwargs):
         new_leaves[k] = value
     nnx.update((dynamic, kwargs), jax.tree.unflatten(variables_tree, new_leaves))
     return out
+
+
+# ---- plans ------------------------------------------------------------------------------
+
+# The paths of the planned blocks called while tracing, in call order (see calls_recorded).
+_recording = threading.local()
+
+
+def submodules(model: nnx.Module) -> dict[str, nnx.Module]:
+    """``model``'s submodules by path, the keys joined by ``/`` (``"blocks/3"``)."""
+    return {
+        "/".join(map(str, path)): node
+        for path, node in nnx.iter_graph(model)
+        if path and isinstance(node, nnx.Module)
+    }
+
+
+def block_paths(model: nnx.Module, blocks: Any) -> list[str]:
+    """The paths of ``model``'s submodules that ``blocks`` selects, for :func:`jaxoffload.plan`.
+
+    Args:
+      model: an NNX Module.
+      blocks: a Module class or a tuple of them (their instances are the
+        blocks), or a function ``(path, module) -> bool``.
+
+    Raises:
+      ValueError: if nothing is selected, or a selected block holds another.
+    """
+    if blocks is None:
+        counts: dict[str, int] = {}
+        for node in submodules(model).values():
+            counts[type(node).__name__] = counts.get(type(node).__name__, 0) + 1
+        repeated = ", ".join(f"{k} ({v})" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+        raise ValueError(
+            "say which submodules of the NNX model are its blocks: blocks=MyBlock (a class), a "
+            "tuple of classes, or a function (path, module) -> bool. Its submodules' classes: "
+            f"{repeated or 'none'}."
+        )
+    if isinstance(blocks, type) or (
+        isinstance(blocks, tuple) and all(isinstance(b, type) for b in blocks)
+    ):
+        classes = blocks
+
+        def select(path, module):
+            return isinstance(module, classes)
+
+    elif callable(blocks):
+        select = blocks
+    else:
+        raise TypeError(
+            f"blocks must be a Module class, a tuple of them, or a function (path, module) -> "
+            f"bool; got {blocks!r}."
+        )
+    chosen = sorted(p for p, m in submodules(model).items() if select(p, m))
+    if not chosen:
+        raise ValueError(f"blocks={blocks!r} selects no submodule of {type(model).__name__}.")
+    nested = [(a, b) for a in chosen for b in chosen if b.startswith(a + "/")]
+    if nested:
+        raise ValueError(
+            f"block {nested[0][1]!r} is inside block {nested[0][0]!r}: a plan gives each block one "
+            "strategy, so select blocks that do not hold one another."
+        )
+    return chosen
+
+
+def apply_plan(plan: Any, model: nnx.Module) -> nnx.Module:
+    """``model`` under ``plan``, changed in place: see :meth:`jaxoffload.Plan.apply`."""
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"apply_plan takes an NNX Module, got {type(model).__name__}.")
+    modules = submodules(model)
+    missing = [path for path, _ in plan.blocks if path not in modules]
+    if missing:
+        known = ", ".join(list(modules)[:8]) + (", ..." if len(modules) > 8 else "") or "none"
+        raise ValueError(
+            f"the plan names {missing}, which {type(model).__name__} does not have; its "
+            f"submodules are {known}. Plan this model with jaxoffload.plan."
+        )
+    for path, strategy in plan.blocks:
+        _wrap_instance(modules[path], strategy, (), path=path)
+    _wrap_instance(model, plan.outside, ())
+    return model
+
+
+@contextlib.contextmanager
+def calls_recorded() -> Iterator[list[str]]:
+    """Collects the paths of the planned blocks called (traced) inside the block, in call order."""
+    outer = getattr(_recording, "paths", None)
+    _recording.paths = paths = []
+    try:
+        yield paths
+    finally:
+        if outer is None:
+            del _recording.paths
+        else:
+            _recording.paths = outer
+
+
+@contextlib.contextmanager
+def classes_kept(model: nnx.Module) -> Iterator[None]:
+    """Puts the classes of ``model`` and of its submodules back as they were, on exit."""
+    before = [(m, type(m)) for m in (model, *submodules(model).values())]
+    try:
+        yield
+    finally:
+        for module, cls in before:
+            module.__class__ = cls
+
+
+def functional(
+    step: Callable[..., Any], model: nnx.Module, args: Sequence[Any], donate_argnums=()
+) -> tuple[Callable[..., Any], tuple[Any, ...], tuple[int, ...]]:
+    """``step(model, *args)`` as a function of arrays: ``(fun, arrays, donate_argnums)``.
+
+    The Modules among ``model`` and ``args`` (an ``nnx.Optimizer``, say) are
+    split into one state, the first of ``fun``'s arguments; the other
+    arguments follow. ``fun`` returns ``step``'s output and the variables
+    it changed, so that the updates it makes to the Modules are part of the
+    program. ``donate_argnums`` (counting after ``model``) names arguments to
+    donate; the Modules' state is not donated, as under ``nnx.jit``, since
+    the variables that a step leaves alone stay in use.
+    """
+    is_node = [nnx.graph.is_graph_node(a) for a in args]
+    graphdef, state = nnx.split((model, *[a for a, node in zip(args, is_node) if node]))
+    others = tuple(a for a, node in zip(args, is_node) if not node)
+    position = [n for n, node in enumerate(is_node) if not node]
+    donate = transform._check_argnums("donate_argnums", donate_argnums)
+    beyond = [i for i in donate if not -len(args) <= i < len(args)]
+    if beyond:
+        raise ValueError(
+            f"donate_argnums={donate} names positions {beyond}, but the step takes "
+            f"{len(args)} arguments after the model (counted from 0)."
+        )
+    modules = [i for i in donate if is_node[i]]
+    if modules:
+        raise ValueError(
+            f"donate_argnums={donate} names the NNX Modules at {modules}, whose state is not "
+            "donated (as under nnx.jit, the variables a step leaves alone stay in use): leave "
+            "them out of donate_argnums."
+        )
+
+    def fun(state, *others):
+        before = jax.tree.leaves(state)
+        model, *nodes = nnx.merge(graphdef, state)
+        node_args, other_args = iter(nodes), iter(others)
+        out = step(model, *[next(node_args) if node else next(other_args) for node in is_node])
+        after = jax.tree.leaves(nnx.state((model, *nodes)))
+        # Only what the step changed: a variable it never reads costs the program nothing.
+        return out, [new for old, new in zip(before, after) if new is not old]
+
+    return fun, (state, *others), tuple(1 + position.index(i % len(args)) for i in donate)

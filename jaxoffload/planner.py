@@ -1,6 +1,7 @@
 """Planning: a strategy per block that fits a memory budget at the least step time.
 
-:func:`plan` takes a model whose blocks are :func:`jaxoffload.linen.plannable`,
+:func:`plan` takes a model (a linen one whose blocks are
+:func:`jaxoffload.linen.plannable`, or an NNX one and the class of its blocks),
 its training step and a budget, and returns a :class:`Plan`: one strategy
 value per block, which :meth:`Plan.apply` puts on the model. The costs come
 from the device: each distinct block is timed under each strategy, the host
@@ -19,14 +20,17 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.extend import core as jex_core
 
 from jaxoffload import linen as offload_linen
+from jaxoffload import nnx as offload_nnx
 from jaxoffload import transform
 from jaxoffload.strategies import (
     Lean,
@@ -96,7 +100,7 @@ def plan_hidden_offload(
     blocks are at least ``w`` apart, so that no two transfers share the link.
     Each block's share of the compute time, forward and backward, is its share
     of ``block_costs``, or an equal share without them. Measured times are the
-    better costs (:func:`jaxoffload.benchmark.time_offloaded_calls`): FLOPs
+    better costs (:func:`jaxoffload.bench.benchmark.time_offloaded_calls`): FLOPs
     (:attr:`jaxoffload.OffloadedCall.flops`) give every ResNet-50 identity
     bottleneck the same share, though on an H200 a 56² one computes 3.9 times as long as
     a 7² one.
@@ -221,9 +225,10 @@ class Plan:
 
     Attributes:
       blocks: ``(path, strategy)`` pairs in call order. A path is the
-        block's Flax path joined by ``/`` (``"BottleneckResNetBlock_3"``).
+        block's Flax path joined by ``/``: ``"BottleneckResNetBlock_3"`` in
+        linen, ``"blocks/3"`` in NNX.
       outside: the strategy of the code outside the blocks (a stem, a
-        classifier), applied as :func:`jaxoffload.linen.wrap` nests.
+        classifier), applied as wrapped Modules nest.
       budget_bytes: the budget the plan was made for, if any.
       estimated_bytes: the planner's model of the step's device bytes.
       compiled_bytes: the compiled step's device bytes (arguments and
@@ -284,11 +289,18 @@ class Plan:
         return tuple(s for _, s in self.blocks)
 
     def apply(self, model: Any) -> Any:
-        """``model``, whose plannable blocks take this plan's strategies.
+        """``model``, whose blocks take this plan's strategies.
 
-        ``model`` is an unbound linen Module. The result is a Module of the
+        A linen ``model`` is an unbound Module whose blocks are
+        :func:`jaxoffload.linen.plannable`; the result is a new Module of the
         same class name and fields: its variables are ``model``'s, and
         ``init``, ``apply`` and the training step are unchanged.
+
+        An NNX ``model`` is changed in place and returned, as
+        :func:`jaxoffload.nnx.wrap` changes a Module instance: the submodule
+        at each of the plan's paths takes its strategy, and ``model`` itself
+        the ``outside`` one. Its variables, and the Optimizer that holds them,
+        are untouched; a ``Store()`` puts a block back as it was.
 
         Example:
           >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -303,6 +315,8 @@ class Plan:
           >>> sorted(v["params"])
           ['Dense_0', 'Dense_1']
         """
+        if isinstance(model, nnx.Module):
+            return offload_nnx.apply_plan(self, model)
         return offload_linen.apply_plan(self, model)
 
     def to_dict(self) -> dict[str, Any]:
@@ -757,7 +771,7 @@ def default_options() -> tuple[Strategy, ...]:
 
 
 class _Discovery:
-    """Stands in for a plan while tracing: every block lean, and its path noted."""
+    """Stands in for a linen plan while tracing: every block lean, and its path noted."""
 
     outside = Store()
 
@@ -770,6 +784,24 @@ class _Discovery:
 
     def apply(self, model):
         return offload_linen.apply_plan(self, model)
+
+
+def _discover(model, step, args, blocks) -> tuple[list[str], list[transform.OffloadedCall]]:
+    """The paths of the blocks that ``step`` calls, in call order, and each one's wrapped call."""
+    if isinstance(model, nnx.Module):
+        every_block_lean = Plan(tuple((p, Lean()) for p in offload_nnx.block_paths(model, blocks)))
+        with offload_nnx.calls_recorded() as paths:
+            fun, arrays, _ = _program(model, step, args, every_block_lean)
+            calls = transform.offloaded_calls(fun, *arrays)
+        return paths, calls
+    if blocks is not None:
+        raise TypeError(
+            "blocks= selects the blocks of an NNX model; a linen model's blocks are those whose "
+            "class is jaxoffload.linen.plannable (block_cls=jaxoffload.linen.plannable(Block))."
+        )
+    discovery = _Discovery()
+    fun, arrays, _ = _program(model, step, args, discovery)
+    return discovery.paths, transform.offloaded_calls(fun, *arrays)
 
 
 def compiled_bytes(
@@ -788,9 +820,16 @@ def compiled_bytes(
     return _device_bytes(_compile(model, step, args, plan, donate_argnums))
 
 
+def _program(model, step, args, plan, donate_argnums=()):
+    """``step`` with ``model`` under ``plan``, as a function of arrays: ``(fun, arrays, donate)``."""
+    if isinstance(model, nnx.Module):
+        return offload_nnx.functional(step, plan.apply(model), args, donate_argnums)
+    return functools.partial(step, plan.apply(model)), args, donate_argnums
+
+
 def _compile(model, step, args, plan: Plan, donate_argnums):
-    jitted = jax.jit(functools.partial(step, plan.apply(model)), donate_argnums=donate_argnums)
-    return jitted.trace(*args).lower().compile()
+    fun, arrays, donate = _program(model, step, args, plan, donate_argnums)
+    return jax.jit(fun, donate_argnums=donate).trace(*arrays).lower().compile()
 
 
 def _device_bytes(executable) -> int:
@@ -803,6 +842,7 @@ def plan(
     step: Callable[..., Any],
     *args: Any,
     budget: int | float | Sequence[int | float],
+    blocks: Any = None,
     options: Sequence[Strategy] | None = None,
     donate_argnums: int | Sequence[int] = (),
     runs: int = 5,
@@ -821,15 +861,21 @@ def plan(
 
     Args:
       model: an unbound linen Module whose blocks are
-        :func:`jaxoffload.linen.plannable`.
-      step: the training step as ``step(model, *args)``: the planner calls it
-        with the model under each candidate plan.
+        :func:`jaxoffload.linen.plannable`, or an NNX Module. An NNX model
+        is put back as it was when planning ends.
+      step: the training step as ``step(model, *args)``, not jitted: the
+        planner calls it with the model under each candidate plan. An NNX
+        step may update its Modules (``optimizer.update(model, grads)``).
       *args: ``step``'s other arguments, as arrays or
-        :class:`jax.ShapeDtypeStruct`\\ s (a training state, a batch).
+        :class:`jax.ShapeDtypeStruct`\\ s (a training state, a batch), or
+        NNX Modules such as an ``nnx.Optimizer``.
       budget: device bytes (an int), or a share of the plain model's (a
         float in (0, 1]). Device bytes are the compiled step's arguments and
         temporaries. A sequence of budgets gives a list of plans, and
         measures the costs once.
+      blocks: for an NNX model, which submodules are its blocks: a Module
+        class, a tuple of them, or a function ``(path, module) -> bool``.
+        A linen model's blocks are its plannable ones.
       options: the strategies a block may take; :func:`default_options` by
         default.
       donate_argnums: the arguments (after ``model``) that the training loop
@@ -866,17 +912,26 @@ def plan(
     budgets = list(budget) if isinstance(budget, Sequence) else [budget]
     for b in budgets:
         _check_budget(b)
-    planner = _Planner(
-        model, step, args, options, runs=runs, say=say, donate_argnums=donate_argnums
-    )
-    plans = [planner.plan_for(b, max_rounds=max_rounds) for b in budgets]
+    # Planning applies its candidates to an NNX model in place: put it back after.
+    with offload_nnx.classes_kept(model) if isinstance(model, nnx.Module) else nullcontext():
+        planner = _Planner(
+            model,
+            step,
+            args,
+            options,
+            blocks=blocks,
+            runs=runs,
+            say=say,
+            donate_argnums=donate_argnums,
+        )
+        plans = [planner.plan_for(b, max_rounds=max_rounds) for b in budgets]
     return plans if isinstance(budget, Sequence) else plans[0]
 
 
 class _Planner:
     """What planning measures once per model and step: blocks, costs, link and calibration."""
 
-    def __init__(self, model, step, args, options, *, runs, say, donate_argnums=()):
+    def __init__(self, model, step, args, options, *, runs, say, blocks=None, donate_argnums=()):
         self.model, self.step, self.args, self.say = model, step, args, say
         self.donate_argnums = donate_argnums
         self.executables: dict[Plan, Any] = {}
@@ -888,10 +943,8 @@ class _Planner:
             raise ValueError("options is empty: a block needs at least one strategy to take.")
         self.options = options
         say("tracing the step to find the plannable blocks")
-        discovery = _Discovery()
-        calls = transform.offloaded_calls(functools.partial(step, discovery.apply(model)), *args)
-        self.paths = discovery.paths
-        _check_blocks(self.paths, calls)
+        self.paths, calls = _discover(model, step, args, blocks)
+        _check_blocks(self.paths, calls, nnx_model=isinstance(model, nnx.Module))
         self.link = None
         if any(isinstance(s, Offload) for s in options):
             link = measure_link()
@@ -899,6 +952,8 @@ class _Planner:
             say(f"host link: {self.link[0]:.1f} GB/s out, {self.link[1]:.1f} GB/s back")
         self.blocks = _cost_blocks(self.paths, calls, options, runs=runs, say=say)
         self.plain = Plan(tuple((p, Store()) for p in self.paths))
+        # What the compiled programs take: the same arrays under every plan.
+        self.arrays = _program(model, step, args, self.plain)[1]
         self.lean_outside = dataclasses.replace(self.plain, outside=Lean())
         say("compiling the plain step, and again with the code outside the blocks lean")
         # Every compiled plan is a candidate for every budget.
@@ -956,7 +1011,7 @@ class _Planner:
             try:
                 for _ in range(runs + 1):
                     # Donated arguments are used up: fresh zeros for every run.
-                    args = jax.block_until_ready(jax.tree.map(_zeros, self.args))
+                    args = jax.block_until_ready(jax.tree.map(_zeros, self.arrays))
                     start = time.perf_counter()
                     jax.block_until_ready(executable(*args))
                     times.append(time.perf_counter() - start)
@@ -1036,10 +1091,13 @@ def _check_budget(budget) -> None:
         raise ValueError(f"budget must be positive, got {budget} bytes.")
 
 
-def _check_blocks(paths, calls) -> None:
+def _check_blocks(paths, calls, *, nnx_model: bool) -> None:
     if not paths:
         raise ValueError(
-            "the step calls no plannable block: wrap the model's block class with "
+            "the step calls none of the blocks that blocks= selects: select the submodules "
+            "that the model's __call__ calls."
+            if nnx_model
+            else "the step calls no plannable block: wrap the model's block class with "
             "jaxoffload.linen.plannable, e.g. block_cls=jaxoffload.linen.plannable(Block)."
         )
     twice = sorted({p for p in paths if paths.count(p) > 1})

@@ -280,6 +280,31 @@ def _complain(report: MemoryReport, on_dropped: str) -> None:
     warnings.warn(message, OffloadWarning, stacklevel=3)
 
 
+# Set once this process has said that host placement does nothing on its backend.
+_said_one_memory = False
+
+
+def _warn_once_on_one_memory(platform: str) -> None:
+    """Warns, once per process, that offloaded calls traced for ``platform`` move nothing.
+
+    XLA:CPU keeps every buffer in one memory, so training on CPU with
+    offload runs as it would without. Every trace of every offloaded call
+    would say the same, hence once.
+    """
+    global _said_one_memory
+    if platform != "cpu" or _said_one_memory:
+        return
+    _said_one_memory = True
+    warnings.warn(
+        "offloaded calls are traced for CPU, where host placement has no effect: XLA:CPU "
+        "keeps every buffer in one memory, so nothing moves and no device memory is freed "
+        "(outputs and gradients are unchanged). Measure memory savings on a GPU. This "
+        "warning is given once per process.",
+        OffloadWarning,
+        stacklevel=4,
+    )
+
+
 def _equations(jaxpr) -> Iterator[Any]:
     for eqn in jaxpr.eqns:
         yield eqn

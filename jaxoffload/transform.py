@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, overload
 
+import flax.linen as flax_linen
 import jax
 import numpy as np
 from flax import nnx as flax_nnx
@@ -24,7 +25,7 @@ from jax.extend import core as jex_core
 
 from jaxoffload import cut as cut_lib
 from jaxoffload import rewrite
-from jaxoffload.report import OffloadWarning
+from jaxoffload.report import OffloadWarning, _equations, _warn_once_on_one_memory
 from jaxoffload.strategies import Lean, Offload, Remat, Store, Strategy, check_strategy
 
 __all__ = [
@@ -154,9 +155,10 @@ def wrap(
     static_argnums = _check_argnums("static_argnums", static_argnums)
     if inspect.ismethod(fun) and _is_nnx_module(fun.__self__):
         raise TypeError(_NNX_HINT.format(name=type(fun.__self__).__name__))
+    _refuse_linen(fun)
+    argnums = _Argnums(device=device_argnums, static=static_argnums)
     if isinstance(strategy, Store):
         return fun
-    argnums = _Argnums(device=device_argnums, static=static_argnums)
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
@@ -297,6 +299,27 @@ _NNX_HINT = (
 )
 
 
+def _refuse_linen(fun) -> None:
+    """Raises if ``fun`` is a linen Module class or instance: its variables live in a Flax scope."""
+    cls = fun.func if isinstance(fun, functools.partial) else fun
+    if isinstance(cls, type) and issubclass(cls, flax_linen.Module):
+        raise TypeError(
+            "jaxoffload.wrap and jaxoffload.offload take a function of arrays, but got the "
+            f"linen Module class {cls.__name__}: it would be called to build a Module, not to "
+            f"apply one. Write jaxoffload.linen.offload({cls.__name__}) or "
+            f"jaxoffload.linen.wrap({cls.__name__}, strategy): they return a Module class with "
+            f"{cls.__name__}'s variables."
+        )
+    if isinstance(fun, flax_linen.Module):
+        name = type(fun).__name__
+        raise TypeError(
+            "jaxoffload.wrap and jaxoffload.offload take a function of arrays, but got the "
+            f"linen Module {name}(...), whose variables (parameters, batch_stats) a function "
+            f"transform cannot see. Write jaxoffload.linen.offload({name})(...) where you wrote "
+            f"{name}(...), or wrap a pure function such as {name}(...).apply."
+        )
+
+
 def _holds_arrays(value) -> bool:
     return any(
         isinstance(leaf, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
@@ -430,27 +453,20 @@ class _Argnums:
     device: tuple[int, ...]
     static: tuple[int, ...]
 
-    def split(self, args: tuple, kwargs: dict):
+    def __post_init__(self):
+        _check_disjoint(set(self.static), set(self.device))  # negative ones at the call
+
+    def split(self, args: tuple, kwargs: dict, names: Sequence[str] = ()):
         """``(dynamic, rebuild, device)``: the array arguments, a function of them, and
-        the positions among them of ``device_argnums``."""
+        the positions among them of ``device_argnums``.
+
+        ``names`` are the function's positional parameters, for the errors.
+        """
         n = len(args)
         for what, argnums in (("static_argnums", self.static), ("device_argnums", self.device)):
-            bad = [i for i in argnums if not -n <= i < n]
-            if bad:
-                raise ValueError(
-                    f"{what}={argnums} names positions {bad} that this call does not have: it "
-                    f"passes {n} positional arguments"
-                    + (f" and the keywords {sorted(kwargs)}" if kwargs else "")
-                    + f". {what} counts positional arguments only; pass those arguments "
-                    "positionally."
-                )
+            _check_positions(what, argnums, n, kwargs, names)
         static = {i % n for i in self.static}
-        both = static & {i % n for i in self.device}
-        if both:
-            raise ValueError(
-                f"arguments {sorted(both)} are in both static_argnums and device_argnums; "
-                "a static argument is not an array, so it cannot be kept on the device."
-            )
+        _check_disjoint(static, {i % n for i in self.device})
         positions = [i for i in range(n) if i not in static]
         dynamic = tuple(args[i] for i in positions)
         device = tuple(positions.index(i % n) for i in self.device)
@@ -462,14 +478,83 @@ class _Argnums:
         return dynamic, rebuild, device
 
 
+def _check_disjoint(static: set[int], device: set[int]) -> None:
+    both = sorted(static & device)
+    if both:
+        raise ValueError(
+            f"arguments {both} are in both static_argnums and device_argnums; a static argument "
+            "is not an array, so it cannot be kept on the device: leave "
+            f"{'it' if len(both) == 1 else 'them'} out of device_argnums."
+        )
+
+
+def _check_positions(
+    what: str,
+    argnums: Sequence[int],
+    n: int,
+    kwargs: dict,
+    names: Sequence[str] = (),
+    first: int = 0,
+) -> None:
+    """Raises if ``argnums`` names a position that a call with ``n`` positional arguments lacks.
+
+    ``names`` are the function's positional parameters: one that ``argnums``
+    names but the call passes by keyword is named. Positions count from
+    ``first``: linen's count ``self`` as 0, and the first argument as 1.
+    """
+    bad = [i for i in argnums if not -n <= i - first < n]
+    if not bad:
+        return
+    by_keyword = [names[i] for i in bad if 0 <= i < len(names) and names[i] in kwargs]
+    if by_keyword:
+        fix = f"; pass {', '.join(map(repr, by_keyword))} positionally"
+    else:
+        fix = "; pass those arguments positionally" if kwargs else ""
+    counted = {0: "and there are none", 1: f"here only {first}"}.get(
+        n, f"here {first} to {first + n - 1}"
+    )
+    raise ValueError(
+        f"{what}={tuple(argnums)} names positions {bad} that this call does not have: it passes "
+        f"{n} positional argument{'s' * (n != 1)}"
+        + (" after self" if first else "")
+        + (f" and the keywords {sorted(kwargs)}" if kwargs else "")
+        + f". {what} counts the arguments passed positionally, {counted}{fix}."
+    )
+
+
+def _positional_names(fun: Callable[..., Any]) -> tuple[str, ...]:
+    """The names of ``fun``'s positional parameters, or none where it has no signature."""
+    try:
+        parameters = inspect.signature(fun).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in parameters if p.kind in kinds)
+
+
 def _check_argnums(what: str, argnums) -> tuple[int, ...]:
     if isinstance(argnums, bool | str) or not isinstance(argnums, int | Sequence):
-        raise TypeError(f"{what} must be an int or a sequence of ints, got {argnums!r}.")
+        raise TypeError(
+            f"{what} must be an int or a sequence of ints, got {argnums!r} of type "
+            f"{type(argnums).__name__}; {_argnums_hint(what, argnums)}."
+        )
     argnums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     bad = [a for a in argnums if isinstance(a, bool) or not isinstance(a, int)]
     if bad:
-        raise TypeError(f"{what} must be ints, got {bad!r} in {argnums!r}.")
+        raise TypeError(
+            f"{what} must be ints, got {bad!r} in {argnums!r}; {_argnums_hint(what, argnums)}."
+        )
     return argnums
+
+
+def _argnums_hint(what: str, argnums) -> str:
+    """What to write instead: the same positions as ints where they are whole numbers (``1.0``)."""
+    many = isinstance(argnums, tuple | list)
+    values = tuple(argnums) if many else (argnums,)
+    if all(type(a) is int or (isinstance(a, float) and a.is_integer()) for a in values):
+        ints = tuple(int(a) for a in values)
+        return f"write {what}={ints if many else ints[0]}"
+    return f"write an int such as {what}=1, or a tuple such as {what}=(0, 1)"
 
 
 # ---- the chain of calls in one trace ----------------------------------------------------
@@ -601,7 +686,7 @@ def _cheapest(jaxpr, needed, out_atoms, params, strategy) -> cut_lib.Cut:
     it, so they cost nothing; an offloading call moves its own, and never
     more than a lean call would keep.
     """
-    kept_anyway = params | set(jaxpr.invars) | set(out_atoms)
+    kept_anyway = params | set(jaxpr.invars) | {a for a in out_atoms if isinstance(a, jex_core.Var)}
     lean = cut_lib.cheapest_cut(jaxpr, needed, kept_anyway, max_recompute=strategy.max_recompute)
     if isinstance(strategy, Lean):
         return lean
@@ -756,8 +841,8 @@ _CALL_NAME = "jaxoffload_call"
 _INNER_CALLS = ("checkpoint", "remat", "remat2")
 
 
-def _wrapped_call(fun, strategy, argnums: _Argnums, args: tuple, kwargs: dict):
-    dynamic, rebuild, device = argnums.split(args, kwargs)
+def _wrapped_call(fun, strategy, argnums: _Argnums, args: tuple, kwargs: dict, check_names=True):
+    dynamic, rebuild, device = argnums.split(args, kwargs, _positional_names(fun))
     # Keywords that hold no arrays (``train=True``) are static, as jit's static
     # arguments are: traced, a Python bool could not steer the function.
     static_kwargs = {k: v for k, v in kwargs.items() if not _holds_arrays(v)}
@@ -775,6 +860,8 @@ def _wrapped_call(fun, strategy, argnums: _Argnums, args: tuple, kwargs: dict):
     # called twice would draw its RNGs twice, and initialise other values.
     closed, out_shape = jax.make_jaxpr(call, return_shape=True)(dynamic, kwargs)
     out_tree = jax.tree.structure(out_shape)
+    if check_names and isinstance(strategy, Offload) and strategy.names:
+        _check_names(strategy.names, closed)
     if any(_is_inner_call(e) for e in closed.jaxpr.eqns):
         flat = _run_regions(closed, jax.tree.leaves((dynamic, kwargs)), strategy, device_leaves)
         return jax.tree.unflatten(out_tree, flat)
@@ -787,6 +874,22 @@ def _wrapped_call(fun, strategy, argnums: _Argnums, args: tuple, kwargs: dict):
         remat = jax.checkpoint(replay, policy=strategy.policy, prevent_cse=strategy.prevent_cse)
         return remat(dynamic, kwargs)
     return _custom_call(replay, strategy, dynamic, kwargs, device_leaves, fun)
+
+
+def _check_names(names: tuple[str, ...], closed) -> None:
+    """Raises if ``names`` holds a name that the traced function never marks.
+
+    A typo would otherwise keep nothing but the inputs, and recompute the rest.
+    """
+    marked = {e.params["name"] for e in _equations(closed.jaxpr) if e.primitive.name == "name"}
+    missing = [n for n in names if n not in marked]
+    if missing:
+        raise ValueError(
+            f"Offload(names={names!r}): the function marks no value named "
+            f"{', '.join(map(repr, missing))} with jax.ad_checkpoint.checkpoint_name; "
+            + (f"the names it marks are {sorted(marked)}." if marked else "it marks no value.")
+            + " Fix the name, or mark the value: checkpoint_name(x, name)."
+        )
 
 
 def _is_inner_call(eqn) -> bool:
@@ -837,13 +940,17 @@ def _run_regions(closed, flat, strategy, device_leaves) -> list[Any]:
         ]
         sub = jex_core.Jaxpr([], inputs, outputs, list(region), jaxpr.effects, _debug_info(inputs))
         fun = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(sub, []))
+        args = tuple(env[v] for v in inputs)
         if any(
             cut_lib.eqn_flops(e) or e.primitive.name.startswith("reduce_window") for e in region
         ):
-            fun = wrap(
-                fun, strategy, device_argnums=[k for k, v in enumerate(inputs) if v in params]
-            )
-        for v, x in zip(outputs, fun(*[env[v] for v in inputs])):
+            device = tuple(k for k, v in enumerate(inputs) if v in params)
+            # The names were checked on the whole function; a region may mark none of them.
+            argnums = _Argnums(device=device, static=())
+            results = _wrapped_call(fun, strategy, argnums, args, {}, check_names=False)
+        else:
+            results = fun(*args)
+        for v, x in zip(outputs, results):
             env[v] = x
         region.clear()
 
@@ -891,19 +998,8 @@ def _custom_call(call, strategy, dynamic, kwargs, device_leaves, fun):
         plan = plans["plan"] = _plan(call, dynamic, kwargs, strategy, device_leaves)
         if recorder is not None:
             recorder.append(_describe(call, plan, dynamic, kwargs, device_leaves))
-        if (
-            to_host
-            and plan.residuals
-            and not plan.to_host
-            and not getattr(_placement, "off", False)
-        ):
-            warnings.warn(
-                f"offload({getattr(fun, '__name__', fun)}): none of its {len(plan.residuals)} "
-                "residuals moves to the host (all are in device_argnums or under min_bytes); it "
-                "behaves like the plain function. saved_residuals() lists them.",
-                OffloadWarning,
-                stacklevel=2,
-            )
+        if to_host:
+            _say_if_nothing_moves(fun, plan)
         flat = plan.forward(*jax.tree.leaves((dynamic, kwargs)))
         out = jax.tree.unflatten(plan.out_tree, flat[: plan.num_outputs])
         saved = list(flat[plan.num_outputs :])
@@ -937,6 +1033,22 @@ def _custom_call(call, strategy, dynamic, kwargs, device_leaves, fun):
     out, token = run(dynamic, kwargs, gates)
     chain.push(index, window, token)
     return out
+
+
+def _say_if_nothing_moves(fun, plan: _Plan) -> None:
+    """Warns where an offloading call moves nothing: no residual goes, or the backend has one memory."""
+    if getattr(_placement, "off", False) or not plan.residuals:
+        return  # the twin asks for no transfer, and a call without residuals has none to make
+    if plan.to_host:
+        _warn_once_on_one_memory(jax.default_backend())
+        return
+    warnings.warn(
+        f"offload({getattr(fun, '__name__', fun)}): none of its {len(plan.residuals)} "
+        "residuals moves to the host (all are in device_argnums or under min_bytes); it "
+        "behaves like the plain function. saved_residuals() lists them.",
+        OffloadWarning,
+        stacklevel=3,
+    )
 
 
 def _move_out(out, saved, to_host, gates, window):

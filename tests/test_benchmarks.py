@@ -49,7 +49,7 @@ def test_plot_of_bench_and_peer_records(tmp_path):
 
 
 def test_gradient_error_stores_then_compares(tmp_path):
-    from jaxoffload.benchmark import gradient_error
+    from jaxoffload.bench.benchmark import gradient_error
 
     reference = str(tmp_path / "reference.npz")
     grads = [np.ones((2, 3)), np.full(4, 2.0)]

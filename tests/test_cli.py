@@ -3,13 +3,15 @@
 import argparse
 import json
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
 
 import jaxoffload
-from jaxoffload import benchmark, cli
+from jaxoffload.bench import benchmark, cli
 
 REQUIRED = {
     "model", "batch", "image_size", "dtype", "strategy", "framework", "device", "jax_version",
@@ -35,7 +37,6 @@ REQUIRED = {
         (["--model", "vgg11", "--window", "1,2,2,2"], "vgg11 takes one window, not one per stage"),
         (["--strategies", "none,offload-hidden"], "needs a reference model"),
         (["--strategies", "none,jax-offload"], "names none"),
-        (["--out", "/proc/version"], "--out /proc/version: cannot write records there"),
     ],
 )
 def test_bad_arguments_exit_with_a_message(argv, message, capsys):
@@ -72,6 +73,10 @@ def test_bench_writes_table_json_and_plot(tmp_path):
     assert (out / "pareto.png").read_bytes()[:4] == b"\x89PNG"
     assert "offload-inputs" in done.stdout and "images/s" in done.stdout
     assert "host placement has no effect" in done.stderr
+    # Piped, progress is a line per step; a complete run leaves no reference gradient.
+    assert "[1/2] none on flax-resnet18, batch 2: compile and 1 steps\n" in done.stderr
+    assert re.search(r"^\[2/2\] offload-inputs: [\d.]+ ms a step \([\d.]+ s\)$", done.stderr, re.M)
+    assert records[0]["steps"] == 1 and not (out / cli.REFERENCE).exists()
 
 
 def test_pareto_front():
@@ -102,7 +107,7 @@ def test_the_command_starts_no_device_client_itself(monkeypatch):
 
 def test_out_of_memory_records(monkeypatch, tmp_path):
     # Simulate a reference that does not fit: the others get no gradient error.
-    from jaxoffload import benchmark
+    from jaxoffload.bench import benchmark
 
     seen = []
 
@@ -128,7 +133,7 @@ def test_out_of_memory_records(monkeypatch, tmp_path):
 
 
 def test_copies_that_free_little_are_said(monkeypatch, tmp_path, capsys):
-    from jaxoffload import benchmark
+    from jaxoffload.bench import benchmark
 
     def fake(workload, *, steps, reference, env, **options):
         offload = workload.strategy == "offload"
@@ -149,7 +154,7 @@ def test_copies_that_free_little_are_said(monkeypatch, tmp_path, capsys):
 
 
 def test_a_failing_strategy_is_recorded_and_the_others_still_run(monkeypatch, tmp_path, capsys):
-    from jaxoffload import benchmark
+    from jaxoffload.bench import benchmark
 
     def fake(workload, *, steps, reference, env, **options):
         if workload.strategy == "remat":
@@ -232,7 +237,7 @@ def test_find_max_batch_confirms_by_running_and_steps_down(monkeypatch):
 
 
 def test_transfer_bound_uses_the_twins_compute_and_the_records_own_link():
-    from jaxoffload import benchmark
+    from jaxoffload.bench import benchmark
 
     records = [
         {"strategy": "none", "step_time_ms": 30.0, "forward_ms": 10.0},
@@ -252,14 +257,14 @@ def test_transfer_bound_uses_the_twins_compute_and_the_records_own_link():
 
 
 def test_measure_link_moves_bytes_both_ways():
-    from jaxoffload import benchmark
+    from jaxoffload.bench import benchmark
 
     link = benchmark.measure_link(nbytes=2**20, runs=1)
     assert set(link) == {"d2h_gbps", "h2d_gbps"} and min(link.values()) > 0
 
 
 def test_requested_host_bytes_match_the_traced_step_and_allocate_nothing():
-    from jaxoffload import benchmark
+    from jaxoffload.bench import benchmark
 
     workload = benchmark.Workload("flax-vgg11", 2, 32, "float32", "offload")
     step, state, batch, _ = benchmark.train_step(workload)
@@ -275,7 +280,7 @@ def test_requested_host_bytes_match_the_traced_step_and_allocate_nothing():
 def test_planned_strategy_failures_and_empty_plans_are_reported(monkeypatch, tmp_path, capsys):
     import dataclasses
 
-    from jaxoffload import benchmark
+    from jaxoffload.bench import benchmark
 
     failing = ""  # which process runs out of memory: "plan", "measure" or neither
 
@@ -349,3 +354,124 @@ def test_gradient_errors_are_flagged_against_the_same_arithmetic_control():
     # Without the control, or where it is exact, nothing can be read as rounding.
     assert cli.gradient_flags([r for r in records if r["strategy"] != "remat"]) == []
     assert cli.gradient_flags([{**records[1], "grad_rel_err": 0.0}, records[3]]) == []
+
+
+def _record(workload, **extra):
+    """The part of a record that the command reads, as the measuring process gives it."""
+    return {
+        **{k: getattr(workload, k) for k in ("model", "batch", "image_size", "dtype", "window")},
+        "strategy": workload.strategy, "grad_rel_err": 0.0, "step_time_ms": 1.0,
+        "compiled_temp_bytes": 1, "compiled_host_temp_bytes": 0, "peak_bytes_in_use": None,
+        "images_per_s": 2.0, "device": "cpu", **extra,
+    }  # fmt: skip
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("measured before --out was checked")
+
+
+@pytest.mark.parametrize("kind", ["file", "read-only folder"])
+def test_an_unusable_out_is_refused_before_anything_is_measured(
+    kind, monkeypatch, tmp_path, capsys
+):
+    out = tmp_path / "out"
+    if kind == "file":
+        out.write_text("an earlier result")
+        message = f"--out {out} is a file, not a folder: give a folder (made if need be)"
+    else:
+        out.mkdir(mode=0o500)
+        if os.access(out, os.W_OK):  # root writes anywhere, but not into sysfs
+            out = pathlib.Path("/sys")
+        message = f"--out {out}: cannot write records there (Permission denied)"
+    monkeypatch.setattr(benchmark, "probe_device", _never)
+    monkeypatch.setattr(benchmark, "measure_in_subprocess", _never)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--out", str(out)])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_interrupted_run_keeps_its_records_and_resumes_with_the_rest(
+    monkeypatch, tmp_path, capsys
+):
+    measured, interrupt = [], "remat"
+
+    def fake(workload, *, steps, reference, env, **options):
+        if workload.strategy == interrupt:
+            raise KeyboardInterrupt  # Ctrl-C, or the machine going away, mid-run
+        measured.append(workload.strategy)
+        if workload.strategy == "none":
+            pathlib.Path(reference).write_bytes(b"its gradient")  # as measure() does
+        return _record(workload, run=len(measured))
+
+    monkeypatch.setattr(benchmark, "measure_in_subprocess", fake)
+    monkeypatch.setattr(benchmark, "probe_device", lambda env=None: {"platform": "cpu"})
+    argv = ["bench", "--batch", "2", "--steps", "1", "--out", str(tmp_path)]
+    argv += ["--strategies", "none,lean,remat,offload"]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 130
+    assert "run the same command with --resume" in capsys.readouterr().err
+    records = json.loads((tmp_path / "records.json").read_text())
+    assert [(r["strategy"], r["run"], r["steps"]) for r in records] == [
+        ("none", 1, 1),
+        ("lean", 2, 1),
+    ]
+
+    # The same command resumed measures only the rest, and keeps what was measured.
+    measured.clear()
+    interrupt = ""
+    cli.main([*argv, "--resume"])
+    assert measured == ["remat", "offload"]
+    assert "kept none, lean; measuring remat, offload" in capsys.readouterr().err
+    records = json.loads((tmp_path / "records.json").read_text())
+    assert [(r["strategy"], r["run"]) for r in records] == [
+        ("none", 1), ("lean", 2), ("remat", 1), ("offload", 2)
+    ]  # fmt: skip
+    # A complete run removes the reference gradient: a strategy added later is
+    # compared with a new 'none' run.
+    measured.clear()
+    cli.main([*argv[:-1], "none,lean,remat,offload,remat-dots", "--resume"])
+    assert measured == ["none", "remat-dots"]
+
+    # Records of another configuration are not mixed in.
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*argv, "--resume", "--batch", "4"])
+    assert exit_info.value.code == 2
+    assert (
+        f"--resume: {tmp_path / 'records.json'} holds 'none' measured with --batch 2, and this "
+        "command has --batch 4: give that run's arguments, or leave out --resume"
+    ) in capsys.readouterr().err
+
+
+def test_progress_off_a_terminal_is_a_plain_line_per_step(monkeypatch, tmp_path, capsys):
+    def fake(workload, *, steps, reference, env, **options):
+        if workload.strategy == "remat":
+            raise RuntimeError("the measuring process failed (exit code 1):\nboom")
+        return _record(workload)
+
+    monkeypatch.setattr(benchmark, "measure_in_subprocess", fake)
+    monkeypatch.setattr(benchmark, "probe_device", lambda env=None: {"platform": "cpu"})
+    with pytest.raises(SystemExit):  # remat failed
+        cli.main(["bench", "--strategies", "none,remat", "--steps", "1", "--out", str(tmp_path)])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
+    assert [re.sub(r"\([\d.]+ s\)", "(T s)", line) for line in lines] == [
+        "[1/2] none on flax-resnet18, batch 8: compile and 1 steps",
+        "[1/2] none: 1.0 ms a step (T s)",
+        "[2/2] remat on flax-resnet18, batch 8: compile and 1 steps",
+        "[2/2] remat: failed: boom (T s)",
+    ]
+
+
+def test_version_and_defaults_in_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"jaxoffload {jaxoffload.__version__}\n"
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for shown in ["images per step (default: 8)", "(default: bench-out)", "(default: float32)"]:
+        assert shown in help_text
+    assert "--memory-cap GIB GPU only (an error on CPU)" in help_text
+    assert "(default: None)" not in help_text and "(default: False)" not in help_text

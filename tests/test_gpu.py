@@ -169,3 +169,27 @@ def test_stem_pool_gradient_comes_from_the_kernel_with_the_xla_routes_values():
         return pool._route_by_phases(g, _first_max(pool.slices(x)), shape)
 
     assert jnp.array_equal(grad(x), jax.jit(by_phases)(x))
+
+
+def test_nnx_offload_moves_a_plain_nnx_models_residuals():
+    from flax import nnx
+
+    from jaxoffload.bench import models
+    from jaxoffload.bench.models import flax_nnx_resnet
+
+    def report(strategy):
+        model = flax_nnx_resnet.ResNet(
+            (2, 2), flax_nnx_resnet.BottleneckResNetBlock, num_classes=10, rngs=nnx.Rngs(0)
+        )
+        models.wrap_nnx_blocks(model, strategy)
+        graphdef, state = nnx.split(model)
+
+        def gradient(state, x):
+            return nnx.grad(lambda m: m(x).sum())(nnx.merge(graphdef, state))
+
+        x = jnp.ones((128, 64, 64, 3))
+        return jaxoffload.memory_report(jax.jit(gradient), state, x, on_dropped="raise")
+
+    plain, off = report(jaxoffload.Store()), report(jaxoffload.Offload())
+    assert off.moved and off.device_to_host_bytes > 0 and off.host_temp_bytes > 0
+    assert off.temp_bytes < 0.7 * plain.temp_bytes, (off.temp_bytes, plain.temp_bytes)

@@ -7,9 +7,10 @@ import pytest
 from helpers import normal, rel_err
 
 import jaxoffload
-from jaxoffload import Lean, Offload, Remat, Store, models
-from jaxoffload.benchmark import Workload, requested_host_bytes
-from jaxoffload.models import resnet
+from jaxoffload import Lean, Offload, Remat, Store
+from jaxoffload.bench import models
+from jaxoffload.bench.benchmark import Workload, requested_host_bytes
+from jaxoffload.bench.models import resnet
 
 
 @pytest.mark.parametrize(
@@ -105,10 +106,12 @@ def _gradients(model, x, rngs):
     return variables, grads, state
 
 
-# float64 is the sharper check of exactness; once, on the model with the most kinds of layer
-# per second of compile, is enough beside float32 on all three.
+# float64 is the sharper check of exactness: the basic ResNet runs in it alone, the others
+# in float32 (the bottleneck one with every option).
 @pytest.mark.parametrize(
-    "name, dtype", [(name, jnp.float32) for name in PLAIN] + [("flax resnet, basic", jnp.float64)]
+    "name, dtype",
+    [("flax resnet, basic", jnp.float64)]
+    + [(name, jnp.float32) for name in PLAIN if name != "flax resnet, basic"],
 )
 def test_plain_models_give_the_plain_gradient_under_every_strategy(name, dtype):
     bound = 1e-9 if dtype == jnp.float64 else 1e-6
@@ -214,7 +217,7 @@ def test_lean_offload_asks_to_move_fewer_bytes_than_lean_keeps():
 
 
 def _abstract_step(workload):
-    step, state, batch, _ = jaxoffload.benchmark.train_step(workload, abstract=True)
+    step, state, batch, _ = jaxoffload.bench.benchmark.train_step(workload, abstract=True)
     return step, state, batch
 
 

@@ -155,8 +155,8 @@ def test_a_module_instance_is_wrapped_in_place_with_its_paths_kept():
 
 
 def test_the_plain_nnx_resnet_trains_as_plain_with_its_stem_wrapped_too():
-    from jaxoffload import models
-    from jaxoffload.models import flax_nnx_resnet
+    from jaxoffload.bench import models
+    from jaxoffload.bench.models import flax_nnx_resnet
 
     def gradient(strategy):
         model = flax_nnx_resnet.ResNet(
@@ -188,3 +188,110 @@ def test_static_argnums_are_checked_and_honoured():
         assert rel_err(wrapped(dense, x, relu), layer(dense, x, relu)) <= 1e-6
     with pytest.raises(ValueError, match="static_argnums=\\(5,\\)"):
         jaxoffload.nnx.wrap(layer, Lean(), static_argnums=5)(dense, x, True)
+
+
+# ---- plans -------------------------------------------------------------------------------
+
+PATHS = ("blocks/0", "blocks/1")
+
+
+def _train_planned(plan, steps=2):
+    model = Net(WRAPS["plain"], nnx.Rngs(0, dropout=1))
+    assert plan.apply(model) is model  # in place
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
+    losses, grads = [], []
+    for _ in range(steps):
+        loss, g = nnx.jit(_step)(model, optimizer, X, LABELS)
+        losses.append(loss)
+        grads.append(g)
+    return model, losses, grads
+
+
+def _step(model, optimizer, x, labels):
+    def loss_fn(model):
+        return optax.softmax_cross_entropy_with_integer_labels(model(x), labels).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss, grads
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        jaxoffload.Plan(tuple(zip(PATHS, (Lean(), Remat())))),
+        jaxoffload.Plan(tuple(zip(PATHS, (Offload(), Offload(window=2)))), Lean()),
+        jaxoffload.Plan(tuple(zip(PATHS, (Remat(), Remat()))), Remat()),  # plain's arithmetic
+    ],
+    ids=["mixed", "offload", "remat-control"],
+)
+def test_an_applied_plan_trains_as_plain(plain, plan):
+    model, losses, grads = _train_planned(plan)
+    plain_model, plain_losses, plain_grads = plain
+    for g, p in zip(grads, plain_grads):
+        assert rel_err(nnx.to_pure_dict(g), nnx.to_pure_dict(p)) <= 1e-6
+    assert rel_err(losses, plain_losses) <= 1e-6
+    stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+    assert rel_err(stats, nnx.to_pure_dict(nnx.state(plain_model, nnx.BatchStat))) <= 1e-6
+    assert type(model.blocks[1]).__name__ == "Block"
+    # Store() everywhere puts the model back as it was.
+    jaxoffload.Plan(tuple((p, Store()) for p in PATHS)).apply(model)
+    assert type(model) is Net and type(model.blocks[1]) is Block
+
+
+def test_plan_finds_the_blocks_in_call_order_and_leaves_the_model_as_it_was():
+    model = Net(WRAPS["plain"], nnx.Rngs(0, dropout=1))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
+    before = nnx.to_pure_dict(nnx.state(model, (nnx.Param, nnx.BatchStat)))
+    plan = jaxoffload.plan(
+        model, _step, optimizer, X, LABELS, budget=1.0, blocks=Block,
+        options=(Store(),), runs=1, progress=False,
+    )  # fmt: skip
+    assert [p for p, _ in plan.blocks] == list(PATHS)
+    assert plan.compiled_bytes <= plan.budget_bytes
+    assert type(model) is Net and all(type(b) is Block for b in model.blocks)
+    # Nothing ran on the model's own variables: the timing runs use zeros.
+    assert rel_err(nnx.to_pure_dict(nnx.state(model, (nnx.Param, nnx.BatchStat))), before) == 0
+
+
+def test_plan_says_how_to_select_an_nnx_models_blocks():
+    model = Net(WRAPS["plain"], nnx.Rngs(0, dropout=1))
+    with pytest.raises(ValueError, match=r"blocks=MyBlock.*Block \(2\)"):
+        jaxoffload.plan(model, _step, X, LABELS, budget=1.0, progress=False)
+    with pytest.raises(ValueError, match="is inside block 'blocks/0'"):
+        jaxoffload.plan(
+            model, _step, X, LABELS, budget=1.0, blocks=(Block, nnx.Conv), progress=False
+        )
+    with pytest.raises(ValueError, match="selects no submodule"):
+        jaxoffload.plan(model, _step, X, LABELS, budget=1.0, blocks=nnx.Embed, progress=False)
+    with pytest.raises(ValueError, match="does not have; its submodules are"):
+        jaxoffload.Plan((("blocks/7", Lean()),)).apply(model)
+
+
+def test_blocks_are_found_in_call_order_not_graph_order():
+    from jaxoffload.planner import _discover
+
+    class Pair(nnx.Module):
+        def __init__(self, rngs):
+            self.z_first, self.a_second = Block(8, rngs), Block(8, rngs)
+
+        def __call__(self, x):
+            return self.a_second(self.z_first(x))
+
+    model = Pair(nnx.Rngs(0, dropout=1))
+    x = normal(1, (2, 8, 8, 8))
+    paths, calls = _discover(model, nnx.grad(lambda m, x: m(x).sum()), (x,), Block)
+    assert paths == ["z_first", "a_second"] and len(calls) == 2
+
+
+def test_donating_an_nnx_modules_state_is_refused_by_name():
+    from jaxoffload.nnx import functional
+
+    model = Net(WRAPS["plain"], nnx.Rngs(0, dropout=1))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    with pytest.raises(ValueError, match=r"names the NNX Modules at \[0\]"):
+        functional(_step, model, (optimizer, X, LABELS), donate_argnums=0)
+    with pytest.raises(ValueError, match=r"positions \[3\], but the step takes 3 arguments"):
+        functional(_step, model, (optimizer, X, LABELS), donate_argnums=3)
+    _, arrays, donate = functional(_step, model, (optimizer, X, LABELS), donate_argnums=(1, 2))
+    assert donate == (1, 2) and arrays[1] is X

@@ -127,8 +127,10 @@ def test_plan_errors_name_the_problem():
         Plan((("Block_0", Remat(policy)),)).to_json()
     from flax import nnx
 
-    with pytest.raises(TypeError, match="jaxoffload.nnx.wrap"):
+    with pytest.raises(ValueError, match="Linear does not have; its submodules are none"):
         Plan((("Block_0", Lean()),)).apply(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    with pytest.raises(TypeError, match="a linen Module instance or an NNX Module, got int"):
+        Plan((("Block_0", Lean()),)).apply(3)
     other = Plan((("Dense_0", Lean()),))
     with pytest.raises(ValueError, match="no block 'Block_0'"):
         gradients(other.apply(PLANNABLE))

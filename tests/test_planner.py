@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxoffload
-from jaxoffload import benchmark, models
+from jaxoffload.bench import benchmark, models
 from jaxoffload.planner import plan_hidden_offload
 
 LINK = {"d2h_gbps": 50.0, "h2d_gbps": 40.0}

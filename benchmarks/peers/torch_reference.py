@@ -1,6 +1,6 @@
 """PyTorch peer of ``jaxoffload bench``: torchvision models, each memory mode in a fresh process.
 
-The same training step as :func:`jaxoffload.benchmark.train_step`, written the
+The same training step as :func:`jaxoffload.bench.benchmark.train_step`, written the
 way a PyTorch user would: torchvision VGG19 or ResNet-50, ``channels_last``,
 bf16 autocast, softmax cross-entropy, SGD with momentum 0.9. Modes:
 
@@ -74,7 +74,7 @@ def measure(
     from torch.utils.checkpoint import checkpoint
 
     # The same comparison as jaxoffload bench's (importing jax starts no device client).
-    from jaxoffload.benchmark import gradient_error
+    from jaxoffload.bench.benchmark import gradient_error
 
     torch.manual_seed(0)
     device = torch.device("cuda")

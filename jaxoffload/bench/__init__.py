@@ -1,0 +1,1 @@
+"""The benchmark harness: the reference models, the benchmark and the ``jaxoffload bench`` command."""

@@ -1,0 +1,1129 @@
+"""Measure a training step's memory and time, each configuration in a fresh process.
+
+``peak_bytes_in_use`` never goes down inside a process, so every measured
+configuration runs in a child process of its own (:func:`measure_in_subprocess`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.extend import core as jex_core
+
+import jaxoffload
+from jaxoffload import planner, transform
+from jaxoffload.bench import models
+from jaxoffload.planner import Plan, measure_link, plan_hidden_offload
+from jaxoffload.report import analyze, requested_host_transfers, with_twin
+from jaxoffload.strategies import Lean, Offload, Remat, Store, Strategy
+from jaxoffload.transform import OffloadedCall, offloaded_calls
+
+__all__ = [
+    "COMPUTE_TWIN",
+    "PLANNED_STRATEGIES",
+    "STRATEGIES",
+    "OutOfMemory",
+    "Workload",
+    "find_max_batch",
+    "largest_fitting_batch",
+    "gradient_error",
+    "hidden_offload_workload",
+    "measure",
+    "measure_link",  # from jaxoffload.planner
+    "measure_all",
+    "measure_in_subprocess",
+    "plan_budgets_in_subprocess",
+    "plan_in_subprocess",
+    "probe_device",
+    "requested_host_bytes",
+    "time_offloaded_calls",
+    "train_step",
+]
+
+DTYPES = ("float32", "bfloat16")
+
+# The command line's strategy names, and the values they stand for.
+STRATEGIES: dict[str, Strategy] = {
+    "none": Store(),
+    "lean": Lean(),
+    "remat": Remat(),
+    "remat-dots": Remat(jax.checkpoint_policies.dots_saveable),
+    "offload": Offload(),
+    "offload-inputs": Offload(recompute=True),
+    # jax's own offload, of the convolution outputs that the reference models name.
+    "jax-offload": Remat(
+        jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=[models.common.CONV_NAME],
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
+    ),
+}
+# Strategies whose per-block values a planner picks (see hidden_offload_workload).
+PLANNED_STRATEGIES = {
+    "offload-hidden": "Offload() only the blocks whose transfers the compute can hide "
+    "(jaxoffload.planner), the others Lean()",
+    "plan": "the jaxoffload.plan of a budget (bench --budget)",
+}
+
+# The share of a step's compute time that "offload-hidden" may add by recomputation.
+HIDDEN_RECOMPUTE_SHARE = 0.02
+
+# For each strategy that moves residuals to the host, the strategy that runs the
+# same layers without moving anything: its times are the compute in the
+# transfer bound (see :func:`add_transfer_bounds`).
+COMPUTE_TWIN = {
+    "jax-offload": "none",
+    "offload": "lean",
+    "offload-inputs": "remat",
+    "offload-hidden": "lean",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One training configuration to measure.
+
+    Attributes:
+      model: a name in ``jaxoffload.bench.models.MODEL_NAMES``.
+      batch: images per step.
+      image_size: height and width of the square input.
+      dtype: compute dtype, ``"float32"`` or ``"bfloat16"``.
+      strategy: a key of :data:`STRATEGIES` or :data:`PLANNED_STRATEGIES`.
+      blocks: how many blocks, from the input end, use ``strategy``; the rest
+        use ``"none"``. ``None`` means all of them. Reference models only.
+      num_classes: classifier outputs.
+      window: the ``Offload`` window of offloading blocks, or one per stage of
+        a reference ResNet.
+      plan: one strategy name per block, overriding ``strategy`` and
+        ``blocks``; set by the planner of ``"offload-hidden"``.
+      budget: for the ``"plan"`` strategy, the budget as a share of the
+        ``"none"`` run's runtime peak.
+      planned: for ``"plan"``, the :class:`jaxoffload.Plan` as
+        :meth:`~jaxoffload.Plan.to_dict` writes it; set by
+        :func:`plan_budgets_in_subprocess`.
+    """
+
+    model: str
+    batch: int
+    image_size: int
+    dtype: str
+    strategy: str
+    blocks: int | None = None
+    num_classes: int = 1000
+    window: int | tuple[int, ...] = 1
+    plan: tuple[str, ...] | None = None
+    budget: float | None = None
+    planned: dict[str, Any] | None = None
+
+    def __post_init__(self):
+        if self.model not in models.MODEL_NAMES:
+            raise ValueError(
+                f"Unknown model {self.model!r}; choose one of {', '.join(models.MODEL_NAMES)}."
+            )
+        if self.strategy not in {**STRATEGIES, **PLANNED_STRATEGIES}:
+            raise ValueError(
+                f"Unknown strategy {self.strategy!r}; choose one of "
+                f"{', '.join([*STRATEGIES, *PLANNED_STRATEGIES])}."
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
+        if self.batch < 1:
+            raise ValueError(f"batch must be at least 1, got {self.batch}.")
+        if self.image_size < 32:
+            raise ValueError(f"image_size must be at least 32, got {self.image_size}.")
+        if isinstance(self.window, list):  # read back from JSON
+            object.__setattr__(self, "window", tuple(self.window))
+        if isinstance(self.plan, list):
+            object.__setattr__(self, "plan", tuple(self.plan))
+        plain = models.is_plain(self.model)
+        if (self.strategy == "plan") != (self.budget is not None):
+            raise ValueError("the 'plan' strategy takes a budget, and only it does.")
+        if self.strategy == "plan":
+            if not plain:
+                raise ValueError(
+                    f"'plan' plans the plain-Flax models' plannable blocks; {self.model} is a "
+                    "reference model."
+                )
+            if not 0 < self.budget <= 1:
+                raise ValueError(f"budget is a share of 'none's peak in (0, 1], got {self.budget}.")
+            return
+        if plain and (self.strategy in PLANNED_STRATEGIES or self.blocks is not None):
+            raise ValueError(
+                f"{self.model} wraps one block class, so all its blocks take one strategy: "
+                f"{self.strategy!r}{' with blocks' if self.blocks is not None else ''} needs a "
+                "reference model."
+            )
+        if plain and self.strategy == "jax-offload":
+            raise ValueError(
+                f"'jax-offload' offloads the values that the reference models name with "
+                f"checkpoint_name; {self.model} names none."
+            )
+        if isinstance(self.window, tuple) and self.model not in models.RESNETS:
+            raise ValueError(f"{self.model} takes one window, not one per stage.")
+        self._windows()
+
+    @property
+    def block_strategies(self) -> tuple[Strategy, ...]:
+        """One strategy value per block, with the windows applied to the offloading ones."""
+        n = models.num_blocks(self.model)
+        if self.strategy == "plan":
+            if self.planned is None:
+                raise ValueError("'plan' needs its plan: see plan_budgets_in_subprocess.")
+            return Plan.from_dict(self.planned).strategies
+        if self.plan is not None:
+            names = self.plan
+        elif self.strategy in PLANNED_STRATEGIES:
+            raise ValueError(f"{self.strategy!r} needs a plan: see hidden_offload_workload.")
+        else:
+            k = n if self.blocks is None else self.blocks
+            if not 0 <= k <= n:
+                raise ValueError(f"blocks must be between 0 and {n}, got {k}.")
+            names = (self.strategy,) * k + ("none",) * (n - k)
+        return tuple(
+            dataclasses.replace(STRATEGIES[s], window=w) if isinstance(STRATEGIES[s], Offload)
+            else STRATEGIES[s]
+            for s, w in zip(names, self._windows())
+        )  # fmt: skip
+
+    def _windows(self) -> list[int]:
+        """The window of each block; ``Offload`` checks each value."""
+        n = models.num_blocks(self.model)
+        if not isinstance(self.window, tuple):
+            return [Offload(window=self.window).window] * n
+        stages = models.RESNETS[self.model][0]
+        if len(self.window) != len(stages):
+            raise ValueError(
+                f"window has {len(self.window)} entries, but {self.model} has {len(stages)} stages."
+            )
+        return [
+            Offload(window=w).window for w, size in zip(self.window, stages) for _ in range(size)
+        ]
+
+    @property
+    def offloaded_blocks(self) -> int | None:
+        """How many blocks offload; ``None`` for a planned strategy not yet planned."""
+        if self.strategy in PLANNED_STRATEGIES and self.plan is None and self.planned is None:
+            return None
+        return sum(isinstance(s, Offload) for s in self.block_strategies)
+
+
+def train_step(workload: Workload, *, abstract: bool = False):
+    """The jitted, state-donating training step of a workload, its state and batch.
+
+    Args:
+      workload: what to build.
+      abstract: return the state and batch as ``jax.ShapeDtypeStruct``s,
+        allocating nothing (for tracing at any size).
+
+    Returns:
+      ``(step, state, batch, loss_fn)``: ``step(state, batch) -> (state, loss)``
+      with ``state = (params, model_state, opt_state)``, and
+      ``loss_fn(params, model_state, batch) -> (loss, model_state)``.
+    """
+    dtype = jnp.dtype(workload.dtype)
+    if models.is_nnx(workload.model):
+        step, state, batch, loss_fn = _nnx_training(workload, abstract=abstract)
+        return jax.jit(step, donate_argnums=0), state, batch, loss_fn
+    if workload.strategy == "plan":
+        if workload.planned is None:
+            raise ValueError("'plan' needs its plan: see plan_budgets_in_subprocess.")
+        plannable = models.plannable_model(
+            workload.model, dtype=dtype, num_classes=workload.num_classes
+        )
+        model = Plan.from_dict(workload.planned).apply(plannable)
+    else:
+        model = models.create(
+            workload.model,
+            strategy=workload.block_strategies,
+            dtype=dtype,
+            num_classes=workload.num_classes,
+        )
+    step, state, batch, loss_fn = _training(workload, model, abstract=abstract)
+    return jax.jit(step, donate_argnums=0), state, batch, loss_fn
+
+
+def _training(workload: Workload, model, *, abstract: bool | None):
+    """``(step, state, batch, loss_fn)`` of :func:`train_step` for ``model``, ``step`` not jitted.
+
+    With ``abstract=None``, nothing is initialised: ``state`` and ``batch`` are ``None``.
+    """
+    tx = _OPTIMIZER
+    # Models with dropout draw from this stream; the same key every step keeps
+    # the gradients of different strategies comparable.
+    rngs = {"dropout": jax.random.key(2)}
+
+    def init():
+        x, labels = _batch(workload)
+        variables = model.init({"params": jax.random.key(1), **rngs}, x[:1], True)
+        params = variables.pop("params")
+        return (params, dict(variables), tx.init(params)), (x, labels)
+
+    def loss_fn(params, model_state, batch):
+        x, labels = batch
+        logits, new_state = model.apply(
+            {"params": params, **model_state}, x, True, mutable=list(model_state), rngs=rngs
+        )
+        return _loss(logits, labels), new_state
+
+    step = _sgd_step(loss_fn, tx)
+    if abstract is None:
+        return step, None, None, loss_fn
+    # Eager init dispatches hundreds of small ops: jit makes it one program.
+    state, batch = jax.eval_shape(init) if abstract else jax.jit(init)()
+    return step, state, batch, loss_fn
+
+
+def _nnx_training(workload: Workload, *, abstract: bool | None, model=None):
+    """:func:`_training` for a plain Flax NNX model: the state is its split, as pytrees.
+
+    ``model`` gives the step its Modules' classes (under a plan, say): its
+    variables are not used, the state's are.
+    """
+    tx = _OPTIMIZER
+
+    def build():
+        model = models.create_nnx(
+            workload.model,
+            strategy=None if workload.strategy == "plan" else _one(workload.block_strategies),
+            dtype=jnp.dtype(workload.dtype),
+            num_classes=workload.num_classes,
+            rngs=nnx.Rngs(1),
+        )
+        if workload.strategy == "plan" and workload.planned is not None:
+            Plan.from_dict(workload.planned).apply(model)
+        return model
+
+    graphdef = nnx.split(nnx.eval_shape(build) if model is None else model, nnx.Param, ...)[0]
+
+    def init():
+        _, params, rest = nnx.split(build(), nnx.Param, ...)
+        return (params, rest, tx.init(params)), _batch(workload)
+
+    def loss_fn(params, model_state, batch):
+        x, labels = batch
+        # Fresh Variables of this trace: NNX refuses to mutate those of an outer one.
+        model = nnx.merge(graphdef, params, model_state, copy=True)
+        return _loss(model(x), labels), nnx.split(model, nnx.Param, ...)[2]
+
+    step = _sgd_step(loss_fn, tx)
+    if abstract is None:
+        return step, None, None, loss_fn
+    state, batch = jax.eval_shape(init) if abstract else jax.jit(init)()
+    return step, state, batch, loss_fn
+
+
+def _one(strategies):
+    (strategy,) = set(strategies)
+    return strategy
+
+
+# Every workload's optimizer: SGD with momentum, as in the records.
+_OPTIMIZER = optax.sgd(1e-3, momentum=0.9)
+
+
+def _batch(workload: Workload):
+    """The workload's images and labels, the same for every strategy and API."""
+    key = jax.random.key(0)
+    shape = (workload.batch, workload.image_size, workload.image_size, 3)
+    x = jax.random.normal(key, shape, jnp.dtype(workload.dtype))
+    return x, jax.random.randint(key, (workload.batch,), 0, workload.num_classes)
+
+
+def _loss(logits, labels):
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    return loss.mean()
+
+
+def _sgd_step(loss_fn, tx):
+    """``step(state, batch)`` for ``state = (params, model_state, opt_state)``."""
+
+    def step(state, batch):
+        params, model_state, opt_state = state
+        (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, model_state, batch
+        )
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), model_state, opt_state), loss
+
+    return step
+
+
+def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[str, Any]]:
+    """:func:`jaxoffload.plan` of the workload's plain-Flax model at each budget, in bytes.
+
+    Returns:
+      One ``{"planned": Plan.to_dict(), "planning_s": ...}`` per budget
+      (the costs are measured once, so ``planning_s`` of the first includes
+      them), or ``{"no_plan": message}`` where no plan fits.
+    """
+    dtype = jnp.dtype(workload.dtype)
+    blocks = None
+    if models.is_nnx(workload.model):
+        model = nnx.eval_shape(
+            lambda: models.create_nnx(
+                workload.model, dtype=dtype, num_classes=workload.num_classes, rngs=nnx.Rngs(1)
+            )
+        )
+        blocks = models.nnx_block_class(workload.model)
+        _, state, batch, _ = _nnx_training(workload, abstract=True, model=model)
+
+        def step(model, state, batch):
+            return _nnx_training(workload, abstract=None, model=model)[0](state, batch)
+
+    else:
+        model = models.plannable_model(
+            workload.model, dtype=dtype, num_classes=workload.num_classes
+        )
+        _, state, batch, _ = _training(workload, model, abstract=True)
+
+        def step(model, state, batch):
+            return _training(workload, model, abstract=None)[0](state, batch)
+
+    start = time.perf_counter()
+    shared = planner._Planner(
+        model, step, (state, batch), None, blocks=blocks, runs=5, say=_say, donate_argnums=(0,)
+    )
+    results = []
+    for b in budgets_bytes:
+        try:
+            planned = shared.plan_for(int(b), max_rounds=3)
+            results.append({"planned": planned.to_dict()})
+        except planner.NoPlanFits as e:
+            results.append({"no_plan": str(e)})
+        results[-1]["planning_s"] = time.perf_counter() - start
+        print(results[-1].get("no_plan") or Plan.from_dict(results[-1]["planned"]), file=sys.stderr)
+    return results
+
+
+def _say(line: str) -> None:
+    print(f"[plan] {line}", file=sys.stderr, flush=True)
+
+
+def requested_host_bytes(workload: Workload) -> int:
+    """The bytes a workload's training step asks to move to host memory, from its jaxpr alone.
+
+    Traces the step with abstract values: no device memory and no compilation,
+    so it runs anywhere, at any size. On an H200 the compiled programs of the
+    reference models moved these bytes to within a few kilobytes
+    (``device_to_host_bytes``).
+    """
+    step, state, batch, _ = train_step(workload, abstract=True)
+    return sum(requested_host_transfers(step.trace(state, batch).jaxpr))
+
+
+def hidden_offload_workload(
+    workload: Workload,
+    *,
+    fwd_ms: float,
+    bwd_ms: float,
+    d2h_gbps: float,
+    h2d_gbps: float,
+    recompute_share: float = HIDDEN_RECOMPUTE_SHARE,
+) -> Workload:
+    """The workload with the plan of :func:`jaxoffload.planner.plan_hidden_offload`.
+
+    The plan frees the most device memory whose transfers hide behind
+    compute and whose recomputation adds at most ``recompute_share`` of the
+    step's compute time (``fwd_ms + bwd_ms``). Per block, from traces alone
+    (:func:`jaxoffload.offloaded_calls`):
+
+    - the bytes it moves, and the device bytes it keeps, when it offloads
+      and its neighbours are ``"lean"``, as in the plans this makes: two
+      traces, in which every other block offloads. A ResNet block between
+      lean ones leaves on the device the input that the block before keeps
+      anyway;
+    - the device bytes it frees: what it keeps as a ``"lean"`` block (a
+      third trace), less what it keeps when it offloads, less the residuals
+      that are its own outputs, which the next block keeps as its input;
+    - its recomputation: its forward time times the extra FLOPs of its
+      backward pass over a lean block's, as a share of its forward FLOPs.
+
+    Each block's forward time comes from timing it alone on the default
+    device (:func:`time_offloaded_calls`). The step's compute times and the
+    bandwidths are measured ones, e.g. those of the ``"lean"`` run.
+    """
+    n = models.num_blocks(workload.model)
+
+    def traced_calls(plan):
+        step, state, batch, _ = train_step(dataclasses.replace(workload, plan=plan), abstract=True)
+        traced = offloaded_calls(step, state, batch)
+        if len(traced) != n:
+            raise RuntimeError(f"expected one offloaded call per block, traced {len(traced)}.")
+        return traced
+
+    calls: list[Any] = [None] * n
+    for parity in (0, 1):
+        alternate = tuple("offload" if i % 2 == parity else "lean" for i in range(n))
+        calls[parity::2] = traced_calls(alternate)[parity::2]
+    lean = traced_calls(("lean",) * n)
+    forward_ms = time_offloaded_calls(calls)
+    freed = [
+        lean_call.device_bytes
+        - sum(r.nbytes for r in lean_call.residuals if r.output)
+        - call.device_bytes
+        for call, lean_call in zip(calls, lean)
+    ]
+    extra = [
+        ms * max(0, call.grad_flops - lean_call.grad_flops) / call.flops if call.flops else 0.0
+        for ms, call, lean_call in zip(forward_ms, calls, lean)
+    ]
+    plan = plan_hidden_offload(
+        [call.host_bytes for call in calls],
+        block_costs=forward_ms,
+        freed_bytes=[max(0, f) for f in freed],
+        extra_ms=extra,
+        max_extra_ms=recompute_share * (fwd_ms + bwd_ms),
+        fwd_ms=fwd_ms,
+        bwd_ms=bwd_ms,
+        d2h_gbps=d2h_gbps,
+        h2d_gbps=h2d_gbps,
+    )
+    strategies = tuple("offload" if chosen else "lean" for chosen in plan.offload)
+    return dataclasses.replace(workload, plan=strategies, window=plan.window)
+
+
+def time_offloaded_calls(calls: Sequence[OffloadedCall], runs: int = 5) -> list[float]:
+    """Each offloaded call's forward pass, run alone on the default device: median ms.
+
+    A planner's per-block compute. On an H200, ResNet-50's identity bottlenecks
+    all do the same FLOPs, yet a 56² one computes 1.28 ms forward and a 7² one 0.33:
+    BatchNorm and ReLU passes over memory, which scale with the activations,
+    take much of a block's time. Calls with the same forward program are
+    timed once. The inputs are zeros: a convolution's time does not depend on
+    its values.
+
+    Args:
+      calls: from :func:`jaxoffload.offloaded_calls`.
+      runs: timed runs per distinct call, after one to compile and warm up.
+
+    Returns:
+      One time per call, in call order.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxoffload import offload, offloaded_calls
+      >>> layer = offload(lambda w, x: jnp.tanh(x @ w), device_argnums=0)
+      >>> step = jax.grad(lambda w, x: layer(w, layer(w, x)).sum())
+      >>> calls = offloaded_calls(step, jnp.ones((8, 8)), jnp.ones((4, 8)))
+      >>> first, second = time_offloaded_calls(calls, runs=2)
+      >>> first == second  # the same program, timed once
+      True
+    """
+    programs = [str(call.forward) for call in calls]
+    times: dict[str, float] = {}
+    for call, program in zip(calls, programs):
+        if program not in times:
+            args = [_zeros(v.aval) for v in call.forward.jaxpr.invars]
+            forward = jax.jit(jex_core.jaxpr_as_fun(call.forward))
+            times[program] = _median_ms(forward, *args, runs=runs)
+    return [times[program] for program in programs]
+
+
+def measure(
+    workload: Workload,
+    *,
+    steps: int = 10,
+    warmup: int = 2,
+    reference: str | None = None,
+    time_forward: bool = False,
+    probe_link: bool = False,
+    time_twin: bool = False,
+) -> dict[str, Any]:
+    """Compiles and runs a workload in this process; returns one record.
+
+    Call it in a fresh process (see :func:`measure_in_subprocess`): the runtime
+    peak covers everything the process did before.
+
+    Args:
+      workload: what to measure.
+      steps: timed steps; the record holds their median.
+      warmup: untimed steps first.
+      reference: a ``.npz`` path. If the file exists, the record's
+        ``grad_rel_err`` compares this workload's gradient at the initial
+        parameters with the one stored there; if not, this workload's gradient
+        is stored there (measure the ``"none"`` strategy first). The gradient is
+        computed after the runtime peak is read.
+      time_forward: also time the forward pass alone (``forward_ms``), after
+        the runtime peak is read.
+      probe_link: also measure the host link (``d2h_gbps``, ``h2d_gbps``, see
+        :func:`measure_link`), after the runtime peak is read.
+      time_twin: if the step moves residuals, also time its twin without
+        host placement (``twin_step_ms``, ``twin_forward_ms``), after the
+        runtime peak is read: the compute of its transfer bound.
+
+    A planned strategy's workload must carry its plan (:func:`plan_in_subprocess`).
+    """
+    if (
+        workload.strategy in PLANNED_STRATEGIES
+        and workload.plan is None
+        and workload.planned is None
+    ):
+        raise ValueError(
+            f"{workload.strategy!r} needs a plan first: see plan_in_subprocess, whose "
+            "timing runs would otherwise count in this process's peak."
+        )
+    step, state, batch, loss_fn = train_step(workload)
+    # Donation consumes the initial state; keep a host copy for the gradient check.
+    initial = jax.device_get(state[:2]) if reference else None
+    traced = step.trace(state, batch)
+    compiled = traced.lower().compile()
+    report = analyze(traced, compiled, on_dropped="warn")
+    twin = None
+    if report.moved:
+        # The same program without host placement: what the copies free.
+        with transform.without_host_placement():
+            twin_step, twin_state, twin_batch, twin_loss = train_step(workload, abstract=True)
+            twin = twin_step.trace(twin_state, twin_batch).lower().compile()
+        report = with_twin(report, twin)
+    for _ in range(warmup):
+        state, loss = compiled(state, batch)
+    loss.block_until_ready()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, loss = compiled(state, batch)
+        loss.block_until_ready()
+        times.append(time.perf_counter() - start)
+    device = jax.devices()[0]
+    peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
+    step_s = statistics.median(times)
+    extra = {}
+    if time_forward:
+        forward = jax.jit(lambda params, model_state, batch: loss_fn(params, model_state, batch)[0])
+        extra["forward_ms"] = _median_ms(forward, state[0], state[1], batch, runs=steps)
+    if time_twin and twin is not None:
+        with transform.without_host_placement():
+            twin_forward = jax.jit(lambda p, m, b: twin_loss(p, m, b)[0])
+            extra["twin_forward_ms"] = _median_ms(
+                twin_forward, state[0], state[1], batch, runs=steps
+            )
+        twin_times = []
+        for _ in range(steps + 1):
+            start = time.perf_counter()
+            state, loss = twin(state, batch)
+            loss.block_until_ready()
+            twin_times.append(time.perf_counter() - start)
+        extra["twin_step_ms"] = statistics.median(twin_times[1:]) * 1e3
+    del state
+    if probe_link:
+        # On CPU the "link" is a memcpy: a smaller array tells as much, sooner.
+        # Under a memory cap, the probe must fit in what the step left free.
+        nbytes = 2**30 if device.platform == "gpu" else 2**26
+        stats = device.memory_stats() or {}
+        if "bytes_limit" in stats:
+            nbytes = min(nbytes, (stats["bytes_limit"] - stats["bytes_in_use"]) // 4)
+        extra.update(measure_link(nbytes))
+    grad_rel_err = (
+        None if reference is None else _compare_gradients(loss_fn, initial, batch, reference)
+    )
+    return {
+        "model": workload.model,
+        "batch": workload.batch,
+        "image_size": workload.image_size,
+        "dtype": workload.dtype,
+        "strategy": workload.strategy,
+        "window": workload.window,
+        "plan": workload.plan,
+        **_plan_fields(workload),
+        "offloaded_blocks": workload.offloaded_blocks,
+        "framework": "jax",
+        "device": device.device_kind,
+        "platform": device.platform,
+        "jax_version": jax.__version__,
+        "flax_version": flax.__version__,
+        "jaxoffload_version": jaxoffload.__version__,
+        "compiled_temp_bytes": report.temp_bytes,
+        "compiled_host_temp_bytes": report.host_temp_bytes,
+        "compiled_argument_bytes": report.argument_bytes,
+        "twin_temp_bytes": report.twin_temp_bytes,
+        "copies_free_little": report.frees_little,
+        "requested_host_bytes": report.requested_bytes,
+        "host_buffers": report.host_buffers,
+        "device_to_host_copies": report.device_to_host,
+        "device_to_host_bytes": report.device_to_host_bytes,
+        "host_to_device_copies": report.host_to_device,
+        "host_to_device_bytes": report.host_to_device_bytes,
+        "peak_bytes_in_use": peak,
+        "step_time_ms": step_s * 1e3,
+        "step_times_ms": [t * 1e3 for t in times],
+        "images_per_s": workload.batch / step_s,
+        "final_loss": float(loss),
+        "grad_rel_err": grad_rel_err,
+        "date": datetime.date.today().isoformat(),
+        **extra,
+    }
+
+
+_median_ms = planner._median_ms
+_zeros = planner._zeros
+
+
+def _plan_fields(workload: Workload) -> dict[str, Any]:
+    """A planned workload's budget and per-block choices, for its record."""
+    if workload.strategy != "plan":
+        return {}
+    planned = Plan.from_dict(workload.planned)
+    return {
+        "budget": workload.budget,
+        "budget_bytes": planned.budget_bytes,
+        "plan_choices": [planner._short(s) for s in planned.strategies],
+        "plan_outside": planner._short(planned.outside),
+        "plan_compiled_bytes": planned.compiled_bytes,
+        "plan_estimated_bytes": planned.estimated_bytes,
+        "plan_estimated_step_ms": planned.estimated_step_ms,
+        "plan_measured_step_ms": planned.measured_step_ms,
+    }
+
+
+def add_transfer_bounds(records: list[dict[str, Any]]) -> None:
+    """Adds the per-phase lower bound on step time to each offloading record, in place.
+
+    ``bound_ms = max(fwd_compute_ms, offloaded_bytes / d2h) + max(bwd_compute_ms,
+    fetched bytes / h2d)``: the least a step takes if each phase must both
+    compute and move its own bytes. It is a model, not a floor: copies that
+    spill from the forward into the backward pass share the full-duplex link
+    with fetches, and can beat it. The compute times are those of the
+    record's :data:`COMPUTE_TWIN` in the same run (``forward_ms``, and the
+    rest of its step, optimizer update included), the bandwidths those that
+    the record's own process measured, and the bytes those of its compiled
+    program's host copies (or of its own twin, ``twin_step_ms``, when its
+    process timed one). Records that move nothing (every record on CPU),
+    without a twin, or without link figures, are left as they are.
+    """
+    done = {r["strategy"]: r for r in records if "step_time_ms" in r}
+    for r in records:
+        if "d2h_gbps" not in r or not r.get("device_to_host_bytes"):
+            continue
+        if "twin_step_ms" in r:  # its own twin, timed in its process
+            fwd, bwd = r["twin_forward_ms"], r["twin_step_ms"] - r["twin_forward_ms"]
+            twin = {"strategy": r["strategy"] + " without host placement"}
+        else:
+            twin = done.get(COMPUTE_TWIN.get(r["strategy"], ""))
+            if twin is None or "forward_ms" not in twin:
+                continue
+            fwd, bwd = _compute_ms(twin)
+        out_ms = r["device_to_host_bytes"] / (r["d2h_gbps"] * 1e6)
+        back_ms = r["host_to_device_bytes"] / (r["h2d_gbps"] * 1e6)
+        bound = max(fwd, out_ms) + max(bwd, back_ms)
+        r.update(
+            offloaded_bytes=r["device_to_host_bytes"],
+            compute_twin=twin["strategy"],
+            fwd_compute_ms=fwd,
+            bwd_compute_ms=bwd,
+            bound_ms=bound,
+            bound_ratio=r["step_time_ms"] / bound,
+        )
+
+
+def _compute_ms(twin: dict[str, Any]) -> tuple[float, float]:
+    """A no-transfer run's forward time, and the rest of its step (backward and update)."""
+    return twin["forward_ms"], twin["step_time_ms"] - twin["forward_ms"]
+
+
+def _compare_gradients(loss_fn, initial, batch, reference: str) -> float:
+    params, model_state = initial
+    # Arguments, not constants: NNX writes BatchNorm statistics in place into its variables.
+    grads = jax.jit(jax.grad(lambda p, s: loss_fn(p, s, batch)[0]))(params, model_state)
+    return gradient_error([np.asarray(g, np.float64) for g in jax.tree.leaves(grads)], reference)
+
+
+def gradient_error(grads: list[np.ndarray], reference: str) -> float:
+    """Relative L2 error of ``grads`` against the gradient stored at ``reference``.
+
+    The first run (the reference strategy) finds no file: it stores ``grads``
+    there and gets 0. Any framework's gradients can be compared this way, as
+    long as every run lists its arrays in the same order.
+
+    Args:
+      grads: the gradient's arrays, in a fixed order.
+      reference: a ``.npz`` path.
+
+    Raises:
+      ValueError: if the stored arrays have other shapes (another model).
+    """
+    if not os.path.exists(reference):
+        np.savez(reference, *grads)
+        return 0.0
+    with np.load(reference) as stored:
+        ref = [stored[f"arr_{n}"] for n in range(len(stored.files))]
+    if [r.shape for r in ref] != [g.shape for g in grads]:
+        raise ValueError(f"{reference} holds the gradient of another model.")
+    diff = sum(np.sum((g - r) ** 2) for g, r in zip(grads, ref))
+    return float(np.sqrt(diff / sum(np.sum(r**2) for r in ref)))
+
+
+class OutOfMemory(RuntimeError):
+    """The workload did not fit in device memory."""
+
+
+def measure_in_subprocess(
+    workload: Workload,
+    *,
+    steps: int = 10,
+    reference: str | None = None,
+    env: dict[str, str] | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """:func:`measure` in a fresh Python process.
+
+    ``options`` are :func:`measure`'s other keyword arguments.
+
+    Raises:
+      OutOfMemory: if the child ran out of device memory.
+      RuntimeError: if it failed otherwise; the message holds its last output.
+    """
+    options = {"steps": steps, "reference": reference, **options}
+    return _child(["measure", json.dumps(dataclasses.asdict(workload)), json.dumps(options)], env)
+
+
+def measure_all(
+    workloads: list[Workload],
+    *,
+    steps: int = 10,
+    env: dict[str, str] | None = None,
+    on_start: Any = None,
+    on_record: Any = None,
+    measured: Sequence[dict[str, Any]] = (),
+    reference: str | None = None,
+) -> list[dict[str, Any]]:
+    """Measures each workload in its own process, with gradients compared to the first.
+
+    The first workload must use the ``"none"`` strategy: it is the reference
+    for every ``grad_rel_err``. A workload that runs out of memory gives a
+    record with ``"out_of_memory": True``; one whose process fails otherwise
+    gives a record with its ``"error"``. Records of strategies that move
+    residuals to the host get the transfer bound (:func:`add_transfer_bounds`)
+    when their :data:`COMPUTE_TWIN` is among the workloads. A planned strategy
+    is planned in a process of its own (:func:`plan_in_subprocess`), from its
+    twin's record, which must come before it.
+
+    Args:
+      workloads: what to measure, the reference first.
+      steps: timed steps per workload.
+      env: extra environment variables for the child processes.
+      on_start: called with each workload before it starts (for progress).
+      on_record: called with the records so far after each one, so that an
+        interrupted run loses nothing already measured.
+      measured: records of an earlier run of these workloads, kept in place of
+        measuring again the workloads they match (by strategy and budget).
+      reference: the ``.npz`` file of the first workload's gradient, which the
+        others are compared with; a temporary one by default. A run that keeps
+        the first workload's record in ``measured`` must give the file that
+        its run wrote.
+    """
+    if not workloads or workloads[0].strategy != "none":
+        raise ValueError("the first workload must use the 'none' strategy: it is the reference.")
+    records = []
+    planned: dict[float, dict[str, Any]] = {}
+    kept = {(r["strategy"], r.get("budget")): r for r in measured}
+    with tempfile.TemporaryDirectory() as folder:
+        reference = reference or os.path.join(folder, "reference_gradient.npz")
+        for w in workloads:
+            if (w.strategy, w.budget) in kept:
+                records.append(kept[w.strategy, w.budget])
+                if w is workloads[0] and "step_time_ms" not in records[-1]:
+                    reference = None  # as when it fails below
+                continue
+            if on_start is not None:
+                on_start(w)
+            try:
+                if w.strategy == "plan" and w.planned is None:
+                    if not planned:  # every budget in one process: the costs are measured once
+                        budgets = [
+                            v.budget
+                            for v in workloads
+                            if v.strategy == "plan" and ("plan", v.budget) not in kept
+                        ]
+                        planned.update(zip(budgets, plan_budgets_in_subprocess(
+                            w, _budget_bytes(budgets, records), env=env
+                        )))  # fmt: skip
+                    if "no_plan" in planned[w.budget]:
+                        raise RuntimeError(planned[w.budget]["no_plan"])
+                    w = dataclasses.replace(w, planned=planned[w.budget]["planned"])
+                if w.strategy == "offload-hidden":
+                    w = plan_in_subprocess(w, env=env, **_hidden_budget(w, records))
+                records.append(
+                    measure_in_subprocess(
+                        w,
+                        steps=steps,
+                        reference=reference,
+                        env=env,
+                        time_forward=w.strategy in COMPUTE_TWIN.values(),
+                        # Twins measure the link too: a planner takes it from them.
+                        probe_link=w.strategy in {*COMPUTE_TWIN, *COMPUTE_TWIN.values(), "plan"},
+                        time_twin=w.strategy == "plan",
+                    )
+                )
+                if w.strategy == "plan":
+                    records[-1]["planning_s"] = planned[w.budget]["planning_s"]
+                if on_record is not None:
+                    on_record(records)
+                continue
+            except OutOfMemory:
+                failure = {"out_of_memory": True}
+            except RuntimeError as e:
+                # One broken strategy must not cost the others' measurements.
+                failure = {"error": str(e)}
+            if w is workloads[0]:
+                reference = None  # no reference gradient: no errors to report
+            records.append(
+                {
+                    **dataclasses.asdict(w),
+                    "offloaded_blocks": w.offloaded_blocks,
+                    "framework": "jax",
+                    **failure,
+                }
+            )
+            if on_record is not None:
+                on_record(records)
+    add_transfer_bounds(records)
+    return records
+
+
+def plan_in_subprocess(
+    workload: Workload, *, env: dict[str, str] | None = None, **budget: float
+) -> Workload:
+    """:func:`hidden_offload_workload` in a fresh Python process.
+
+    Planning times each block on the device; in a process of its own, that
+    does not count in the runtime peak of the process that then measures the
+    planned step.
+
+    Args:
+      workload: a workload of a ``PLANNED_STRATEGIES`` strategy.
+      env: extra environment variables for the child process.
+      **budget: ``fwd_ms``, ``bwd_ms``, ``d2h_gbps`` and ``h2d_gbps``, as
+        :func:`hidden_offload_workload` takes them.
+
+    Returns:
+      The workload with its ``plan`` and ``window``.
+
+    Raises:
+      OutOfMemory: if the child ran out of device memory.
+      RuntimeError: if it failed otherwise.
+    """
+    planned = _child(["plan", json.dumps(dataclasses.asdict(workload)), json.dumps(budget)], env)
+    return dataclasses.replace(workload, plan=tuple(planned["plan"]), window=planned["window"])
+
+
+def plan_budgets_in_subprocess(
+    workload: Workload, budgets_bytes: Sequence[int], *, env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """:func:`plan_budgets` in a fresh Python process, so its timing runs count in no measured peak."""
+    return _child(
+        ["plan-budgets", json.dumps(dataclasses.asdict(workload)), json.dumps(list(budgets_bytes))],
+        env,
+    )
+
+
+def _budget_bytes(budgets: Sequence[float], records: list[dict[str, Any]]) -> list[int]:
+    """Each budget share in the planner's bytes (compiled arguments and temporaries).
+
+    A share is of the ``"none"`` run's runtime peak, less what that run's
+    allocator held beyond its compiled bytes, so that the plan's runtime
+    peak, not only its compiled bytes, fits.
+    """
+    none = next((r for r in records if r["strategy"] == "none" and "step_time_ms" in r), None)
+    if none is None:
+        raise RuntimeError("'plan' budgets are shares of the 'none' run's peak: it failed.")
+    compiled = none["compiled_temp_bytes"] + none["compiled_argument_bytes"]
+    peak = none["peak_bytes_in_use"] or compiled  # no runtime peak on some backends
+    return [int(b * peak - max(0, peak - compiled)) for b in budgets]
+
+
+def _hidden_budget(workload: Workload, records: list[dict[str, Any]]) -> dict[str, float]:
+    twin = COMPUTE_TWIN[workload.strategy]
+    done = [r for r in records if r["strategy"] == twin and "d2h_gbps" in r]
+    if not done:
+        raise RuntimeError(
+            f"{workload.strategy!r} is planned from the {twin!r} run's times and link: "
+            f"list {twin!r} before it."
+        )
+    r = done[-1]
+    fwd, bwd = _compute_ms(r)
+    return {"fwd_ms": fwd, "bwd_ms": bwd, "d2h_gbps": r["d2h_gbps"], "h2d_gbps": r["h2d_gbps"]}
+
+
+def find_max_batch(
+    workload: Workload, *, env: dict[str, str] | None = None, limit: int = 4096
+) -> int:
+    """The largest batch, to within 1/16, with which ``workload`` trains in device memory.
+
+    Compiling is the check: in one child process (under ``env``'s memory
+    cap), the step is compiled at a few batches, allocating nothing, and its
+    compiled bytes (temporaries and arguments) are compared with the
+    device's limit (:func:`largest_fitting_batch`). One real step at the
+    batch found, in a fresh process, confirms it; if it runs out of memory,
+    the batch drops by 1/16 and runs again, at most three times.
+
+    Returns:
+      The largest batch confirmed to train; 0 if none was.
+    """
+    found = _child(
+        ["largest-compiled", json.dumps(dataclasses.asdict(workload)), json.dumps(limit)], env
+    )["batch"]
+    for _ in range(3):
+        if found < 1:
+            return 0
+        try:
+            measure_in_subprocess(dataclasses.replace(workload, batch=found), steps=1, env=env)
+            return found
+        except OutOfMemory:
+            found -= max(1, found // 16)
+    return 0
+
+
+def largest_fitting_batch(bytes_at: Any, capacity: int, *, start: int, limit: int = 4096) -> int:
+    """The largest batch up to ``limit`` whose ``bytes_at(batch)`` is at most ``capacity``, to within 1/16.
+
+    A CNN's training step holds bytes nearly affine in the batch, so two
+    checks predict the answer, and a few more bracket it: about five calls
+    of ``bytes_at`` (one compile each) where doubling and bisecting takes
+    ten. The answer is always a batch that was checked and fitted (0 if
+    even 1 does not fit).
+
+    Example:
+      >>> largest_fitting_batch(lambda b: 100 + 10 * b, 1000, start=8)
+      90
+    """
+    seen: dict[int, int] = {}
+
+    def fits(batch):
+        if batch not in seen:
+            seen[batch] = bytes_at(batch)
+        return seen[batch] <= capacity
+
+    first = max(1, min(start, limit))
+    second = min(limit, first * 2) if fits(first) else max(1, first // 2)
+    if second != first:
+        fits(second)
+    points = sorted(seen.items())
+    (b0, y0), (b1, y1) = points[0], points[-1]
+    slope = (y1 - y0) / (b1 - b0) if b1 != b0 else 0
+    guess = limit if slope <= 0 else int(b0 + (capacity - y0) / slope)
+    guess = max(1, min(limit, guess))
+    good = max((b for b in seen if seen[b] <= capacity), default=0)
+    bad = min((b for b in seen if seen[b] > capacity), default=limit + 1)
+    # The guess, then its neighbour a sixteenth away (which brackets an affine
+    # step's answer), then bisection.
+    probe, near = guess, True
+    while bad - good > max(1, good // 16):
+        if not good < probe < bad:
+            probe = (good + bad) // 2
+        fitted = fits(probe)
+        good, bad = (probe, bad) if fitted else (good, probe)
+        step = max(1, probe // 16)
+        probe = (probe + step if fitted else probe - step) if near else (good + bad) // 2
+        near = False
+    return good
+
+
+def _largest_compiled(workload: Workload, limit: int) -> dict[str, int]:
+    """:func:`largest_fitting_batch` by compiled bytes against this process's device limit."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        raise RuntimeError("--max-batch needs a device that reports its memory limit (a GPU).")
+    # What the allocator holds beyond the compiled bytes: a few percent.
+    capacity = int(stats["bytes_limit"] * 0.97)
+
+    def bytes_at(batch):
+        step, state, batch_, _ = train_step(
+            dataclasses.replace(workload, batch=batch), abstract=True
+        )
+        memory = step.trace(state, batch_).lower().compile().memory_analysis()
+        return memory.temp_size_in_bytes + memory.argument_size_in_bytes
+
+    batch = largest_fitting_batch(bytes_at, capacity, start=workload.batch, limit=limit)
+    return {"batch": batch, "capacity": capacity}
+
+
+def _child(argv: list[str], env: dict[str, str] | None) -> Any:
+    """Runs ``python -m jaxoffload.bench.benchmark argv`` and returns the JSON of its last stdout line.
+
+    The child's ``[plan]`` progress lines are passed on to this process's
+    stderr as they come; the rest of its stderr is kept for the error.
+    """
+    child = subprocess.Popen(
+        [sys.executable, "-m", "jaxoffload.bench.benchmark", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    stdout: list[str] = []
+    reader = threading.Thread(target=lambda: stdout.extend(child.stdout))
+    reader.start()
+    stderr = []
+    for line in child.stderr:
+        stderr.append(line)
+        if line.startswith("[plan]"):
+            print(line, end="", file=sys.stderr, flush=True)
+    reader.join()
+    returncode = child.wait()
+    err = "".join(stderr)
+    if returncode == 0:
+        return json.loads("".join(stdout).strip().splitlines()[-1])
+    if "RESOURCE_EXHAUSTED" in err or "Out of memory" in err:
+        raise OutOfMemory(err.strip().splitlines()[-1])
+    tail = "\n".join(err.strip().splitlines()[-15:])
+    raise RuntimeError(f"the measuring process failed (exit code {returncode}):\n{tail}")
+
+
+def probe_device(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The default device's platform, kind and memory limit, read in a fresh process.
+
+    The parent of the measuring processes must not start a GPU client itself:
+    the client would take its share of device memory away from every child.
+    """
+    return _child(["probe"], env)
+
+
+def _probe() -> dict[str, Any]:
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    return {
+        "platform": device.platform,
+        "device": device.device_kind,
+        "bytes_limit": stats.get("bytes_limit"),
+    }
+
+
+def _main(argv: list[str]) -> None:
+    if argv[0] == "probe":
+        print(json.dumps(_probe()), flush=True)
+    elif argv[0] == "plan":
+        planned = hidden_offload_workload(Workload(**json.loads(argv[1])), **json.loads(argv[2]))
+        print(json.dumps({"plan": planned.plan, "window": planned.window}), flush=True)
+    elif argv[0] == "largest-compiled":
+        print(json.dumps(_largest_compiled(Workload(**json.loads(argv[1])), json.loads(argv[2]))))
+    elif argv[0] == "plan-budgets":
+        results = plan_budgets(Workload(**json.loads(argv[1])), json.loads(argv[2]))
+        print(json.dumps(results), flush=True)
+    elif argv[0] == "measure":
+        record = measure(Workload(**json.loads(argv[1])), **json.loads(argv[2]))
+        print(json.dumps(record), flush=True)
+    else:
+        raise SystemExit(f"unknown command {argv[0]!r}")
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

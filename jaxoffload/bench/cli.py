@@ -1,0 +1,641 @@
+"""The ``jaxoffload`` command: ``jaxoffload bench`` compares memory strategies on a model.
+
+A thin layer over :mod:`jaxoffload.bench.benchmark`: it parses arguments, runs each
+strategy in a fresh process, and writes a table, JSON records and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import shlex
+import sys
+import tempfile
+import time
+from typing import Any
+
+from jaxoffload import __version__
+from jaxoffload.bench import benchmark, models
+from jaxoffload.strategies import Offload
+
+# "plan" comes from --budget, not from --strategies.
+STRATEGIES = (*benchmark.STRATEGIES, *(s for s in benchmark.PLANNED_STRATEGIES if s != "plan"))
+DEFAULT_MODEL = "flax-resnet18"
+# What a plain-Flax model takes: one strategy for all its blocks, no checkpoint names.
+DEFAULT_STRATEGIES = "none,lean,remat,remat-dots,offload,offload-inputs"
+
+RECORDS = "records.json"
+# The 'none' run's gradient, kept in --out until the run is complete, for --resume.
+REFERENCE = "reference_gradient.npz"
+# The flags whose values every record of a run shares, and the records' keys for them.
+_RUN_FLAGS = {
+    "--model": "model",
+    "--batch": "batch",
+    "--image-size": "image_size",
+    "--dtype": "dtype",
+    "--steps": "steps",
+    "--window": "window",
+    "--memory-cap": "memory_cap_gib",
+}
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each default, but not the empty ones ("default: None"), which say nothing."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == ():
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxoffload", description=__doc__.splitlines()[0], formatter_class=_HelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    bench = commands.add_parser(
+        "bench",
+        help="measure memory and step time of each strategy on a model",
+        description="Measure each memory strategy's compiled temp, runtime peak, step time and "
+        "gradient error on one model, each in a fresh process. The defaults run on CPU. "
+        "Progress goes to stderr: a live bar on a terminal, else one line per step.",
+        formatter_class=_HelpFormatter,
+    )
+    bench.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"one of: {', '.join(models.MODEL_NAMES)}"
+    )
+    bench.add_argument("--batch", type=int, default=8, help="images per step")
+    bench.add_argument("--image-size", type=int, default=32, help="height and width of the images")
+    bench.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype"
+    )
+    bench.add_argument("--steps", type=int, default=3, help="timed steps per strategy")
+    bench.add_argument(
+        "--strategies",
+        default=DEFAULT_STRATEGIES,
+        help=f"comma-separated, from: {', '.join(STRATEGIES)}",
+    )
+    bench.add_argument(
+        "--window",
+        type=parse_window,
+        default=1,
+        help="the Offload window of offloading blocks, or one per stage of a reference "
+        "ResNet, e.g. 1,2,2,2 ('offload-hidden' plans its own; a window with no offloading "
+        "strategy is an error)",
+    )
+    bench.add_argument(
+        "--budget",
+        type=parse_budgets,
+        default=(),
+        metavar="SHARES",
+        help="also plan the model (jaxoffload.plan) at each budget, as shares of 'none's "
+        "peak, e.g. 0.75,0.5,0.35,0.25, and measure each plan (plain-Flax models)",
+    )
+    bench.add_argument(
+        "--out",
+        default="bench-out",
+        help=f"folder for {RECORDS}, rewritten as each strategy is measured, and pareto.png; "
+        f"until the run is complete, also {REFERENCE}, which --resume needs",
+    )
+    bench.add_argument(
+        "--resume",
+        action="store_true",
+        help=f"keep the records in OUT/{RECORDS} of an interrupted run with the same "
+        f"{', '.join(_RUN_FLAGS)}, and measure only the strategies it lacks (failed ones "
+        f"again); without it, a run starts afresh and replaces {RECORDS}",
+    )
+    bench.add_argument(
+        "--max-batch",
+        action="store_true",
+        help="also find, per strategy, the largest batch that trains: by compiling, then "
+        "one step to confirm (GPU only)",
+    )
+    bench.add_argument(
+        "--memory-cap",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="GPU only (an error on CPU): emulate a GPU with this much memory, by setting "
+        "XLA_PYTHON_CLIENT_MEM_FRACTION in the measuring processes",
+    )
+    return parser
+
+
+def parse_window(text: str) -> int | tuple[int, ...]:
+    """Parses ``--window``: one window, or one per ResNet stage.
+
+    Example:
+      >>> parse_window("2"), parse_window("1,2,2,2")
+      (2, (1, 2, 2, 2))
+    """
+    try:
+        windows = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a window or comma-separated windows, got {text!r}"
+        ) from None
+    return windows[0] if len(windows) == 1 else windows
+
+
+def parse_budgets(text: str) -> tuple[float, ...]:
+    """Parses ``--budget``: comma-separated shares in (0, 1].
+
+    Example:
+      >>> parse_budgets("0.75,0.5")
+      (0.75, 0.5)
+    """
+    try:
+        budgets = tuple(float(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected shares such as 0.75,0.5, got {text!r}"
+        ) from None
+    bad = [b for b in budgets if not 0 < b <= 1]
+    if bad:
+        raise argparse.ArgumentTypeError(f"budgets are shares of 'none's peak in (0, 1], got {bad}")
+    return budgets
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    try:
+        bench(args, command=shlex.join(["jaxoffload", *argv]))
+    except BenchError as e:
+        parser.exit(2, f"jaxoffload bench: error: {e}\n")
+    except KeyboardInterrupt:
+        parser.exit(
+            130,
+            f"jaxoffload bench: interrupted: {pathlib.Path(args.out, RECORDS)} holds what was "
+            "measured; run the same command with --resume to measure the rest\n",
+        )
+
+
+class BenchError(ValueError):
+    """A problem with the command's arguments or environment, said in words."""
+
+
+def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str, Any]]:
+    """Runs ``jaxoffload bench``; returns the records it wrote.
+
+    Args:
+      args: the parsed command line.
+      command: the command as typed, stored in each record so it can be rerun.
+    """
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown or not strategies:
+        raise BenchError(
+            f"unknown strategies {unknown or strategies}; choose from {', '.join(STRATEGIES)}"
+        )
+    if args.steps < 1:
+        raise BenchError(f"--steps must be at least 1, got {args.steps}")
+    windowed = [s for s in benchmark.STRATEGIES if isinstance(benchmark.STRATEGIES[s], Offload)]
+    if args.window != 1 and not set(strategies) & set(windowed):
+        raise BenchError(
+            f"--window {args.window} has no effect on {', '.join(strategies)}: only "
+            f"{', '.join(windowed)} take it"
+        )
+    try:
+        workloads = [
+            benchmark.Workload(
+                args.model, args.batch, args.image_size, args.dtype, s, window=args.window
+            )
+            for s in strategies
+        ] + [
+            benchmark.Workload(
+                args.model, args.batch, args.image_size, args.dtype, "plan", budget=b
+            )
+            for b in args.budget
+        ]
+    except ValueError as e:
+        raise BenchError(str(e)) from None
+    out = _writable_folder(args.out)
+    if args.resume:
+        earlier = _earlier_records(out / RECORDS, args)
+    else:
+        earlier = {}
+        (out / REFERENCE).unlink(missing_ok=True)  # its gradient is another run's
+    device = benchmark.probe_device()
+    platform = device["platform"]
+    env = {}
+    if args.memory_cap is not None or args.max_batch:
+        if platform != "gpu":
+            option = "--memory-cap" if args.memory_cap is not None else "--max-batch"
+            raise BenchError(
+                f"{option} needs a GPU: this machine's jax backend is {platform}, where device "
+                "memory is host memory and running out of it stops the machine, not the step"
+            )
+    if args.memory_cap is not None:
+        env = _memory_cap_env(args.memory_cap, device["bytes_limit"])
+
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    console.soft_wrap = not console.is_terminal  # a log's lines are not cut at 80 columns
+    if platform == "cpu" and set(benchmark.COMPUTE_TWIN) & set(strategies):
+        console.print(
+            "[yellow]note:[/] on CPU, host placement has no effect: offload strategies move "
+            "nothing, so their memory equals 'none'. Measure memory on a GPU."
+        )
+    for needed, why in [("none", "gradients are compared with it")] + [
+        (benchmark.COMPUTE_TWIN[s], f"{s!r} is planned from its run")
+        for s in strategies
+        if s in benchmark.PLANNED_STRATEGIES and s != "plan"
+    ]:
+        if needed not in strategies:
+            console.print(f"note: adding the {needed!r} strategy: {why}.")
+            workloads.append(dataclasses.replace(workloads[0], strategy=needed))
+            strategies.append(needed)
+    # The plain model runs first: it is every other strategy's gradient reference.
+    # Planned strategies run last: they are planned from their twin's run.
+    workloads.sort(key=lambda w: (w.strategy != "none", w.strategy in benchmark.PLANNED_STRATEGIES))
+    records = _measure(workloads, args, out, earlier, env=env, console=console, command=command)
+    out_console = Console()
+    if not out_console.is_terminal:  # a file or a pipe: no width to fit, so do not squeeze
+        out_console = Console(width=120)
+    out_console.print(_table(records))
+    for r in records:
+        if r.get("copies_free_little"):
+            console.print(
+                f"[yellow]note:[/] {r['strategy']!r} moves {_gib(r['device_to_host_bytes'])} GiB to "
+                f"the host but its device temp is {_gib(r['compiled_temp_bytes'])} GiB against "
+                f"{_gib(r['twin_temp_bytes'])} GiB without "
+                "the copies: they free less than a tenth of what they move. The peak is a "
+                "working set, not residuals; 'lean' keeps as little without the transfers."
+            )
+        if r["strategy"] == "offload-hidden" and r.get("offloaded_blocks") == 0:
+            console.print(
+                f"[yellow]note:[/] {r['strategy']!r} offloads nothing here: no block's transfers "
+                f"fit behind the compute around it, so it ran as {r['plan'][0]!r}."
+            )
+    flagged = gradient_flags(records)
+    if flagged:
+        control = next(r for r in records if r["strategy"] == GRADIENT_CONTROL)["grad_rel_err"]
+        console.print(
+            "[yellow]note:[/] gradient error over twice the same-arithmetic control's "
+            f"({GRADIENT_CONTROL!r}, {control:.1e}) in this run: "
+            + ", ".join(f"{_name(r)} {r['grad_rel_err']:.1e}" for r in flagged)
+            + " (marked !)."
+        )
+    for r in records:
+        if r["strategy"] == "plan" and "plan_choices" in r:
+            choices = ", ".join(
+                f"{c} x{r['plan_choices'].count(c)}" for c in dict.fromkeys(r["plan_choices"])
+            )
+            console.print(f"{_name(r)}: {choices}; outside the blocks {r['plan_outside']}")
+    plotted = plot_records(records, out / "pareto.png")
+    console.print(f"wrote {out / RECORDS}" + (f" and {plotted}" if plotted else ""))
+    failed = [r for r in records if "error" in r]
+    if failed:
+        details = "\n".join(f"{r['strategy']}: {r['error']}" for r in failed)
+        raise BenchError(
+            f"{len(failed)} strategies failed ({RECORDS} has the rest; --resume measures only "
+            f"these again):\n{details}"
+        )
+    (out / REFERENCE).unlink(missing_ok=True)  # nothing left to compare with it
+    return records
+
+
+def _writable_folder(text: str) -> pathlib.Path:
+    """``--out`` as a folder this process can write into, checked before anything is measured."""
+    out = pathlib.Path(text)
+    if out.exists() and not out.is_dir():
+        raise BenchError(
+            f"--out {text} is a file, not a folder: give a folder (made if need be) for "
+            f"{RECORDS} and pareto.png"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.NamedTemporaryFile(dir=out).close()
+    except OSError as e:
+        raise BenchError(
+            f"--out {text}: cannot write records there ({e.strerror}): give a folder you can "
+            "write to"
+        ) from None
+    return out
+
+
+def _earlier_records(path: pathlib.Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The records of ``path`` that ``--resume`` keeps, by name: all but the failed ones.
+
+    Raises:
+      BenchError: if a record was measured with other values of :data:`_RUN_FLAGS`.
+    """
+    if not path.exists():
+        return {}
+    try:
+        records = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BenchError(
+            f"--resume: {path} is not a records file ({e}): leave out --resume to measure afresh"
+        ) from None
+    for r in records:
+        for flag, key in _RUN_FLAGS.items():
+            if key == "window" and r["strategy"] in benchmark.PLANNED_STRATEGIES:
+                continue  # the planner chose it
+            theirs = tuple(r.get(key)) if isinstance(r.get(key), list) else r.get(key)
+            ours = getattr(args, flag[2:].replace("-", "_"))
+            if theirs != ours:
+                raise BenchError(
+                    f"--resume: {path} holds {_name(r)!r} measured with {flag} {theirs}, and this "
+                    f"command has {flag} {ours}: give that run's arguments, or leave out --resume "
+                    "to measure afresh"
+                )
+    return {_name(r): r for r in records if "error" not in r}
+
+
+def _measure(
+    workloads: list[benchmark.Workload],
+    args: argparse.Namespace,
+    out: pathlib.Path,
+    earlier: dict[str, dict[str, Any]],
+    *,
+    env: dict[str, str],
+    console: Any,
+    command: str | None,
+) -> list[dict[str, Any]]:
+    """Measures the workloads that ``earlier`` has no record of; writes records.json after each."""
+    path, reference = out / RECORDS, out / REFERENCE
+    kept = {_name(w): earlier[_name(w)] for w in workloads if _name(w) in earlier}
+    if "step_time_ms" in kept.get("none", {}) and not reference.exists():
+        del kept["none"]  # measured again: the others' gradients are compared with its
+    todo = [w for w in workloads if _name(w) not in kept]
+    if args.resume:
+        console.print(
+            f"resuming {path}: kept {', '.join(kept) or 'nothing'}; measuring "
+            f"{', '.join(map(_name, todo)) or 'nothing more'}."
+        )
+    searched = {  # a plan is made for one batch
+        _name(w)
+        for w in workloads
+        if args.max_batch and w.strategy != "plan" and "max_batch" not in kept.get(_name(w), {})
+    }
+    first_plan = next((w for w in todo if w.strategy == "plan"), None)
+    with _Progress(console, total=len(todo) + len(searched)) as progress:
+
+        def on_start(w):
+            work = f"compile and {args.steps} steps"
+            if w is first_plan:  # every budget is planned in one process, before the first plan
+                work = f"plan at {sum(v.strategy == 'plan' for v in todo)} budgets, {work}"
+            progress.start(f"{_name(w)} on {w.model}, batch {w.batch}: {work}")
+
+        def on_record(records):
+            r = records[-1]
+            r.update(steps=args.steps, memory_cap_gib=args.memory_cap, command=command)
+            _write_json(path, records)
+            progress.end(f"{_name(r)}: {_outcome(r)}")
+
+        records = benchmark.measure_all(
+            workloads,
+            steps=args.steps,
+            env=env,
+            on_start=on_start,
+            on_record=on_record,
+            measured=list(kept.values()),
+            reference=str(reference),
+        )
+        for w, r in zip(workloads, records):
+            if _name(w) in searched:
+                progress.start(f"{_name(w)}: largest batch")
+                if r.get("plan"):  # search with the plan that was measured
+                    w = dataclasses.replace(w, plan=tuple(r["plan"]), window=r["window"])
+                r["max_batch"] = benchmark.find_max_batch(w, env=env)
+                _write_json(path, records)
+                progress.end(f"{_name(w)}: largest batch {r['max_batch']}")
+    _write_json(path, records)  # with the transfer bounds, which need every record
+    return records
+
+
+def _write_json(path: pathlib.Path, value: Any) -> None:
+    """Writes ``path`` whole or not at all: a kill mid-write leaves the file as it was."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(value, indent=1) + "\n")
+    os.replace(partial, path)
+
+
+def _outcome(r: dict[str, Any]) -> str:
+    """What a measured record came to, in a few words."""
+    if r.get("out_of_memory"):
+        return "out of memory"
+    if "error" in r:
+        return f"failed: {r['error'].strip().splitlines()[-1]}"
+    return f"{r['step_time_ms']:.1f} ms a step"
+
+
+class _Progress:
+    """Says each step of the work as it starts and ends, with the time it took.
+
+    On a terminal it is a live bar. Anywhere else (a log file, a pipe, CI) a bar
+    draws nothing, so each step is a plain, flushed line.
+    """
+
+    def __init__(self, console: Any, total: int):
+        self.console, self.total, self.steps, self.began = console, total, 0, 0.0
+        self.bar = None
+        if console.is_terminal:
+            from rich.progress import Progress
+
+            self.bar = Progress(console=console, transient=True)
+            self.task = self.bar.add_task("measuring", total=total)
+
+    def __enter__(self) -> _Progress:
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def start(self, what: str) -> None:
+        self.began = time.monotonic()
+        self._say(what)
+
+    def end(self, outcome: str) -> None:
+        self._say(f"{outcome} ({time.monotonic() - self.began:.1f} s)")
+        self.steps += 1
+        if self.bar is not None:
+            self.bar.advance(self.task)
+
+    def _say(self, text: str) -> None:
+        line = f"[{self.steps + 1}/{self.total}] {text}"
+        if self.bar is not None:
+            self.bar.update(self.task, description=line)
+        else:
+            print(line, file=self.console.file, flush=True)
+
+
+def _memory_cap_env(gib: float, bytes_limit: int | None) -> dict[str, str]:
+    """XLA_PYTHON_CLIENT_MEM_FRACTION that gives the children ``gib`` of device memory."""
+    if gib <= 0:
+        raise BenchError(f"--memory-cap must be positive, got {gib}")
+    # bytes_limit is what a child's allocator may take: the default fraction
+    # (0.75) of the device, unless the environment set another.
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
+    total = (bytes_limit or 0) / fraction
+    if gib * 2**30 > total:
+        raise BenchError(
+            f"--memory-cap {gib} GiB is more than this GPU has ({total / 2**30:.1f} GiB)"
+        )
+    return {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{gib * 2**30 / total:.6f}"}
+
+
+def _name(r) -> str:
+    """A record's or workload's strategy, with its budget for plans: ``plan@0.5``."""
+    get = r.get if isinstance(r, dict) else lambda k, d=None: getattr(r, k, d)
+    return f"plan@{get('budget'):g}" if get("strategy") == "plan" else get("strategy")
+
+
+def _gib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**30:.3f}"
+
+
+def _table(records: list[dict[str, Any]]):
+    from rich.table import Table
+
+    first = records[0]
+    table = Table(
+        title=f"{first['model']}, batch {first['batch']}, {first['image_size']}², {first['dtype']}"
+    )
+    columns = ["strategy", "temp GiB", "host GiB", "peak GiB", "step ms", "images/s", "grad err"]
+    flagged = gradient_flags(records)
+    if any("bound_ratio" in r for r in records):
+        columns.append("× bound")
+    if any("max_batch" in r for r in records):
+        columns.append("max batch")
+    for c in columns:
+        table.add_column(c, justify="left" if c == "strategy" else "right")
+    for r in records:
+        if r.get("out_of_memory") or "error" in r:
+            failure = "out of memory" if r.get("out_of_memory") else "failed"
+            table.add_row(_name(r), *[failure] + [""] * (len(columns) - 2))
+            continue
+        err = r["grad_rel_err"]
+        flag = " !" if r in flagged else ""
+        row = [
+            _name(r),
+            _gib(r["compiled_temp_bytes"]),
+            _gib(r["compiled_host_temp_bytes"]),
+            _gib(r["peak_bytes_in_use"]),
+            f"{r['step_time_ms']:.1f}",
+            f"{r['images_per_s']:.1f}",
+            "-" if err is None else f"{err:.1e}{flag}",
+        ]
+        if "× bound" in columns:
+            row.append(f"{r['bound_ratio']:.2f}" if "bound_ratio" in r else "-")
+        if "max_batch" in r:
+            row.append(str(r["max_batch"]))
+        table.add_row(*row)
+    return table
+
+
+# The run whose arithmetic is the plain model's, rematerialised: its gradient error is
+# rounding, the scale against which the other strategies' errors are read.
+GRADIENT_CONTROL = "remat"
+
+
+def gradient_flags(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records whose gradient error is over twice the same-arithmetic control's, same run.
+
+    The control is :data:`GRADIENT_CONTROL`'s record; without it, or with a
+    control error of 0 (float64, or a CPU that sums in one order), nothing is
+    flagged.
+
+    Example:
+      >>> records = [{"strategy": "remat", "grad_rel_err": 1e-3},
+      ...            {"strategy": "lean", "grad_rel_err": 3e-3}]
+      >>> [r["strategy"] for r in gradient_flags(records)]
+      ['lean']
+    """
+    control = next(
+        (r.get("grad_rel_err") for r in records if r.get("strategy") == GRADIENT_CONTROL), None
+    )
+    if not control:
+        return []
+    return [
+        r for r in records if r.get("grad_rel_err") is not None and r["grad_rel_err"] > 2 * control
+    ]
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both coordinates (lower is better).
+
+    Example:
+      >>> pareto_front([(1, 5), (2, 2), (3, 3), (4, 1)])
+      [0, 1, 3]
+    """
+    front = []
+    for i, (x, y) in enumerate(points):
+        dominated = any(
+            (u <= x and v <= y) and (u, v) != (x, y) for j, (u, v) in enumerate(points) if j != i
+        )
+        if not dominated:
+            front.append(i)
+    return sorted(front, key=lambda i: points[i])
+
+
+def plot_records(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.Path | None:
+    """Plots memory against step time, one point per record, with the Pareto front.
+
+    Records of other frameworks (``framework`` other than ``"jax"``, such as
+    ``benchmarks/peers/torch_reference.py``'s) are drawn as squares and named
+    with their framework. Returns ``path``, or ``None`` if matplotlib is missing
+    or no record has a step time.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    done = [r for r in records if "step_time_ms" in r]
+    if not done:
+        return None
+    # Without a runtime peak (CPU), the compiled temp is the memory reading.
+    key = (
+        "peak_bytes_in_use" if all(r["peak_bytes_in_use"] for r in done) else "compiled_temp_bytes"
+    )
+    points = [(r["step_time_ms"], r[key] / 2**30) for r in done]
+    fig, ax = plt.subplots(figsize=(8, 4.2), constrained_layout=True)
+    for r, (x, y) in zip(done, points):
+        jax_record = r.get("framework", "jax") == "jax"
+        label = _name(r) if jax_record else f"{r['framework']} {r['strategy']}"
+        ax.scatter(x, y, s=45, marker="o" if jax_record else "s", label=label, zorder=3)
+    front = pareto_front(points)
+    ax.plot(*zip(*[points[i] for i in front]), "k--", lw=1, label="Pareto front")
+    first = done[0]
+    times = [x for x, _ in points]
+    if max(times) > 10 * min(times):  # offload and recompute differ by orders of magnitude
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        # Label 20, 50, 200, 500...: every minor tick would crowd the axis.
+        ax.xaxis.set_minor_formatter(
+            matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "25" else "")
+        )
+    else:
+        ax.set_xlim(0, 1.15 * max(times))
+    ax.set(
+        xlabel="step time (ms)",
+        ylabel=("runtime peak" if key == "peak_bytes_in_use" else "compiled device temp")
+        + " (GiB)",
+        title=f"{first['model']} b{first['batch']} {first['image_size']}² {first['dtype']}, "
+        f"{first['device']}",
+    )
+    ax.set_ylim(0, max(y for _, y in points) * 1.05)
+    # Outside the axes, so that it never hides a point.
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main(sys.argv[1:])

@@ -1,0 +1,256 @@
+"""A newcomer's mistakes: each is named, with what to write instead, or works as in jax."""
+
+import functools
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import normal, rel_err
+from jax.ad_checkpoint import checkpoint_name
+
+import jaxoffload
+from jaxoffload import Lean, Offload, Remat, offload, wrap
+from jaxoffload import report as report_lib
+from jaxoffload.layers import BatchNorm
+
+W, X = normal(0, (3, 3)), normal(1, (2, 3))
+
+
+def _layer(w, x):
+    return jnp.tanh(x @ w)
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, y, z):
+        return nn.Dense(3)(x) * y + z
+
+
+def _init_with(block, call):
+    """Initialises a model that builds ``block()`` and calls it as ``call(block_instance, x)``."""
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return call(block(), x)
+
+    return Model().init(jax.random.key(0), X)
+
+
+# ---- device_argnums and static_argnums ----------------------------------------------------
+
+
+def test_device_argnums_of_an_argument_passed_by_keyword_names_it():
+    with pytest.raises(ValueError, match=r"and the keywords \['w', 'x'\].*pass 'w' positionally"):
+        offload(_layer, device_argnums=0)(w=W, x=X)
+    one = r"passes 1 positional argument and .*pass 'x' positionally"
+    with pytest.raises(ValueError, match=one):
+        offload(_layer, device_argnums=1)(W, x=X)
+
+
+def test_device_argnums_out_of_range_gives_the_positions_the_call_has():
+    three = lambda x, y, z: x * y * z  # noqa: E731
+    message = r"device_argnums=\(3,\) .* passes 3 positional arguments\. .*here 0 to 2\."
+    with pytest.raises(ValueError, match=message):
+        offload(three, device_argnums=3)(X, X, X)
+    # In linen, in the user's numbering (self is 0), not the lifted function's.
+    block = jaxoffload.linen.offload(_Block, device_argnums=4)
+    message = r"device_argnums=\(4,\) .* passes 3 positional arguments after self\. .*here 1 to 3\."
+    with pytest.raises(ValueError, match=message):
+        _init_with(block, lambda b, x: b(x, x, x))
+
+
+def test_linen_keyword_arguments_reach_the_module():
+    # flax's lift.pack dropped them, with only a RuntimeWarning, unless asked not to.
+    plain = _init_with(_Block, lambda b, x: b(x, y=2 * x, z=x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        lean = jaxoffload.linen.wrap(_Block, Lean())
+        variables = _init_with(lean, lambda b, x: b(x, y=2 * x, z=x))
+
+    class Model(nn.Module):
+        block: type
+
+        @nn.compact
+        def __call__(self, x):
+            return self.block()(x, y=2 * x, z=x)
+
+    assert rel_err(Model(lean).apply(variables, X), Model(_Block).apply(plain, X)) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("argnums", "write"),
+    [(1.0, "write device_argnums=1"), ([0, 1.0], r"write device_argnums=\(0, 1\)"),
+     ("0", r"an int such as device_argnums=1, or a tuple")],
+)  # fmt: skip
+def test_device_argnums_of_the_wrong_type_say_what_to_write(argnums, write):
+    with pytest.raises(TypeError, match=write):
+        offload(_layer, device_argnums=argnums)
+
+
+def test_an_argument_both_static_and_on_the_device_is_refused_where_it_is_written():
+    both = "arguments \\[1\\] are in both static_argnums and device_argnums.*leave it out of"
+    with pytest.raises(ValueError, match=both):
+        offload(_layer, static_argnums=1, device_argnums=1)  # at once, not at the call
+    with pytest.raises(ValueError, match=both):
+        offload(lambda w, n: w * n, static_argnums=-1, device_argnums=1)(W, 2)
+    with pytest.raises(ValueError, match=both.replace("1", "2")):
+        jaxoffload.linen.offload(_Block, static_argnums=2, device_argnums=2)
+    with pytest.raises(ValueError, match="take no negative positions"):
+        jaxoffload.linen.offload(_Block, device_argnums=-1)
+
+
+# ---- what is wrapped ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", [Lean(), Offload(), Remat()], ids=repr)
+def test_python_scalar_outputs_work_as_under_jax_checkpoint(strategy):
+    def f(w, x):
+        return (x @ w).sum(), 2.0, 3
+
+    ours, ref = wrap(f, strategy)(W, X), jax.checkpoint(f)(W, X)
+    assert [(type(a), a.dtype) for a in ours] == [(type(a), a.dtype) for a in ref]
+    assert rel_err(ours, ref) == 0.0
+    grad = lambda g: jax.jit(jax.grad(lambda w: g(w, X)[0] * g(w, X)[1]))(W)  # noqa: E731
+    assert rel_err(grad(wrap(f, strategy)), grad(jax.checkpoint(f))) <= 1e-6
+    assert float(jax.grad(lambda w: wrap(lambda w, x: 1.0, strategy)(w, X))(W).sum()) == 0.0
+
+
+def test_linen_transform_of_a_plain_function_says_to_use_the_function_transform():
+    f = jaxoffload.linen.offload(_layer)
+    message = r"self, its first argument, is of type .*Array.*write jaxoffload\.offload\(_layer\)"
+    with pytest.raises(TypeError, match=message):
+        f(W, X)
+
+
+def test_function_transform_of_a_linen_module_says_to_use_the_linen_one():
+    class_message = r"linen Module class Dense.*jaxoffload\.linen\.offload\(Dense\)"
+    with pytest.raises(TypeError, match=class_message):
+        offload(nn.Dense)
+    with pytest.raises(TypeError, match=r"linen Module class Dense"):
+        wrap(functools.partial(nn.Dense, 3), Lean())
+    instance_message = r"linen Module Dense\(\.\.\.\).*linen\.offload\(Dense\)\(\.\.\.\)"
+    with pytest.raises(TypeError, match=instance_message):
+        offload(nn.Dense(3))
+    # Its apply is a function of arrays, and welcome.
+    variables = nn.Dense(3).init(jax.random.key(0), X)
+    assert rel_err(offload(nn.Dense(3).apply)(variables, X), nn.Dense(3).apply(variables, X)) == 0.0
+
+
+# ---- names, schedule, residuals_per_call ---------------------------------------------------
+
+
+def _marked(w, x):
+    return jnp.tanh(checkpoint_name(jnp.sin(x @ w), "a") @ w)
+
+
+def test_a_name_that_the_function_never_marks_is_refused_with_the_names_it_marks():
+    step = lambda f: jax.grad(lambda w, x: f(w, x).sum())(W, X)  # noqa: E731
+    message = r"marks no value named 'nonexistent'.*the names it marks are \['a'\]"
+    with pytest.raises(ValueError, match=message):
+        step(offload(_marked, names=["nonexistent"]))
+    with pytest.raises(ValueError, match="marks no value named 'a'.*it marks no value"):
+        step(offload(_layer, names=["a"]))
+    step(offload(_marked, names=["a"]))
+
+
+def test_names_are_looked_for_in_the_whole_function_not_region_by_region():
+    inner = offload(_layer, device_argnums=0)
+
+    def model(w, x):
+        return _marked(w, inner(w, _marked(w, x)) @ w)  # 'a' outside the inner call
+
+    ref = jax.grad(lambda w, x: model(w, x).sum())(W, X)
+    outer = wrap(model, Offload(names=["a"]), device_argnums=0)
+    assert rel_err(jax.grad(lambda w, x: outer(w, x).sum())(W, X), ref) <= 1e-6
+
+
+def test_schedule_is_gone_and_says_what_replaced_it():
+    message = r"jaxoffload\.offload\(f, window=2\).*Offload\(window=2\)"
+    with pytest.raises(AttributeError, match=message):
+        jaxoffload.schedule  # noqa: B018
+    with pytest.raises(AttributeError, match="has no attribute 'scheduled'"):
+        jaxoffload.scheduled  # noqa: B018
+
+
+def test_residuals_per_call_without_a_gradient_warns():
+    forward_only = jax.jit(lambda w, x: offload(_layer)(w, x).sum())
+    with pytest.warns(jaxoffload.OffloadWarning, match="differentiates no call.*takes a gradient"):
+        assert jaxoffload.residuals_per_call(forward_only, W, X) == []
+
+
+def test_offload_traced_for_cpu_says_once_per_process_that_nothing_moves(monkeypatch):
+    assert jax.default_backend() == "cpu"
+    monkeypatch.setattr(report_lib, "_said_one_memory", False)
+    step = lambda f: jax.grad(lambda w, x: f(w, x).sum())  # noqa: E731
+    message = "no effect.*nothing moves.*once per process"
+    with pytest.warns(jaxoffload.OffloadWarning, match=message):
+        jax.make_jaxpr(step(offload(_layer)))(W, X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.make_jaxpr(step(offload(lambda w, x: jnp.sin(x @ w))))(W, X)  # another: no word
+        jax.make_jaxpr(step(wrap(_layer, Lean())))(W, X)  # Lean moves nothing, and says nothing
+
+
+# ---- the lean BatchNorm takes flax's arguments ---------------------------------------------
+
+
+def test_lean_batch_norm_takes_flaxs_arguments_in_flaxs_order():
+    fields = lambda cls: [f for f in cls.__dataclass_fields__ if f not in ("parent", "name")]  # noqa: E731
+    assert fields(BatchNorm) == [*fields(nn.BatchNorm), "relu"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"use_bias": False}, {"use_scale": False, "use_bias": False}, {"axis": 3},
+     {"axis": (-1,), "scale_init": nn.initializers.constant(2.0),
+      "bias_init": nn.initializers.constant(0.5)}],
+)  # fmt: skip
+def test_lean_batch_norm_matches_flax_with_its_options(options):
+    x = 3 * normal(2, (2, 2, 3, 4)) + 1
+    ct = normal(3, x.shape)
+    flax_norm, lean_norm = (
+        cls(use_running_average=False, momentum=0.9, **options) for cls in (nn.BatchNorm, BatchNorm)
+    )
+    variables = {"params": {}, **flax_norm.init(jax.random.key(0), x)}  # no params without both
+    lean_variables = {"params": {}, **lean_norm.init(jax.random.key(0), x)}
+    assert jax.tree.map(jnp.shape, lean_variables) == jax.tree.map(jnp.shape, variables)
+    assert rel_err(lean_variables, variables) == 0.0
+
+    def run(module):
+        def loss(params, x):
+            state = {"batch_stats": variables["batch_stats"]}
+            y, new = module.apply({"params": params, **state}, x, mutable=["batch_stats"])
+            return jnp.sum(y * ct), (y, new)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(variables["params"], x)
+
+    (ref_grads, (ref_y, ref_stats)), (grads, (y, stats)) = run(flax_norm), run(lean_norm)
+    assert rel_err(y, ref_y) <= 1e-6
+    assert rel_err(stats, ref_stats) == 0.0
+    assert rel_err(grads, ref_grads) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [({"axis_name": "batch"}, "no cross-device statistics .*takes no axis_name='batch'"),
+     ({"axis_index_groups": [[0, 1]]}, "takes no axis_index_groups"),
+     ({"use_fast_variance": False}, "takes no use_fast_variance=False: leave use_fast_variance out"),
+     ({"force_float32_reductions": False}, "takes no force_float32_reductions=False")],
+)  # fmt: skip
+def test_lean_batch_norm_refuses_what_it_does_not_compute_by_name(options, match):
+    with pytest.raises(ValueError, match=match + ".*flax.linen.BatchNorm"):
+        BatchNorm(use_running_average=False, **options)
+
+
+def test_lean_batch_norm_refuses_other_axes_and_a_mask_at_the_call():
+    x = jnp.ones((2, 3, 4))
+    with pytest.raises(ValueError, match=r"axis=1\) takes the features .* axes \[1\].*axis=-1"):
+        BatchNorm(use_running_average=False, axis=1).init(jax.random.key(0), x)
+    norm = BatchNorm(use_running_average=False)
+    with pytest.raises(ValueError, match="takes no mask"):
+        norm.init(jax.random.key(0), x, mask=x > 0)
+    with pytest.raises(TypeError, match=r"\['padding'\].*need conv_kernel"):
+        norm.init(jax.random.key(0), x, padding="SAME")
