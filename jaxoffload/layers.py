@@ -276,9 +276,11 @@ class _Pool:
             g.shape[0], *sizes, *self.strides, g.shape[-1]
         )
         order = [0, *(a for i in range(d) for a in (1 + i, 1 + d + i)), 1 + 2 * d]
-        gx = gx.transpose(order).reshape(
-            g.shape[0], *(q * s for q, s in zip(sizes, self.strides)), g.shape[-1]
-        )
+        gx = gx.transpose(order)
+        # One (q, r) pair merged per reshape: a batch-sharded array under an Explicit mesh
+        # reshapes only when one axis is merged at a time (tests/test_sharding.py).
+        for i, (q, s) in enumerate(zip(sizes, self.strides)):
+            gx = gx.reshape(*gx.shape[: 1 + i], q * s, *gx.shape[3 + i :])
         return self._unpad(gx, shape)
 
     def _phases(self, g, first, shape):

@@ -532,7 +532,34 @@ def estimate_step_ms(
 
 
 def _nbytes(aval) -> int:
-    return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+    """Bytes of one device's shard: an Explicit mesh's sharding is in the aval's type."""
+    shape = aval.shape
+    sharding = getattr(aval, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding) and any(sharding.spec):
+        shape = sharding.shard_shape(shape)
+    return math.prod(shape) * np.dtype(aval.dtype).itemsize
+
+
+def _struct(aval) -> jax.ShapeDtypeStruct:
+    """``aval``'s shape and dtype, and its sharding on the concrete mesh in context, if any."""
+    sharding = getattr(aval, "sharding", None)
+    mesh = jax.sharding.get_mesh()
+    if isinstance(sharding, jax.sharding.NamedSharding) and not mesh.empty:
+        return jax.ShapeDtypeStruct(
+            aval.shape, aval.dtype, sharding=jax.sharding.NamedSharding(mesh, sharding.spec)
+        )
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+
+
+def _explicit_mesh(args) -> jax.sharding.Mesh | None:
+    """The mesh of the first argument sharded over Explicit axes: planning runs under it."""
+    for leaf in jax.tree.leaves(args):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding) and any(
+            t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types
+        ):
+            return sharding.mesh
+    return None
 
 
 def _residual_bytes(fun, structs, device_inputs) -> tuple[int, int, int, int]:
@@ -580,6 +607,9 @@ def _zeros(struct) -> jax.Array:
     if jax.dtypes.issubdtype(struct.dtype, jax.dtypes.prng_key):
         keys = jax.random.split(jax.random.key(0), math.prod(struct.shape))
         return keys.reshape(struct.shape)
+    sharding = getattr(struct, "sharding", None)
+    if isinstance(sharding, jax.sharding.Sharding):
+        return jnp.zeros(struct.shape, struct.dtype, device=sharding)
     return jnp.zeros(struct.shape, struct.dtype)
 
 
@@ -614,7 +644,7 @@ def _cost_blocks(paths, calls, options, *, runs, say) -> list[BlockCosts]:
     for path, call, program in zip(paths, calls, programs):
         fun = jex_core.jaxpr_as_fun(call.forward)
         invars, outvars = call.forward.jaxpr.invars, call.forward.jaxpr.outvars
-        structs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in invars]
+        structs = [_struct(v.aval) for v in invars]
         input_bytes = sum(
             _nbytes(v.aval) for k, v in enumerate(invars) if k not in call.device_inputs
         )
@@ -872,7 +902,10 @@ def plan(
       budget: device bytes (an int), or a share of the plain model's (a
         float in (0, 1]). Device bytes are the compiled step's arguments and
         temporaries. A sequence of budgets gives a list of plans, and
-        measures the costs once.
+        measures the costs once. The budget is per device: with arguments
+        sharded over a mesh (a batch over ``data``), the compiled bytes are
+        one device's (``memory_analysis`` of a sharded program), and under
+        Explicit mesh axes the blocks are sized and timed per device too.
       blocks: for an NNX model, which submodules are its blocks: a Module
         class, a tuple of them, or a function ``(path, module) -> bool``.
         A linen model's blocks are its plannable ones.
@@ -912,8 +945,13 @@ def plan(
     budgets = list(budget) if isinstance(budget, Sequence) else [budget]
     for b in budgets:
         _check_budget(b)
-    # Planning applies its candidates to an NNX model in place: put it back after.
-    with offload_nnx.classes_kept(model) if isinstance(model, nnx.Module) else nullcontext():
+    # Batch-sharded arguments over an Explicit mesh: the blocks' traced types carry their
+    # sharding, so the blocks are timed and sized per device under that mesh.
+    mesh = _explicit_mesh(args)
+    with (
+        offload_nnx.classes_kept(model) if isinstance(model, nnx.Module) else nullcontext(),
+        jax.set_mesh(mesh) if mesh is not None else nullcontext(),
+    ):
         planner = _Planner(
             model,
             step,

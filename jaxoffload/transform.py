@@ -807,8 +807,8 @@ def _used_residuals(vjp_tree, avals, out_tree, jaxpr) -> list[bool]:
     cotangents = jax.tree.unflatten(
         out_tree,
         [
-            jax.ShapeDtypeStruct(
-                a.aval.shape,
+            _struct_of(
+                a.aval,
                 a.aval.dtype
                 if jax.dtypes.issubdtype(a.aval.dtype, np.inexact)
                 else jax.dtypes.float0,
@@ -816,10 +816,22 @@ def _used_residuals(vjp_tree, avals, out_tree, jaxpr) -> list[bool]:
             for a in jaxpr.outvars[:num_out]
         ],
     )
-    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    structs = [_struct_of(a, a.dtype) for a in avals]
     backward = jax.make_jaxpr(lambda r, c: jax.tree.unflatten(vjp_tree, r)(c))(structs, cotangents)
     live = _live_vars(backward.jaxpr)
     return [v in live for v in backward.jaxpr.invars[: len(avals)]]
+
+
+def _struct_of(aval, dtype) -> jax.ShapeDtypeStruct:
+    """``aval``'s shape with ``dtype``, and its sharding where the type has one.
+
+    Under ``jax.set_mesh`` with Explicit axes, a struct without a sharding is
+    replicated, and a custom_vjp then refuses the batch-sharded cotangents.
+    """
+    sharding = getattr(aval, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding) and any(sharding.spec):
+        return jax.ShapeDtypeStruct(aval.shape, dtype, sharding=sharding)
+    return jax.ShapeDtypeStruct(aval.shape, dtype)
 
 
 def _live_vars(jaxpr) -> set:
@@ -1144,8 +1156,16 @@ def _scalar_of(tree) -> jax.Array:
     if not leaves:
         return _token()
     first = leaves[0]
-    element = jax.lax.slice(first, (0,) * first.ndim, (1,) * first.ndim)
-    return jax.lax.reshape(element, ()).astype(np.float32)
+    # Under an Explicit mesh a sharded dimension cannot be sliced to one element: keep it
+    # whole (a batch's first elements, one row per example) and take the maximum, which
+    # cannot overflow (tests/test_sharding.py).
+    spec = tuple(getattr(jax.typeof(first).sharding, "spec", None) or ())
+    spec += (None,) * (first.ndim - len(spec))
+    limit = tuple(n if axes is not None else 1 for n, axes in zip(first.shape, spec))
+    element = jax.lax.slice(first, (0,) * first.ndim, limit)
+    if all(n == 1 for n in limit):
+        return jax.lax.reshape(element, ()).astype(np.float32)
+    return jax.numpy.max(element).astype(np.float32)
 
 
 def _after_tokens(tree, tokens: list[jax.Array]):

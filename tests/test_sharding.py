@@ -4,16 +4,23 @@ The tests run on 4 forced CPU devices (``tests/conftest.py`` sets XLA_FLAGS).
 """
 
 import contextlib
+import functools
+import re
+import runpy
+from pathlib import Path
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 from helpers import normal, rel_err
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoffload
+from jaxoffload.bench.models import plain_model
+from jaxoffload.bench.models.flax_resnet import ResNet, ResNetBlock
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 4,
@@ -85,3 +92,162 @@ def test_sharded_flax_training_step():
     grad = jax.jit(jax.grad(loss))
     got = grad(params, jax.device_put(x, NamedSharding(mesh, P("batch"))))
     assert rel_err(got, grad(params, x)) <= 1e-6
+
+
+# ---- a plain-Flax ResNet, data parallel over a 4-device mesh ----------------------------
+
+STRATEGIES = [
+    jaxoffload.Store(),
+    jaxoffload.Lean(),
+    jaxoffload.Remat(),
+    jaxoffload.Offload(),
+    jaxoffload.Offload(window=2),
+    jaxoffload.Offload(recompute=True),
+]
+RESNET = dict(stage_sizes=(1, 1), num_filters=8, num_classes=10)
+
+
+def _resnet(strategy):
+    return plain_model(ResNet, ResNetBlock, strategy, **RESNET)
+
+
+def _step(model, params, batch_stats, x, labels):
+    def loss_fn(params):
+        logits, updates = model.apply(
+            {"params": params, "batch_stats": batch_stats}, x, True, mutable=["batch_stats"]
+        )
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        return loss, updates["batch_stats"]
+
+    return jax.grad(loss_fn, has_aux=True)(params)
+
+
+@pytest.fixture(scope="module")
+def problem():
+    """The batch, the variables, and the single-device gradients and statistics."""
+    x, labels = normal(0, (8, 16, 16, 3)), jnp.arange(8) % 10
+    variables = _resnet(jaxoffload.Store()).init(jax.random.key(1), x, True)
+    args = (variables["params"], variables["batch_stats"], x, labels)
+    reference = jax.jit(functools.partial(_step, _resnet(jaxoffload.Store())))(*args)
+    return args, reference
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    # jax.make_mesh's axes are Explicit by default: the batch's sharding is in its type.
+    return jax.make_mesh((4,), ("data",))
+
+
+def _data_parallel(args, mesh):
+    """Parameters and statistics replicated, the batch sharded over ``data``."""
+    params, stats, x, labels = args
+    replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    return (*jax.device_put((params, stats), replicated), *jax.device_put((x, labels), batch))
+
+
+def _check_matches(got, reference):
+    assert rel_err(got[0], reference[0]) <= 1e-6  # gradients
+    assert rel_err(got[1], reference[1]) <= 1e-6  # BatchNorm's updated statistics
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=str)
+def test_data_parallel_gradients_match_one_device(problem, mesh, strategy):
+    args, reference = problem
+    got = jax.jit(functools.partial(_step, _resnet(strategy)))(*_data_parallel(args, mesh))
+    _check_matches(got, reference)
+    assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(got))
+
+
+@pytest.mark.parametrize("strategy", [jaxoffload.Offload(), jaxoffload.Offload(window=2)], ids=str)
+def test_resnet_host_copies_keep_the_batch_sharding(problem, mesh, strategy):
+    args = _data_parallel(problem[0], mesh)
+    with jax.set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(functools.partial(_step, _resnet(strategy)))(*args)
+    to_host = _host_puts(jaxpr.jaxpr)
+    assert to_host
+    for eqn in to_host:
+        for aval in (v.aval for v in eqn.outvars):
+            assert aval.memory_space == jax.memory.Space.Host
+            if aval.ndim == 4:  # activations: the batch stays split over the devices
+                assert aval.sharding.spec[0] == "data", aval
+
+
+def _host_puts(jaxpr):
+    from jax.extend import core
+
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "device_put" and jax.memory.Space.Host in eqn.params["devices"]:
+            found.append(eqn)
+        for sub in core.jaxprs_in_params(eqn.params):
+            found += _host_puts(sub)
+    return found
+
+
+def _fsdp(mesh, x):
+    """Shards ``x`` over ``data`` along its largest dimension that 4 divides; else replicated."""
+    dims = sorted((d for d in range(x.ndim) if x.shape[d] % 4 == 0), key=lambda d: -x.shape[d])
+    spec = [None] * x.ndim
+    if dims:
+        spec[dims[0]] = "data"
+    return NamedSharding(mesh, P(*spec))
+
+
+@pytest.mark.parametrize("strategy", [jaxoffload.Lean(), jaxoffload.Offload()], ids=str)
+def test_fsdp_parameter_sharding_gives_the_same_gradients(problem, mesh, strategy):
+    args, reference = problem
+    params, stats = (jax.tree.map(functools.partial(_fsdp, mesh), t) for t in args[:2])
+    batch = NamedSharding(mesh, P("data"))
+    step = jax.jit(
+        functools.partial(_step, _resnet(strategy)),
+        in_shardings=(params, stats, batch, batch),
+        out_shardings=(params, stats),
+    )
+    got = step(*args)
+    _check_matches(got, reference)
+    specs = [leaf.sharding.spec for leaf in jax.tree.leaves(got[0])]
+    assert any("data" in spec for spec in specs)  # some parameters really are split
+
+
+PLANNABLE = ResNet(**RESNET, block_cls=jaxoffload.linen.plannable(ResNetBlock))
+
+
+def test_plan_under_the_mesh_gives_the_same_gradients(problem, mesh):
+    args, reference = problem
+    plan = jaxoffload.Plan(
+        (("ResNetBlock_0", jaxoffload.Lean()), ("ResNetBlock_1", jaxoffload.Offload())),
+        jaxoffload.Lean(),
+    )
+    got = jax.jit(functools.partial(_step, plan.apply(PLANNABLE)))(*_data_parallel(args, mesh))
+    _check_matches(got, reference)
+
+
+def test_planner_budget_is_per_device(problem, mesh):
+    args, reference = problem
+    sharded = _data_parallel(args, mesh)
+    plan = jaxoffload.plan(
+        PLANNABLE, _step, *sharded, budget=1.0, options=(jaxoffload.Lean(),), runs=1,
+        max_rounds=1, progress=False,
+    )  # fmt: skip
+    # memory_analysis of a sharded program is one device's: a quarter of the batch.
+    unsharded = jaxoffload.planner.compiled_bytes(PLANNABLE, _step, *args, plan=plan)
+    assert plan.compiled_bytes < unsharded
+    assert plan.compiled_bytes <= plan.budget_bytes
+    got = jax.jit(functools.partial(_step, plan.apply(PLANNABLE)))(*sharded)
+    _check_matches(got, reference)
+
+
+def test_two_processes_give_the_one_process_gradients(monkeypatch):
+    # Two jax.distributed processes of 2 CPU devices each, one global mesh (gloo collectives).
+    # They share the suite's compilation cache: most of their time is XLA's compiles.
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", jax.config.jax_compilation_cache_dir)
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
+    example = runpy.run_path(str(Path(__file__).parents[1] / "benchmarks/distributed_example.py"))
+    # One strategy: the processes' start and compiles dominate, and the one-process tests
+    # above cover every strategy value under the same mesh.
+    out = example["launch"](["lean"], timeout=120)
+    errors = dict(re.findall(r"strategy=(\w+) grad_rel_err=(\S+)", out))
+    assert set(errors) == {"lean"}, out
+    assert all(float(e) <= 1e-6 for e in errors.values()), out
+    stats = [float(e) for e in re.findall(r"batch_stats_rel_err=(\S+)", out)]
+    assert len(stats) == 1 and max(stats) <= 1e-6, out
