@@ -239,9 +239,8 @@ def test_planner_budget_is_per_device(problem, mesh):
 
 def test_two_processes_give_the_one_process_gradients(monkeypatch):
     # Two jax.distributed processes of 2 CPU devices each, one global mesh (gloo collectives).
-    # They share the suite's compilation cache: most of their time is XLA's compiles.
-    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", jax.config.jax_compilation_cache_dir)
-    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
+    # They share the suite's compilation cache (tests/conftest.py): most of their time is
+    # XLA's compiles.
     example = runpy.run_path(str(Path(__file__).parents[1] / "benchmarks/distributed_example.py"))
     # One strategy: the processes' start and compiles dominate, and the one-process tests
     # above cover every strategy value under the same mesh.
