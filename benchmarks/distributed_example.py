@@ -33,6 +33,21 @@ def _strategy(name: str):
     }[name]
 
 
+def step(model, params, batch_stats, x, labels):
+    """The training step's gradients and new BatchNorm statistics (tests/test_sharding.py too)."""
+    import jax
+    import optax
+
+    def loss_fn(params):
+        logits, updates = model.apply(
+            {"params": params, "batch_stats": batch_stats}, x, True, mutable=["batch_stats"]
+        )
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        return loss, updates["batch_stats"]
+
+    return jax.grad(loss_fn, has_aux=True)(params)
+
+
 def run_process(process_id: int, port: int, strategies: list[str]) -> None:
     """One of the two processes: the sharded step per strategy, and (on process 0) its error."""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
@@ -46,7 +61,6 @@ def run_process(process_id: int, port: int, strategies: list[str]) -> None:
     )
     import jax.numpy as jnp
     import numpy as np
-    import optax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -58,16 +72,6 @@ def run_process(process_id: int, port: int, strategies: list[str]) -> None:
         return plain_model(
             ResNet, ResNetBlock, s, stage_sizes=(1, 1), num_filters=8, num_classes=10
         )
-
-    def step(model, params, batch_stats, x, labels):
-        def loss_fn(params):
-            logits, updates = model.apply(
-                {"params": params, "batch_stats": batch_stats}, x, True, mutable=["batch_stats"]
-            )
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-            return loss, updates["batch_stats"]
-
-        return jax.grad(loss_fn, has_aux=True)(params)
 
     # Every process builds the same global batch and variables, on its first local device.
     local = jax.local_devices()[0]

@@ -12,7 +12,6 @@ from pathlib import Path
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 import pytest
 from helpers import normal, rel_err
 from jax.sharding import AxisType, NamedSharding
@@ -111,15 +110,9 @@ def _resnet(strategy):
     return plain_model(ResNet, ResNetBlock, strategy, **RESNET)
 
 
-def _step(model, params, batch_stats, x, labels):
-    def loss_fn(params):
-        logits, updates = model.apply(
-            {"params": params, "batch_stats": batch_stats}, x, True, mutable=["batch_stats"]
-        )
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-        return loss, updates["batch_stats"]
-
-    return jax.grad(loss_fn, has_aux=True)(params)
+# The two-process example's step, so that one and two processes train the same.
+EXAMPLE = Path(__file__).parents[1] / "benchmarks/distributed_example.py"
+_step = runpy.run_path(str(EXAMPLE))["step"]
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +234,7 @@ def test_two_processes_give_the_one_process_gradients(monkeypatch):
     # Two jax.distributed processes of 2 CPU devices each, one global mesh (gloo collectives).
     # They share the suite's compilation cache (tests/conftest.py): most of their time is
     # XLA's compiles.
-    example = runpy.run_path(str(Path(__file__).parents[1] / "benchmarks/distributed_example.py"))
+    example = runpy.run_path(str(EXAMPLE))
     # One strategy: the processes' start and compiles dominate, and the one-process tests
     # above cover every strategy value under the same mesh.
     out = example["launch"](["lean"], timeout=120)
