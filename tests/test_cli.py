@@ -463,6 +463,16 @@ def test_progress_off_a_terminal_is_a_plain_line_per_step(monkeypatch, tmp_path,
     ]
 
 
+def test_progress_is_plain_lines_when_only_stdout_is_redirected(monkeypatch):
+    # `bench > log`: stderr is still a terminal; plain lines stay in its scrollback, where
+    # the bar, erased when done, would leave nothing of the run.
+    class Terminal:
+        is_terminal = True
+
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False, raising=False)
+    assert cli._Progress(Terminal(), total=1).bar is None
+
+
 def test_version_and_defaults_in_help(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--version"])

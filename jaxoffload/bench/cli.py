@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure memory and step time of each strategy on a model",
         description="Measure each memory strategy's compiled temp, runtime peak, step time and "
         "gradient error on one model, each in a fresh process. The defaults run on CPU. "
-        "Progress goes to stderr: a live bar on a terminal, else one line per step.",
+        "Progress goes to stderr: a live bar on a terminal, else (stdout or stderr a file or a "
+        "pipe) one line per step.",
         formatter_class=_HelpFormatter,
     )
     bench.add_argument(
@@ -431,14 +432,15 @@ def _outcome(r: dict[str, Any]) -> str:
 class _Progress:
     """Says each step of the work as it starts and ends, with the time it took.
 
-    On a terminal it is a live bar. Anywhere else (a log file, a pipe, CI) a bar
-    draws nothing, so each step is a plain, flushed line.
+    It goes to stderr. Where stderr and stdout are both a terminal it is a live
+    bar; where either is a log file or a pipe (CI, ``bench > log``) each step is
+    a plain, flushed line, which stays where the bar, erased when done, would not.
     """
 
     def __init__(self, console: Any, total: int):
         self.console, self.total, self.steps, self.began = console, total, 0, 0.0
         self.bar = None
-        if console.is_terminal:
+        if console.is_terminal and sys.stdout.isatty():
             from rich.progress import Progress
 
             self.bar = Progress(console=console, transient=True)
