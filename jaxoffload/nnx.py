@@ -10,6 +10,7 @@ on them under the strategy, and the variables it changed are written back, as
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import inspect
@@ -238,10 +239,8 @@ def block_paths(model: nnx.Module, blocks: Any) -> list[str]:
       ValueError: if nothing is selected, or a selected block holds another.
     """
     if blocks is None:
-        counts: dict[str, int] = {}
-        for node in submodules(model).values():
-            counts[type(node).__name__] = counts.get(type(node).__name__, 0) + 1
-        repeated = ", ".join(f"{k} ({v})" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+        counts = collections.Counter(type(m).__name__ for m in submodules(model).values())
+        repeated = ", ".join(f"{k} ({v})" for k, v in counts.most_common())
         raise ValueError(
             "say which submodules of the NNX model are its blocks: blocks=MyBlock (a class), a "
             "tuple of classes, or a function (path, module) -> bool. Its submodules' classes: "

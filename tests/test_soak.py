@@ -15,6 +15,7 @@ import pytest
 from helpers import normal, rel_err
 
 import jaxoffload
+from jaxoffload.bench import benchmark
 from jaxoffload.bench.models import flax_resnet, plain_model
 
 STEPS = 1000
@@ -65,21 +66,15 @@ def _train(strategy, variables, batch):
     model = _model(strategy)
     tx = optax.sgd(1e-2, momentum=0.9)
 
-    def loss_fn(params, model_state, x, labels):
+    def loss_fn(params, model_state, batch):
+        x, labels = batch
         logits, model_state = model.apply(
             {"params": params, **model_state}, x, True, mutable=["batch_stats"]
         )
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), model_state
+        return benchmark._loss(logits, labels), model_state
 
-    def step(state, batch):
-        params, model_state, opt_state = state
-        (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, model_state, *batch
-        )
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), model_state, opt_state), loss
-
-    step = jax.jit(step, donate_argnums=0)
+    # The bench's step: SGD with momentum on (params, model_state, opt_state).
+    step = jax.jit(benchmark._sgd_step(loss_fn, tx), donate_argnums=0)
     params, model_state = variables["params"], {"batch_stats": variables["batch_stats"]}
     # Copies, since the step donates its state and every strategy starts from these.
     state = jax.tree.map(jnp.copy, (params, model_state, tx.init(params)))
