@@ -52,45 +52,48 @@ def main():
     args = parser.parse_args()
     dump = tempfile.mkdtemp()
     if args.peaks:
+        # Before jax is imported: it reads them once.
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "")
             + f" --xla_dump_to={dump} --xla_dump_hlo_module_re=.*step.*"
         )
-    from jaxoffload import transform  # after XLA_FLAGS: jax reads them once
-    from jaxoffload.bench import benchmark
-    from jaxoffload.report import analyze
-
     for name in args.strategies:
-        strategy, _, window = name.partition("@")
-        workload = benchmark.Workload(
-            args.model, args.batch, args.image_size, "bfloat16", strategy, window=int(window or 1)
-        )
-        start = time.perf_counter()
-        step, state, batch, _ = benchmark.train_step(workload, abstract=True)
-        traced = step.trace(state, batch)
-        compiled = traced.lower().compile()
-        report = analyze(traced, compiled, on_dropped="ignore")
-        record = {
-            "model": args.model, "batch": args.batch, "strategy": name,
-            "temp_bytes": report.temp_bytes, "host_temp_bytes": report.host_temp_bytes,
-            "requested_bytes": report.requested_bytes,
-            "device_to_host_copies": report.device_to_host,
-            "device_to_host_bytes": report.device_to_host_bytes,
-            "compile_s": round(time.perf_counter() - start, 1),
-        }  # fmt: skip
-        if args.peaks:
-            record["peak"], record["alive_at_peak"] = _peak_breakdown(dump)
-            _clear(dump)
-        if report.requested_transfers:
-            with transform.without_host_placement():
-                step, state, batch, _ = benchmark.train_step(workload, abstract=True)
-                twin = step.trace(state, batch).lower().compile()
-            record["twin_temp_bytes"] = twin.memory_analysis().temp_size_in_bytes
-            if args.peaks:
-                record["twin_peak"], record["twin_alive_at_peak"] = _peak_breakdown(dump)
-                _clear(dump)
-        print(json.dumps(record), flush=True)
+        print(json.dumps(_probe(name, args, dump if args.peaks else None)), flush=True)
     shutil.rmtree(dump)
+
+
+def _probe(name, args, dump):
+    """One strategy's record: the compiled step, its twin if it asks for host copies, their peaks."""
+    from jaxoffload._src.report import analyze
+    from jaxoffload.bench import benchmark
+
+    strategy, _, window = name.partition("@")
+    workload = benchmark.Workload(
+        args.model, args.batch, args.image_size, "bfloat16", strategy, window=int(window or 1)
+    )
+    start = time.perf_counter()
+    step, state, batch, _ = benchmark.train_step(workload, abstract=True)
+    traced = step.trace(state, batch)
+    compiled = traced.lower().compile()
+    report = analyze(traced, compiled, on_dropped="ignore")
+    record = {
+        "model": args.model, "batch": args.batch, "strategy": name,
+        "temp_bytes": report.temp_bytes, "host_temp_bytes": report.host_temp_bytes,
+        "requested_bytes": report.requested_bytes,
+        "device_to_host_copies": report.device_to_host,
+        "device_to_host_bytes": report.device_to_host_bytes,
+        "compile_s": round(time.perf_counter() - start, 1),
+    }  # fmt: skip
+    if dump:
+        record["peak"], record["alive_at_peak"] = _peak_breakdown(dump)
+        _clear(dump)
+    if report.requested_transfers:
+        twin, _ = benchmark.compile_twin(workload)
+        record["twin_temp_bytes"] = twin.memory_analysis().temp_size_in_bytes
+        if dump:
+            record["twin_peak"], record["twin_alive_at_peak"] = _peak_breakdown(dump)
+            _clear(dump)
+    return record
 
 
 if __name__ == "__main__":

@@ -1,28 +1,32 @@
-"""jaxoffload: train CNNs whose activations do not fit in GPU memory."""
+"""jaxoffload: train CNNs whose activations do not fit in GPU memory.
+
+This module, :mod:`jaxoffload.linen`, :mod:`jaxoffload.nnx` and
+:mod:`jaxoffload.strategies` are the public API; ``jaxoffload._src`` is internal.
+"""
 
 __version__ = "0.2.0"
 
 from jaxoffload import linen as linen
 from jaxoffload import nnx as nnx
-from jaxoffload.planner import NoPlanFits as NoPlanFits
-from jaxoffload.planner import Plan as Plan
-from jaxoffload.planner import plan as plan
-from jaxoffload.report import MemoryReport as MemoryReport
-from jaxoffload.report import OffloadDroppedError as OffloadDroppedError
-from jaxoffload.report import OffloadWarning as OffloadWarning
-from jaxoffload.report import memory_report as memory_report
-from jaxoffload.strategies import Lean as Lean
-from jaxoffload.strategies import Offload as Offload
-from jaxoffload.strategies import Remat as Remat
-from jaxoffload.strategies import Store as Store
-from jaxoffload.strategies import Strategy as Strategy
-from jaxoffload.transform import OffloadedCall as OffloadedCall
-from jaxoffload.transform import Residual as Residual
-from jaxoffload.transform import offload as offload
-from jaxoffload.transform import offloaded_calls as offloaded_calls
-from jaxoffload.transform import residuals_per_call as residuals_per_call
-from jaxoffload.transform import saved_residuals as saved_residuals
-from jaxoffload.transform import wrap as wrap
+from jaxoffload._src.calls import offloaded_calls as offloaded_calls
+from jaxoffload._src.calls import residuals_per_call as residuals_per_call
+from jaxoffload._src.calls import saved_residuals as saved_residuals
+from jaxoffload._src.errors import NoPlanFits as NoPlanFits
+from jaxoffload._src.errors import OffloadDroppedError as OffloadDroppedError
+from jaxoffload._src.errors import OffloadWarning as OffloadWarning
+from jaxoffload._src.planner import Plan as Plan
+from jaxoffload._src.planner import plan as plan
+from jaxoffload._src.report import MemoryReport as MemoryReport
+from jaxoffload._src.report import memory_report as memory_report
+from jaxoffload._src.residuals import OffloadedCall as OffloadedCall
+from jaxoffload._src.residuals import Residual as Residual
+from jaxoffload._src.strategies import Lean as Lean
+from jaxoffload._src.strategies import Offload as Offload
+from jaxoffload._src.strategies import Remat as Remat
+from jaxoffload._src.strategies import Store as Store
+from jaxoffload._src.strategies import Strategy as Strategy
+from jaxoffload._src.transform import offload as offload
+from jaxoffload._src.transform import wrap as wrap
 
 __all__ = [
     "Lean",

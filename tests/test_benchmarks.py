@@ -37,7 +37,7 @@ def test_plot_of_bench_and_peer_records(tmp_path):
     peer = tmp_path / "torch.json"
     peer.write_text(json.dumps([_record("torch", "plain", 55, 11e9)]))
     out = tmp_path / "plot.png"
-    plot = [sys.executable, str(ROOT / "benchmarks" / "plot_bench.py")]
+    plot = [sys.executable, "-m", "jaxoffload.bench.plot_bench"]
     subprocess.run([*plot, str(ours), str(peer), f"--out={out}"], check=True, capture_output=True)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     other = tmp_path / "other.json"
@@ -61,7 +61,7 @@ def test_gradient_error_stores_then_compares(tmp_path):
 
 def test_the_torch_peer_explains_itself_without_torch():
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "peers" / "torch_reference.py"), "--help"],
+        [sys.executable, "-m", "jaxoffload.bench.torch_reference", "--help"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert "save_on_cpu" in done.stdout

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.extend import core as jex_core
 
-from jaxoffload import cut
+from jaxoffload._src import cut, jaxprs
 
 # Operations of the random programs: (name, arity, function).
 OPS = [
@@ -55,7 +55,7 @@ def _objective(jaxpr, needed, free, saved):
     prices = [cut._price(jaxpr.eqns[i]) for i in recomputed]
     if any(p.never or p.flops for p in prices):  # no budget for products
         return None
-    kept = sum(0 if v in free else max(1, cut.nbytes(v.aval)) for v in saved)
+    kept = sum(0 if v in free else max(1, jaxprs.nbytes(v.aval)) for v in saved)
     return kept + sum(1e-3 + p.passes for p in prices)
 
 

@@ -12,8 +12,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jaxoffload
 from jaxoffload import Lean, Offload, Remat, offload, wrap
-from jaxoffload import report as report_lib
-from jaxoffload.layers import BatchNorm
+from jaxoffload._src import context
+from jaxoffload.bench.layers import BatchNorm
 
 W, X = normal(0, (3, 3)), normal(1, (2, 3))
 
@@ -183,7 +183,7 @@ def test_residuals_per_call_without_a_gradient_warns():
 
 def test_offload_traced_for_cpu_says_once_per_process_that_nothing_moves(monkeypatch):
     assert jax.default_backend() == "cpu"
-    monkeypatch.setattr(report_lib, "_said_one_memory", False)
+    monkeypatch.setattr(context, "_said", set())  # as in a fresh process
     step = lambda f: jax.grad(lambda w, x: f(w, x).sum())  # noqa: E731
     message = "no effect.*nothing moves.*once per process"
     with pytest.warns(jaxoffload.OffloadWarning, match=message):

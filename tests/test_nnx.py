@@ -269,7 +269,7 @@ def test_plan_says_how_to_select_an_nnx_models_blocks():
 
 
 def test_blocks_are_found_in_call_order_not_graph_order():
-    from jaxoffload.planner import _discover
+    from jaxoffload._src.planner.program import discover as _discover
 
     class Pair(nnx.Module):
         def __init__(self, rngs):
@@ -285,7 +285,7 @@ def test_blocks_are_found_in_call_order_not_graph_order():
 
 
 def test_donating_an_nnx_modules_state_is_refused_by_name():
-    from jaxoffload.nnx import functional
+    from jaxoffload._src.nnx import functional
 
     model = Net(WRAPS["plain"], nnx.Rngs(0, dropout=1))
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)

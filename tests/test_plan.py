@@ -9,8 +9,9 @@ import optax
 import pytest
 
 import jaxoffload
-from jaxoffload import Lean, Offload, Plan, Remat, Store, planner
-from jaxoffload.planner import BlockCost, BlockCosts, estimate_peak_bytes, estimate_step_ms
+from jaxoffload import Lean, Offload, Plan, Remat, Store
+from jaxoffload._src.planner import BlockCost, BlockCosts, estimate_peak_bytes, estimate_step_ms
+from jaxoffload._src.planner import search as planner
 from tests.helpers import host_device_puts, normal, rel_err
 
 
@@ -153,7 +154,7 @@ def test_a_model_without_plannable_blocks_is_refused():
 def shared_planner():
     """One planner for the test model: its costs are measured once for every budget."""
     lines = []
-    made = planner._Planner(PLANNABLE, step, ARGS, None, runs=1, say=lines.append)
+    made = planner.Planner(PLANNABLE, step, ARGS, None, runs=1, say=lines.append)
     return made, lines
 
 

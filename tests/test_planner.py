@@ -1,4 +1,4 @@
-"""jaxoffload.planner: which blocks' transfers hide behind compute."""
+"""jaxoffload.bench.hidden: which blocks' transfers hide behind compute."""
 
 import itertools
 
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import jaxoffload
 from jaxoffload.bench import benchmark, models
-from jaxoffload.planner import plan_hidden_offload
+from jaxoffload.bench.hidden import plan_hidden_offload
 
 LINK = {"d2h_gbps": 50.0, "h2d_gbps": 40.0}
 

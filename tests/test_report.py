@@ -10,7 +10,8 @@ from helpers import normal
 from jax.ad_checkpoint import checkpoint_name
 
 import jaxoffload
-from jaxoffload import report as report_lib
+from jaxoffload._src import report as report_lib
+from jaxoffload._src import transfers
 
 DATA = pathlib.Path(__file__).parent / "data"
 
@@ -169,7 +170,7 @@ def test_the_twin_is_the_program_without_host_placement():
     f = jaxoffload.offload(_tanh, device_argnums=0)
     args = normal(0, (16, 16)), normal(1, (4, 16))
     assert "<host>" in str(jax.make_jaxpr(jax.grad(lambda w, x: f(w, x).sum()))(*args))
-    with jaxoffload.transform.without_host_placement():
+    with transfers.without_host_placement():
         twin = jax.make_jaxpr(jax.grad(lambda w, x: f(w, x).sum()))(*args)
     assert "<host>" not in str(twin)
     # The same ordering barriers: only the placement changes.

@@ -9,7 +9,8 @@ import pytest
 from helpers import normal, rel_err
 
 import jaxoffload
-from jaxoffload import Lean, Offload, rewrite
+from jaxoffload import Lean, Offload
+from jaxoffload._src import rewrite
 from jaxoffload.bench.models import flax_resnet
 
 

@@ -18,6 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxoffload
+from jaxoffload._src import planner
 from jaxoffload.bench.models import plain_model
 from jaxoffload.bench.models.flax_resnet import ResNet, ResNetBlock
 
@@ -111,7 +112,7 @@ def _resnet(strategy):
 
 
 # The two-process example's step, so that one and two processes train the same.
-EXAMPLE = Path(__file__).parents[1] / "benchmarks/distributed_example.py"
+EXAMPLE = Path(__file__).parents[1] / "jaxoffload/bench/distributed_example.py"
 _step = runpy.run_path(str(EXAMPLE))["step"]
 
 
@@ -223,7 +224,7 @@ def test_planner_budget_is_per_device(problem, mesh):
         max_rounds=1, progress=False,
     )  # fmt: skip
     # memory_analysis of a sharded program is one device's: a quarter of the batch.
-    unsharded = jaxoffload.planner.compiled_bytes(PLANNABLE, _step, *args, plan=plan)
+    unsharded = planner.compiled_bytes(PLANNABLE, _step, *args, plan=plan)
     assert plan.compiled_bytes < unsharded
     assert plan.compiled_bytes <= plan.budget_bytes
     got = jax.jit(functools.partial(_step, plan.apply(PLANNABLE)))(*sharded)

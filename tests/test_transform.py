@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import host_device_puts, normal, rel_err
+from helpers import host_device_puts, jax_residuals, normal, rel_err
 from jax.ad_checkpoint import checkpoint_name
 
 import jaxoffload
@@ -436,11 +436,11 @@ def test_xla_drops_barrier_operands_whose_outputs_are_unread():
 def test_schedule_gates_survive_xla():
     # A gate: the outputs leave through a barrier with the gate, and the
     # gate's side is read by the anchor gradient (`_after_tokens`).
-    from jaxoffload.transform import _after_tokens, _scalar_of
+    from jaxoffload._src.transfers import after_tokens, scalar_of
 
     def f(x, y, w):
-        out, gate = jax.lax.optimization_barrier((jnp.exp(x), _scalar_of(jnp.cos(y))))
-        return out, _after_tokens((x, w), [gate])[1]
+        out, gate = jax.lax.optimization_barrier((jnp.exp(x), scalar_of(jnp.cos(y))))
+        return out, after_tokens((x, w), [gate])[1]
 
     x, y, w = jnp.ones(8), jnp.full(8, 2.0), jnp.ones(2)
     assert "cosine" in _optimized_hlo(f, x, y, w)  # the gate is still computed
@@ -452,11 +452,11 @@ def test_schedule_gates_ride_on_a_gradient_that_a_step_reads():
     # A Flax block's smallest gradients are often those of BatchNorm's running
     # statistics, which no training step reads: a gate anchored there is dropped
     # with them. The anchor is the smallest leaf of rank 2 or more (a kernel's).
-    from jaxoffload.transform import _after_tokens, _scalar_of
+    from jaxoffload._src.transfers import after_tokens, scalar_of
 
     def f(x, y, stats, kernel):
-        out, gate = jax.lax.optimization_barrier((jnp.exp(x), _scalar_of(jnp.cos(y))))
-        _, kernel = _after_tokens((stats, kernel), [gate])  # the stats' result is unread
+        out, gate = jax.lax.optimization_barrier((jnp.exp(x), scalar_of(jnp.cos(y))))
+        _, kernel = after_tokens((stats, kernel), [gate])  # the stats' result is unread
         return out, kernel
 
     args = jnp.ones(8), jnp.full(8, 2.0), jnp.ones(2), jnp.ones((3, 3))
@@ -477,3 +477,38 @@ def test_keywords_without_arrays_are_static():
         for kwargs in ({"relu": True}, {"relu": False}, {"relu": False, "scale": jnp.float32(2)}):
             got, want = gradient(wrapped, x, kwargs), gradient(layer, x, kwargs)
             assert jnp.allclose(got, want), (strategy, kwargs)
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        Store(),
+        Lean(),
+        Remat(),
+        Remat(jax.checkpoint_policies.dots_saveable),
+        Offload(),
+        Offload(window=2),
+        Offload(recompute=True),
+        Offload(names=("hidden",)),
+    ],
+    ids=repr,
+)
+def test_saved_residuals_answers_for_every_strategy(strategy):
+    def f(w, x):
+        h = checkpoint_name(jnp.tanh(x @ w), "hidden")
+        return jnp.sin(h @ w).sum()
+
+    w, x = normal(0, (8, 8)), normal(1, (4, 8))
+    residuals = saved_residuals(wrap(f, strategy), w, x)
+    assert residuals and all(r.nbytes > 0 for r in residuals)
+    host = [r for r in residuals if r.placement == "pinned_host"]
+    assert bool(host) == strategy.to_host
+    if strategy == Store():
+        # Store leaves the function as it is: jax's own residuals, in jax's order.
+        kept = [(str(r.dtype), r.shape) for r in residuals]
+        ours = [(d, s) for d, s, _ in jax_residuals(f, w, x, keep_arguments=("w", "x"))]
+        assert sorted(kept) == sorted(ours)
+    if strategy == Remat():
+        assert sorted(r.where for r in residuals) == ["input", "input"]  # nothing but its inputs
+    if strategy == Remat(jax.checkpoint_policies.dots_saveable):
+        assert len(residuals) == 4  # the inputs, and the two products' outputs

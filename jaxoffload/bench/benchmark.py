@@ -28,12 +28,23 @@ from flax import nnx
 from jax.extend import core as jex_core
 
 import jaxoffload
-from jaxoffload import planner, transform
+from jaxoffload import (
+    Lean,
+    NoPlanFits,
+    Offload,
+    OffloadedCall,
+    Plan,
+    Remat,
+    Store,
+    Strategy,
+    offloaded_calls,
+)
+from jaxoffload._src.planner import Planner, measure_link, median_ms, zeros
+from jaxoffload._src.report import analyze, requested_host_transfers, with_twin
+from jaxoffload._src.strategies import brief
+from jaxoffload._src.transfers import without_host_placement
 from jaxoffload.bench import models
-from jaxoffload.planner import Plan, measure_link, plan_hidden_offload
-from jaxoffload.report import analyze, requested_host_transfers, with_twin
-from jaxoffload.strategies import Lean, Offload, Remat, Store, Strategy
-from jaxoffload.transform import OffloadedCall, offloaded_calls
+from jaxoffload.bench.hidden import plan_hidden_offload
 
 __all__ = [
     "COMPUTE_TWIN",
@@ -46,7 +57,7 @@ __all__ = [
     "gradient_error",
     "hidden_offload_workload",
     "measure",
-    "measure_link",  # from jaxoffload.planner
+    "measure_link",  # from jaxoffload._src.planner
     "measure_all",
     "measure_in_subprocess",
     "plan_budgets_in_subprocess",
@@ -80,7 +91,7 @@ STRATEGIES: dict[str, Strategy] = {
 # Strategies whose per-block values a planner picks (see hidden_offload_workload).
 PLANNED_STRATEGIES = {
     "offload-hidden": "Offload() only the blocks whose transfers the compute can hide "
-    "(jaxoffload.planner), the others Lean()",
+    "(jaxoffload.bench.hidden), the others Lean()",
     "plan": "the jaxoffload.plan of a budget (bench --budget)",
 }
 
@@ -135,6 +146,19 @@ class Workload:
     planned: dict[str, Any] | None = None
 
     def __post_init__(self):
+        self._check_names_and_sizes()
+        if isinstance(self.window, list):  # read back from JSON
+            object.__setattr__(self, "window", tuple(self.window))
+        if isinstance(self.plan, list):
+            object.__setattr__(self, "plan", tuple(self.plan))
+        if (self.strategy == "plan") != (self.budget is not None):
+            raise ValueError("the 'plan' strategy takes a budget, and only it does.")
+        if self.strategy == "plan":
+            self._check_budget_plan()
+        else:
+            self._check_block_strategies()
+
+    def _check_names_and_sizes(self) -> None:
         if self.model not in models.MODEL_NAMES:
             raise ValueError(
                 f"Unknown model {self.model!r}; choose one of {', '.join(models.MODEL_NAMES)}."
@@ -150,22 +174,20 @@ class Workload:
             raise ValueError(f"batch must be at least 1, got {self.batch}.")
         if self.image_size < 32:
             raise ValueError(f"image_size must be at least 32, got {self.image_size}.")
-        if isinstance(self.window, list):  # read back from JSON
-            object.__setattr__(self, "window", tuple(self.window))
-        if isinstance(self.plan, list):
-            object.__setattr__(self, "plan", tuple(self.plan))
+
+    def _check_budget_plan(self) -> None:
+        """A ``"plan"`` workload plans a plain-Flax model at a share of ``"none"``'s peak."""
+        if not models.is_plain(self.model):
+            raise ValueError(
+                f"'plan' plans the plain-Flax models' plannable blocks; {self.model} is a "
+                "reference model."
+            )
+        if not 0 < self.budget <= 1:
+            raise ValueError(f"budget is a share of 'none's peak in (0, 1], got {self.budget}.")
+
+    def _check_block_strategies(self) -> None:
+        """The model takes the strategy, its blocks and its windows."""
         plain = models.is_plain(self.model)
-        if (self.strategy == "plan") != (self.budget is not None):
-            raise ValueError("the 'plan' strategy takes a budget, and only it does.")
-        if self.strategy == "plan":
-            if not plain:
-                raise ValueError(
-                    f"'plan' plans the plain-Flax models' plannable blocks; {self.model} is a "
-                    "reference model."
-                )
-            if not 0 < self.budget <= 1:
-                raise ValueError(f"budget is a share of 'none's peak in (0, 1], got {self.budget}.")
-            return
         if plain and (self.strategy in PLANNED_STRATEGIES or self.blocks is not None):
             raise ValueError(
                 f"{self.model} wraps one block class, so all its blocks take one strategy: "
@@ -199,7 +221,7 @@ class Workload:
                 raise ValueError(f"blocks must be between 0 and {n}, got {k}.")
             names = (self.strategy,) * k + ("none",) * (n - k)
         return tuple(
-            dataclasses.replace(STRATEGIES[s], window=w) if isinstance(STRATEGIES[s], Offload)
+            dataclasses.replace(STRATEGIES[s], window=w) if STRATEGIES[s].to_host
             else STRATEGIES[s]
             for s, w in zip(names, self._windows())
         )  # fmt: skip
@@ -223,7 +245,7 @@ class Workload:
         """How many blocks offload; ``None`` for a planned strategy not yet planned."""
         if self.strategy in PLANNED_STRATEGIES and self.plan is None and self.planned is None:
             return None
-        return sum(isinstance(s, Offload) for s in self.block_strategies)
+        return sum(s.to_host for s in self.block_strategies)
 
 
 def train_step(workload: Workload, *, abstract: bool = False):
@@ -399,7 +421,7 @@ def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[
             return _training(workload, model, abstract=None)[0](state, batch)
 
     start = time.perf_counter()
-    shared = planner._Planner(
+    shared = Planner(
         model, step, (state, batch), None, blocks=blocks, runs=5, say=_say, donate_argnums=(0,)
     )
     results = []
@@ -407,7 +429,7 @@ def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[
         try:
             planned = shared.plan_for(int(b), max_rounds=3)
             results.append({"planned": planned.to_dict()})
-        except planner.NoPlanFits as e:
+        except NoPlanFits as e:
             results.append({"no_plan": str(e)})
         results[-1]["planning_s"] = time.perf_counter() - start
         print(results[-1].get("no_plan") or Plan.from_dict(results[-1]["planned"]), file=sys.stderr)
@@ -422,9 +444,9 @@ def requested_host_bytes(workload: Workload) -> int:
     """The bytes a workload's training step asks to move to host memory, from its jaxpr alone.
 
     Traces the step with abstract values: no device memory and no compilation,
-    so it runs anywhere, at any size. On an H200 the compiled programs of the
-    reference models moved these bytes to within a few kilobytes
-    (``device_to_host_bytes``).
+    so it runs anywhere, at any size. It predicts what a GPU's compiled
+    program moves (a record's ``device_to_host_bytes``; docs/history.md
+    compares the two).
     """
     step, state, batch, _ = train_step(workload, abstract=True)
     return sum(requested_host_transfers(step.trace(state, batch).jaxpr))
@@ -439,7 +461,7 @@ def hidden_offload_workload(
     h2d_gbps: float,
     recompute_share: float = HIDDEN_RECOMPUTE_SHARE,
 ) -> Workload:
-    """The workload with the plan of :func:`jaxoffload.planner.plan_hidden_offload`.
+    """The workload with the plan of :func:`jaxoffload.bench.hidden.plan_hidden_offload`.
 
     The plan frees the most device memory whose transfers hide behind
     compute and whose recomputation adds at most ``recompute_share`` of the
@@ -504,12 +526,11 @@ def hidden_offload_workload(
 def time_offloaded_calls(calls: Sequence[OffloadedCall], runs: int = 5) -> list[float]:
     """Each offloaded call's forward pass, run alone on the default device: median ms.
 
-    A planner's per-block compute. On an H200, ResNet-50's identity bottlenecks
-    all do the same FLOPs, yet a 56² one computes 1.28 ms forward and a 7² one 0.33:
-    BatchNorm and ReLU passes over memory, which scale with the activations,
-    take much of a block's time. Calls with the same forward program are
-    timed once. The inputs are zeros: a convolution's time does not depend on
-    its values.
+    A planner's per-block compute. Blocks of the same FLOPs can take very
+    different times: BatchNorm and ReLU passes over memory, which scale with
+    the activations, take much of a block's time (docs/history.md gives
+    ResNet-50's). Calls with the same forward program are timed once. The
+    inputs are zeros: a convolution's time does not depend on its values.
 
     Args:
       calls: from :func:`jaxoffload.offloaded_calls`.
@@ -532,9 +553,9 @@ def time_offloaded_calls(calls: Sequence[OffloadedCall], runs: int = 5) -> list[
     times: dict[str, float] = {}
     for call, program in zip(calls, programs):
         if program not in times:
-            args = [_zeros(v.aval) for v in call.forward.jaxpr.invars]
+            args = [zeros(v.aval) for v in call.forward.jaxpr.invars]
             forward = jax.jit(jex_core.jaxpr_as_fun(call.forward))
-            times[program] = _median_ms(forward, *args, runs=runs)
+            times[program] = median_ms(forward, *args, runs=runs)
     return [times[program] for program in programs]
 
 
@@ -584,57 +605,115 @@ def measure(
     step, state, batch, loss_fn = train_step(workload)
     # Donation consumes the initial state; keep a host copy for the gradient check.
     initial = jax.device_get(state[:2]) if reference else None
-    traced = step.trace(state, batch)
-    compiled = traced.lower().compile()
-    report = analyze(traced, compiled, on_dropped="warn")
+    compiled, report = _compile_and_analyze(step, state, batch)
     twin = None
     if report.moved:
         # The same program without host placement: what the copies free.
-        with transform.without_host_placement():
-            twin_step, twin_state, twin_batch, twin_loss = train_step(workload, abstract=True)
-            twin = twin_step.trace(twin_state, twin_batch).lower().compile()
-        report = with_twin(report, twin)
+        twin = compile_twin(workload)
+        report = with_twin(report, twin[0])
+    state, loss, times = _time_steps(compiled, state, batch, warmup=warmup, steps=steps)
+    device = jax.devices()[0]
+    peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
+    extra = {}
+    if time_forward:
+        extra["forward_ms"] = _forward_ms(loss_fn, state, batch, runs=steps)
+    if time_twin and twin is not None:
+        state, loss, twin_times = _time_twin(*twin, state, batch, steps=steps)
+        extra.update(twin_times)
+    del state
+    if probe_link:
+        extra.update(_probe_link(device))
+    grad_rel_err = (
+        None if reference is None else _compare_gradients(loss_fn, initial, batch, reference)
+    )
+    return {
+        **_workload_fields(workload),
+        **_device_fields(device),
+        **_compiled_fields(report),
+        "peak_bytes_in_use": peak,
+        **_step_fields(workload, times, loss),
+        "grad_rel_err": grad_rel_err,
+        "date": datetime.date.today().isoformat(),
+        **extra,
+    }
+
+
+def _compile_and_analyze(step, state, batch):
+    """The compiled step, and what its compiled program holds and moves (:func:`analyze`)."""
+    traced = step.trace(state, batch)
+    compiled = traced.lower().compile()
+    return compiled, analyze(traced, compiled, on_dropped="warn")
+
+
+def compile_twin(workload: Workload):
+    """The workload's step compiled without host placement, and its ``loss_fn``, allocating nothing.
+
+    The twin keeps the same residuals and compute as the step, on the
+    device: its temp is what the host copies free, and its times are the
+    compute of the step's transfer bound. The bench's internal API, for
+    :func:`measure` and ``benchmarks/compile_probe.py``.
+    """
+    with without_host_placement():
+        step, state, batch, loss_fn = train_step(workload, abstract=True)
+        return step.trace(state, batch).lower().compile(), loss_fn
+
+
+def _time_steps(compiled, state, batch, *, warmup: int, steps: int):
+    """``(state, loss, times)`` after ``warmup`` untimed steps and ``steps`` timed ones, in seconds."""
     for _ in range(warmup):
         state, loss = compiled(state, batch)
     loss.block_until_ready()
+    return _timed(compiled, state, batch, steps)
+
+
+def _timed(compiled, state, batch, steps: int):
+    """``(state, loss, times)``: ``steps`` steps, each timed to its end, in seconds."""
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         state, loss = compiled(state, batch)
         loss.block_until_ready()
         times.append(time.perf_counter() - start)
-    device = jax.devices()[0]
-    peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
-    step_s = statistics.median(times)
-    extra = {}
-    if time_forward:
-        forward = jax.jit(lambda params, model_state, batch: loss_fn(params, model_state, batch)[0])
-        extra["forward_ms"] = _median_ms(forward, state[0], state[1], batch, runs=steps)
-    if time_twin and twin is not None:
-        with transform.without_host_placement():
-            twin_forward = jax.jit(lambda p, m, b: twin_loss(p, m, b)[0])
-            extra["twin_forward_ms"] = _median_ms(
-                twin_forward, state[0], state[1], batch, runs=steps
-            )
-        twin_times = []
-        for _ in range(steps + 1):
-            start = time.perf_counter()
-            state, loss = twin(state, batch)
-            loss.block_until_ready()
-            twin_times.append(time.perf_counter() - start)
-        extra["twin_step_ms"] = statistics.median(twin_times[1:]) * 1e3
-    del state
-    if probe_link:
-        # On CPU the "link" is a memcpy: a smaller array tells as much, sooner.
-        # Under a memory cap, the probe must fit in what the step left free.
-        nbytes = 2**30 if device.platform == "gpu" else 2**26
-        stats = device.memory_stats() or {}
-        if "bytes_limit" in stats:
-            nbytes = min(nbytes, (stats["bytes_limit"] - stats["bytes_in_use"]) // 4)
-        extra.update(measure_link(nbytes))
-    grad_rel_err = (
-        None if reference is None else _compare_gradients(loss_fn, initial, batch, reference)
+    return state, loss, times
+
+
+def _forward_ms(loss_fn, state, batch, *, runs: int) -> float:
+    """The median time of the forward pass alone (the loss), in milliseconds."""
+    forward = jax.jit(lambda params, model_state, batch: loss_fn(params, model_state, batch)[0])
+    return median_ms(forward, state[0], state[1], batch, runs=runs)
+
+
+def _time_twin(twin, twin_loss, state, batch, *, steps: int):
+    """``(state, loss, {"twin_forward_ms", "twin_step_ms"})``: the twin's forward pass and step.
+
+    The twin's steps go on training ``state``; the first, a warm-up, is not counted.
+    """
+    with without_host_placement():
+        forward_ms = _forward_ms(twin_loss, state, batch, runs=steps)
+    state, loss, times = _timed(twin, state, batch, steps + 1)
+    return (
+        state,
+        loss,
+        {
+            "twin_forward_ms": forward_ms,
+            "twin_step_ms": statistics.median(times[1:]) * 1e3,
+        },
     )
+
+
+def _probe_link(device) -> dict[str, float]:
+    """The host link's bandwidths (:func:`measure_link`), with an array that fits what is free."""
+    # On CPU the "link" is a memcpy: a smaller array tells as much, sooner.
+    # Under a memory cap, the probe must fit in what the step left free.
+    nbytes = 2**30 if device.platform == "gpu" else 2**26
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        nbytes = min(nbytes, (stats["bytes_limit"] - stats["bytes_in_use"]) // 4)
+    return measure_link(nbytes)
+
+
+def _workload_fields(workload: Workload) -> dict[str, Any]:
+    """What a record says of its workload, the plan included."""
     return {
         "model": workload.model,
         "batch": workload.batch,
@@ -646,11 +725,23 @@ def measure(
         **_plan_fields(workload),
         "offloaded_blocks": workload.offloaded_blocks,
         "framework": "jax",
+    }
+
+
+def _device_fields(device) -> dict[str, Any]:
+    """The device and the versions a record was measured with."""
+    return {
         "device": device.device_kind,
         "platform": device.platform,
         "jax_version": jax.__version__,
         "flax_version": flax.__version__,
         "jaxoffload_version": jaxoffload.__version__,
+    }
+
+
+def _compiled_fields(report) -> dict[str, Any]:
+    """What the compiled program holds and moves, from its :class:`jaxoffload.MemoryReport`."""
+    return {
         "compiled_temp_bytes": report.temp_bytes,
         "compiled_host_temp_bytes": report.host_temp_bytes,
         "compiled_argument_bytes": report.argument_bytes,
@@ -662,19 +753,18 @@ def measure(
         "device_to_host_bytes": report.device_to_host_bytes,
         "host_to_device_copies": report.host_to_device,
         "host_to_device_bytes": report.host_to_device_bytes,
-        "peak_bytes_in_use": peak,
+    }
+
+
+def _step_fields(workload: Workload, times: list[float], loss) -> dict[str, Any]:
+    """The timed steps' median and each, the throughput and the last loss."""
+    step_s = statistics.median(times)
+    return {
         "step_time_ms": step_s * 1e3,
         "step_times_ms": [t * 1e3 for t in times],
         "images_per_s": workload.batch / step_s,
         "final_loss": float(loss),
-        "grad_rel_err": grad_rel_err,
-        "date": datetime.date.today().isoformat(),
-        **extra,
     }
-
-
-_median_ms = planner._median_ms
-_zeros = planner._zeros
 
 
 def _plan_fields(workload: Workload) -> dict[str, Any]:
@@ -685,8 +775,8 @@ def _plan_fields(workload: Workload) -> dict[str, Any]:
     return {
         "budget": workload.budget,
         "budget_bytes": planned.budget_bytes,
-        "plan_choices": [planner._short(s) for s in planned.strategies],
-        "plan_outside": planner._short(planned.outside),
+        "plan_choices": [brief(s) for s in planned.strategies],
+        "plan_outside": brief(planned.outside),
         "plan_compiled_bytes": planned.compiled_bytes,
         "plan_estimated_bytes": planned.estimated_bytes,
         "plan_estimated_step_ms": planned.estimated_step_ms,
@@ -832,71 +922,111 @@ def measure_all(
     """
     if not workloads or workloads[0].strategy != "none":
         raise ValueError("the first workload must use the 'none' strategy: it is the reference.")
-    records = []
-    planned: dict[float, dict[str, Any]] = {}
     kept = {(r["strategy"], r.get("budget")): r for r in measured}
+    budget_plans = _BudgetPlans(workloads, kept, env)
+    records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as folder:
         reference = reference or os.path.join(folder, "reference_gradient.npz")
         for w in workloads:
-            if (w.strategy, w.budget) in kept:
-                records.append(kept[w.strategy, w.budget])
-                if w is workloads[0] and "step_time_ms" not in records[-1]:
-                    reference = None  # as when it fails below
-                continue
-            if on_start is not None:
-                on_start(w)
-            try:
-                if w.strategy == "plan" and w.planned is None:
-                    if not planned:  # every budget in one process: the costs are measured once
-                        budgets = [
-                            v.budget
-                            for v in workloads
-                            if v.strategy == "plan" and ("plan", v.budget) not in kept
-                        ]
-                        planned.update(zip(budgets, plan_budgets_in_subprocess(
-                            w, _budget_bytes(budgets, records), env=env
-                        )))  # fmt: skip
-                    if "no_plan" in planned[w.budget]:
-                        raise RuntimeError(planned[w.budget]["no_plan"])
-                    w = dataclasses.replace(w, planned=planned[w.budget]["planned"])
-                if w.strategy == "offload-hidden":
-                    w = plan_in_subprocess(w, env=env, **_hidden_budget(w, records))
-                records.append(
-                    measure_in_subprocess(
-                        w,
-                        steps=steps,
-                        reference=reference,
-                        env=env,
-                        time_forward=w.strategy in COMPUTE_TWIN.values(),
-                        # Twins measure the link too: a planner takes it from them.
-                        probe_link=w.strategy in {*COMPUTE_TWIN, *COMPUTE_TWIN.values(), "plan"},
-                        time_twin=w.strategy == "plan",
-                    )
+            record = kept.get((w.strategy, w.budget))
+            if record is None:
+                if on_start is not None:
+                    on_start(w)
+                record = _plan_and_measure(
+                    w, records, budget_plans, steps=steps, reference=reference, env=env
                 )
-                if w.strategy == "plan":
-                    records[-1]["planning_s"] = planned[w.budget]["planning_s"]
-                if on_record is not None:
-                    on_record(records)
-                continue
-            except OutOfMemory:
-                failure = {"out_of_memory": True}
-            except RuntimeError as e:
-                # One broken strategy must not cost the others' measurements.
-                failure = {"error": str(e)}
-            if w is workloads[0]:
+            records.append(record)
+            if w is workloads[0] and "step_time_ms" not in record:
                 reference = None  # no reference gradient: no errors to report
-            records.append(
-                {
-                    **dataclasses.asdict(w),
-                    "offloaded_blocks": w.offloaded_blocks,
-                    "framework": "jax",
-                    **failure,
-                }
-            )
-            if on_record is not None:
+            if (w.strategy, w.budget) not in kept and on_record is not None:
                 on_record(records)
     add_transfer_bounds(records)
     return records
+
+
+def _plan_and_measure(
+    workload: Workload,
+    records: list[dict[str, Any]],
+    budget_plans: _BudgetPlans,
+    *,
+    steps: int,
+    reference: str | None,
+    env: dict[str, str] | None,
+) -> dict[str, Any]:
+    """The record of one workload, planned first if its strategy is: measured, or its failure."""
+    w = workload
+    try:
+        if w.strategy == "plan" and w.planned is None:
+            w = budget_plans.apply(w, records)
+        if w.strategy == "offload-hidden":
+            w = plan_in_subprocess(w, env=env, **_hidden_budget(w, records))
+        record = measure_in_subprocess(
+            w, steps=steps, reference=reference, env=env, **_measure_options(w.strategy)
+        )
+    except OutOfMemory:
+        return _failure_record(w, {"out_of_memory": True})
+    except RuntimeError as e:
+        # One broken strategy must not cost the others' measurements.
+        return _failure_record(w, {"error": str(e)})
+    if w.strategy == "plan":
+        record["planning_s"] = budget_plans.planning_s(w)
+    return record
+
+
+def _measure_options(strategy: str) -> dict[str, bool]:
+    """What :func:`measure` times beyond the step for a strategy, after its peak is read."""
+    return {
+        "time_forward": strategy in COMPUTE_TWIN.values(),
+        # Twins measure the link too: a planner takes it from them.
+        "probe_link": strategy in {*COMPUTE_TWIN, *COMPUTE_TWIN.values(), "plan"},
+        "time_twin": strategy == "plan",
+    }
+
+
+def _failure_record(workload: Workload, failure: dict[str, Any]) -> dict[str, Any]:
+    """The record of a workload that could not be measured: the workload, and what went wrong."""
+    return {
+        **dataclasses.asdict(workload),
+        "offloaded_blocks": workload.offloaded_blocks,
+        "framework": "jax",
+        **failure,
+    }
+
+
+class _BudgetPlans:
+    """The plans of a run's ``"plan"`` budgets, all made in one process when the first is needed.
+
+    Planning measures every block's costs, once for all the budgets; in a
+    process of its own (:func:`plan_budgets_in_subprocess`), they count in no
+    measured peak.
+    """
+
+    def __init__(
+        self,
+        workloads: Sequence[Workload],
+        kept: dict[tuple[str, float | None], dict[str, Any]],
+        env: dict[str, str] | None,
+    ):
+        self.budgets = [
+            w.budget for w in workloads if w.strategy == "plan" and ("plan", w.budget) not in kept
+        ]
+        self.env = env
+        self.results: dict[float, dict[str, Any]] = {}
+
+    def apply(self, workload: Workload, records: list[dict[str, Any]]) -> Workload:
+        """``workload`` with its budget's plan; raises ``RuntimeError`` if none fits."""
+        if not self.results:
+            budgets_bytes = _budget_bytes(self.budgets, records)
+            results = plan_budgets_in_subprocess(workload, budgets_bytes, env=self.env)
+            self.results.update(zip(self.budgets, results))
+        result = self.results[workload.budget]
+        if "no_plan" in result:
+            raise RuntimeError(result["no_plan"])
+        return dataclasses.replace(workload, planned=result["planned"])
+
+    def planning_s(self, workload: Workload) -> float:
+        """How long planning took, up to the plan of ``workload``'s budget."""
+        return self.results[workload.budget]["planning_s"]
 
 
 def plan_in_subprocess(

@@ -19,7 +19,6 @@ from typing import Any
 
 from jaxoffload import __version__
 from jaxoffload.bench import benchmark, models
-from jaxoffload.strategies import Offload
 
 # "plan" comes from --budget, not from --strategies.
 STRATEGIES = (*benchmark.STRATEGIES, *(s for s in benchmark.PLANNED_STRATEGIES if s != "plan"))
@@ -66,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         "pipe) one line per step.",
         formatter_class=_HelpFormatter,
     )
+    _add_workload_arguments(bench)
+    _add_run_arguments(bench)
+    return parser
+
+
+def _add_workload_arguments(bench: argparse.ArgumentParser) -> None:
+    """What to measure: the model, its step, the strategies and the budgets."""
     bench.add_argument(
         "--model", default=DEFAULT_MODEL, help=f"one of: {', '.join(models.MODEL_NAMES)}"
     )
@@ -96,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="also plan the model (jaxoffload.plan) at each budget, as shares of 'none's "
         "peak, e.g. 0.75,0.5,0.35,0.25, and measure each plan (plain-Flax models)",
     )
+
+
+def _add_run_arguments(bench: argparse.ArgumentParser) -> None:
+    """Where the records go, and how the run goes: resumed, searching batches, capped."""
     bench.add_argument(
         "--out",
         default="bench-out",
@@ -123,7 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="GPU only (an error on CPU): emulate a GPU with this much memory, by setting "
         "XLA_PYTHON_CLIENT_MEM_FRACTION in the measuring processes",
     )
-    return parser
 
 
 def parse_window(text: str) -> int | tuple[int, ...]:
@@ -188,6 +197,44 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
       args: the parsed command line.
       command: the command as typed, stored in each record so it can be rerun.
     """
+    strategies = _strategies(args)
+    workloads = _workloads(args, strategies)
+    out = _writable_folder(args.out)
+    if args.resume:
+        earlier = _earlier_records(out / RECORDS, args)
+    else:
+        earlier = {}
+        (out / REFERENCE).unlink(missing_ok=True)  # its gradient is another run's
+    device = benchmark.probe_device()
+    env = _measuring_env(args, device)
+    console = _stderr_console()
+    if device["platform"] == "cpu" and set(benchmark.COMPUTE_TWIN) & set(strategies):
+        console.print(
+            "[yellow]note:[/] on CPU, host placement has no effect: offload strategies move "
+            "nothing, so their memory equals 'none'. Measure memory on a GPU."
+        )
+    _add_needed_strategies(workloads, strategies, console)
+    # The plain model runs first: it is every other strategy's gradient reference.
+    # Planned strategies run last: they are planned from their twin's run.
+    workloads.sort(key=lambda w: (w.strategy != "none", w.strategy in benchmark.PLANNED_STRATEGIES))
+    records = _measure(workloads, args, out, earlier, env=env, console=console, command=command)
+    _print_table(records)
+    _say_notes(records, console)
+    plotted = plot_records(records, out / "pareto.png")
+    console.print(f"wrote {out / RECORDS}" + (f" and {plotted}" if plotted else ""))
+    failed = [r for r in records if "error" in r]
+    if failed:
+        details = "\n".join(f"{r['strategy']}: {r['error']}" for r in failed)
+        raise BenchError(
+            f"{len(failed)} strategies failed ({RECORDS} has the rest; --resume measures only "
+            f"these again):\n{details}"
+        )
+    (out / REFERENCE).unlink(missing_ok=True)  # nothing left to compare with it
+    return records
+
+
+def _strategies(args: argparse.Namespace) -> list[str]:
+    """``--strategies`` as a list, checked with ``--steps`` and ``--window``."""
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown or not strategies:
@@ -196,14 +243,19 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
         )
     if args.steps < 1:
         raise BenchError(f"--steps must be at least 1, got {args.steps}")
-    windowed = [s for s in benchmark.STRATEGIES if isinstance(benchmark.STRATEGIES[s], Offload)]
+    windowed = [s for s, value in benchmark.STRATEGIES.items() if value.to_host]
     if args.window != 1 and not set(strategies) & set(windowed):
         raise BenchError(
             f"--window {args.window} has no effect on {', '.join(strategies)}: only "
             f"{', '.join(windowed)} take it"
         )
+    return strategies
+
+
+def _workloads(args: argparse.Namespace, strategies: list[str]) -> list[benchmark.Workload]:
+    """One workload per strategy, then one plan per ``--budget``."""
     try:
-        workloads = [
+        return [
             benchmark.Workload(
                 args.model, args.batch, args.image_size, args.dtype, s, window=args.window
             )
@@ -216,34 +268,36 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
         ]
     except ValueError as e:
         raise BenchError(str(e)) from None
-    out = _writable_folder(args.out)
-    if args.resume:
-        earlier = _earlier_records(out / RECORDS, args)
-    else:
-        earlier = {}
-        (out / REFERENCE).unlink(missing_ok=True)  # its gradient is another run's
-    device = benchmark.probe_device()
-    platform = device["platform"]
-    env = {}
+
+
+def _measuring_env(args: argparse.Namespace, device: dict[str, Any]) -> dict[str, str]:
+    """The measuring processes' environment, for ``--memory-cap``; both it and ``--max-batch`` need a GPU."""
     if args.memory_cap is not None or args.max_batch:
-        if platform != "gpu":
+        if device["platform"] != "gpu":
             option = "--memory-cap" if args.memory_cap is not None else "--max-batch"
             raise BenchError(
-                f"{option} needs a GPU: this machine's jax backend is {platform}, where device "
-                "memory is host memory and running out of it stops the machine, not the step"
+                f"{option} needs a GPU: this machine's jax backend is {device['platform']}, where "
+                "device memory is host memory and running out of it stops the machine, not the "
+                "step"
             )
-    if args.memory_cap is not None:
-        env = _memory_cap_env(args.memory_cap, device["bytes_limit"])
+    if args.memory_cap is None:
+        return {}
+    return _memory_cap_env(args.memory_cap, device["bytes_limit"])
 
+
+def _stderr_console():
+    """The console of progress and notes: stderr, its lines whole when it is a log."""
     from rich.console import Console
 
     console = Console(stderr=True)
     console.soft_wrap = not console.is_terminal  # a log's lines are not cut at 80 columns
-    if platform == "cpu" and set(benchmark.COMPUTE_TWIN) & set(strategies):
-        console.print(
-            "[yellow]note:[/] on CPU, host placement has no effect: offload strategies move "
-            "nothing, so their memory equals 'none'. Measure memory on a GPU."
-        )
+    return console
+
+
+def _add_needed_strategies(
+    workloads: list[benchmark.Workload], strategies: list[str], console: Any
+) -> None:
+    """Adds, in place and with a note, the strategies that others need: ``none`` and planned ones' twins."""
     for needed, why in [("none", "gradients are compared with it")] + [
         (benchmark.COMPUTE_TWIN[s], f"{s!r} is planned from its run")
         for s in strategies
@@ -253,14 +307,20 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
             console.print(f"note: adding the {needed!r} strategy: {why}.")
             workloads.append(dataclasses.replace(workloads[0], strategy=needed))
             strategies.append(needed)
-    # The plain model runs first: it is every other strategy's gradient reference.
-    # Planned strategies run last: they are planned from their twin's run.
-    workloads.sort(key=lambda w: (w.strategy != "none", w.strategy in benchmark.PLANNED_STRATEGIES))
-    records = _measure(workloads, args, out, earlier, env=env, console=console, command=command)
+
+
+def _print_table(records: list[dict[str, Any]]) -> None:
+    """The records' table, on stdout."""
+    from rich.console import Console
+
     out_console = Console()
     if not out_console.is_terminal:  # a file or a pipe: no width to fit, so do not squeeze
         out_console = Console(width=120)
     out_console.print(_table(records))
+
+
+def _say_notes(records: list[dict[str, Any]], console: Any) -> None:
+    """What the table does not say: copies that free little, empty plans, gradients, plans."""
     for r in records:
         if r.get("copies_free_little"):
             console.print(
@@ -290,17 +350,6 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
                 f"{c} x{r['plan_choices'].count(c)}" for c in dict.fromkeys(r["plan_choices"])
             )
             console.print(f"{_name(r)}: {choices}; outside the blocks {r['plan_outside']}")
-    plotted = plot_records(records, out / "pareto.png")
-    console.print(f"wrote {out / RECORDS}" + (f" and {plotted}" if plotted else ""))
-    failed = [r for r in records if "error" in r]
-    if failed:
-        details = "\n".join(f"{r['strategy']}: {r['error']}" for r in failed)
-        raise BenchError(
-            f"{len(failed)} strategies failed ({RECORDS} has the rest; --resume measures only "
-            f"these again):\n{details}"
-        )
-    (out / REFERENCE).unlink(missing_ok=True)  # nothing left to compare with it
-    return records
 
 
 def _writable_folder(text: str) -> pathlib.Path:
@@ -401,16 +450,29 @@ def _measure(
             measured=list(kept.values()),
             reference=str(reference),
         )
-        for w, r in zip(workloads, records):
-            if _name(w) in searched:
-                progress.start(f"{_name(w)}: largest batch")
-                if r.get("plan"):  # search with the plan that was measured
-                    w = dataclasses.replace(w, plan=tuple(r["plan"]), window=r["window"])
-                r["max_batch"] = benchmark.find_max_batch(w, env=env)
-                _write_json(path, records)
-                progress.end(f"{_name(w)}: largest batch {r['max_batch']}")
+        _find_max_batches(workloads, records, searched, path, env=env, progress=progress)
     _write_json(path, records)  # with the transfer bounds, which need every record
     return records
+
+
+def _find_max_batches(
+    workloads: list[benchmark.Workload],
+    records: list[dict[str, Any]],
+    searched: set[str],
+    path: pathlib.Path,
+    *,
+    env: dict[str, str],
+    progress: _Progress,
+) -> None:
+    """Adds ``max_batch`` to the records of the ``searched`` workloads, writing them after each."""
+    for w, r in zip(workloads, records):
+        if _name(w) in searched:
+            progress.start(f"{_name(w)}: largest batch")
+            if r.get("plan"):  # search with the plan that was measured
+                w = dataclasses.replace(w, plan=tuple(r["plan"]), window=r["window"])
+            r["max_batch"] = benchmark.find_max_batch(w, env=env)
+            _write_json(path, records)
+            progress.end(f"{_name(w)}: largest batch {r['max_batch']}")
 
 
 def _write_json(path: pathlib.Path, value: Any) -> None:
@@ -586,7 +648,7 @@ def plot_records(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.P
     """Plots memory against step time, one point per record, with the Pareto front.
 
     Records of other frameworks (``framework`` other than ``"jax"``, such as
-    ``benchmarks/peers/torch_reference.py``'s) are drawn as squares and named
+    ``jaxoffload/bench/torch_reference.py``'s) are drawn as squares and named
     with their framework. Returns ``path``, or ``None`` if matplotlib is missing
     or no record has a step time.
     """
@@ -596,7 +658,6 @@ def plot_records(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.P
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import matplotlib.ticker
 
     done = [r for r in records if "step_time_ms" in r]
     if not done:
@@ -614,16 +675,7 @@ def plot_records(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.P
     front = pareto_front(points)
     ax.plot(*zip(*[points[i] for i in front]), "k--", lw=1, label="Pareto front")
     first = done[0]
-    times = [x for x, _ in points]
-    if max(times) > 10 * min(times):  # offload and recompute differ by orders of magnitude
-        ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        # Label 20, 50, 200, 500...: every minor tick would crowd the axis.
-        ax.xaxis.set_minor_formatter(
-            matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "25" else "")
-        )
-    else:
-        ax.set_xlim(0, 1.15 * max(times))
+    _set_time_axis(ax, [x for x, _ in points])
     ax.set(
         xlabel="step time (ms)",
         ylabel=("runtime peak" if key == "peak_bytes_in_use" else "compiled device temp")
@@ -637,6 +689,21 @@ def plot_records(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.P
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _set_time_axis(ax: Any, times: list[float]) -> None:
+    """A step-time axis: logarithmic where the times span more than ten times, else from 0."""
+    import matplotlib.ticker
+
+    if max(times) > 10 * min(times):  # offload and recompute differ by orders of magnitude
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        # Label 20, 50, 200, 500...: every minor tick would crowd the axis.
+        ax.xaxis.set_minor_formatter(
+            matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "25" else "")
+        )
+    else:
+        ax.set_xlim(0, 1.15 * max(times))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -4,7 +4,7 @@ The plain-Flax models (:mod:`.flax_resnet`, :mod:`.flax_vgg`) are written as a
 user writes them and import nothing from jaxoffload: :func:`create` wraps
 their blocks, unmodified, with :func:`jaxoffload.linen.wrap`. The reference
 models (:mod:`.resnet`, :mod:`.vgg`) were built by hand with
-:mod:`jaxoffload.layers`, and take one strategy per block.
+:mod:`jaxoffload.bench.layers`, and take one strategy per block.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from jaxoffload import Lean, Store, Strategy
 from jaxoffload import linen as offload_linen
 from jaxoffload.bench.models import flax_nnx_resnet, flax_resnet, flax_vgg
 from jaxoffload.bench.models.common import check_strategies as check_strategies
@@ -32,7 +33,6 @@ from jaxoffload.bench.models.vgg import VGG16 as VGG16
 from jaxoffload.bench.models.vgg import VGG19 as VGG19
 from jaxoffload.bench.models.vgg import ConvBlock as ConvBlock
 from jaxoffload.bench.models.vgg import num_conv_blocks
-from jaxoffload.strategies import Lean, Offload, Store, Strategy
 
 _VGGS = {"vgg11": VGG11, "vgg13": VGG13, "vgg16": VGG16, "vgg19": VGG19}
 
@@ -54,10 +54,17 @@ _NNX = {
 # The attribute through which each plain model takes its block class.
 _BLOCK_ATTRIBUTE = {flax_resnet.ResNet: "block_cls", flax_vgg.VGG: "stage_cls"}
 
-# What a plain-Flax model's code outside its blocks (a stem, a classifier) does
-# under each block strategy: it is lean. Recomputing it instead (Remat) raised
-# ResNet-50's offload temp from 2.54 to 4.25 GiB on an H200 (docs/design.md).
-_OUTSIDE_BLOCKS = {Lean: Lean(), Offload: Lean()}
+
+def _outside_blocks(strategy: Strategy) -> Strategy | None:
+    """What a plain-Flax model's code outside its blocks (a stem, a classifier) does, if wrapped.
+
+    Under blocks that cut their residuals or move them (``Lean``, every
+    ``Offload``) it is lean; recomputing it instead (``Remat``) held more
+    (docs/design.md, the alternatives measured and dropped). Under the
+    others it is left as it is.
+    """
+    return Lean() if strategy.cuts or strategy.to_host else None
+
 
 MODEL_NAMES = tuple(
     [*_PLAIN, *_NNX]
@@ -126,7 +133,7 @@ def create(
       strategy: a strategy value, or a sequence with one per block;
         ``None`` means ``Store()`` (the plain model). A plain-Flax model
         wraps one block class, so its blocks share one; under ``Lean`` and
-        ``Offload`` the model itself is wrapped too (see ``_OUTSIDE_BLOCKS``),
+        ``Offload`` the model itself is wrapped too (see ``_outside_blocks``),
         which reaches the code outside its blocks, such as a stem.
       dtype: the compute dtype; parameters are float32.
       num_classes: classifier outputs.
@@ -172,7 +179,7 @@ def plain_model(model: Any, block: Any, strategy: Strategy, **kwargs: Any) -> nn
 
     ``jaxoffload.linen.wrap(block, strategy)`` goes in through the model's
     block-class attribute, and under ``Lean`` and ``Offload`` the model class
-    is wrapped too (see ``_OUTSIDE_BLOCKS``).
+    is wrapped too (see ``_outside_blocks``).
 
     Args:
       model: :class:`.flax_resnet.ResNet` or :class:`.flax_vgg.VGG`, or a
@@ -183,7 +190,7 @@ def plain_model(model: Any, block: Any, strategy: Strategy, **kwargs: Any) -> nn
     """
     base = model.func if isinstance(model, functools.partial) else model
     wrapped = offload_linen.wrap(block, strategy)
-    outside = _OUTSIDE_BLOCKS.get(type(strategy))
+    outside = _outside_blocks(strategy)
     if outside is not None:
         # The stem and the classifier: `train` (argument 2) is static.
         model = offload_linen.wrap(model, outside, static_argnums=(2,))
@@ -222,13 +229,13 @@ def create_nnx(
 def wrap_nnx_blocks(model: Any, strategy: Strategy) -> Any:
     """Wraps the blocks of a plain NNX model (``model.blocks``) in place, as a user would.
 
-    Under ``Lean`` and ``Offload`` the model is wrapped too (see ``_OUTSIDE_BLOCKS``).
+    Under ``Lean`` and ``Offload`` the model is wrapped too (see ``_outside_blocks``).
     """
     from jaxoffload import nnx as offload_nnx
 
     for block in model.blocks:
         offload_nnx.wrap(block, strategy)
-    outside = _OUTSIDE_BLOCKS.get(type(strategy))
+    outside = _outside_blocks(strategy)
     if outside is not None:
         offload_nnx.wrap(model, outside)
     return model

@@ -11,10 +11,18 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxoffload import layers
+from jaxoffload import Lean, Remat, Store, Strategy
 from jaxoffload import linen as offload_linen
-from jaxoffload.bench.models.common import CONV_NAME, check_strategies, uses_lean_layers, wrap_block
-from jaxoffload.strategies import Lean, Offload, Remat, Store, Strategy, check_strategy
+from jaxoffload._src.layers import relu, relu_max_pool
+from jaxoffload.bench import layers
+from jaxoffload.bench.models.common import (
+    CONV_NAME,
+    check_strategies,
+    is_lean,
+    uses_lean_layers,
+    wrap_block,
+)
+from jaxoffload.strategies import check_strategy
 
 __all__ = ["BasicBlock", "BottleneckBlock", "ResNet", "RESNETS"]
 
@@ -29,11 +37,11 @@ RESNETS = {
 
 
 def _layers(dtype: Any, train: bool, lean: bool = False):
-    """``(conv, norm, norm_relu_conv, relu)``: flax's layers, or jaxoffload's lean ones if ``lean``.
+    """``(conv, norm, norm_relu_conv, relu)``: flax's layers, or the hand-made lean ones if ``lean``.
 
     ``norm_relu_conv(y, *conv_args, **conv_kwargs)`` is
     ``conv(*conv_args, **conv_kwargs)(relu(norm()(y)))``; the lean one does not
-    store the convolution's input (:func:`jaxoffload.layers.conv_after`). Both
+    store the convolution's input (:func:`jaxoffload.bench.layers.conv_after`). Both
     kinds give the same variable names (``BatchNorm_0``, ...), so a model's
     variables do not depend on which its blocks use.
     """
@@ -46,7 +54,7 @@ def _layers(dtype: Any, train: bool, lean: bool = False):
             after = layers.conv_after(norm(relu=True))
             return conv(*conv_args, conv_general_dilated=after, **conv_kwargs)(y)
 
-        return conv, norm, norm_relu_conv, layers.relu
+        return conv, norm, norm_relu_conv, relu
     norm = functools.partial(nn.BatchNorm, **options)
 
     def norm_relu_conv(y, *conv_args, **conv_kwargs):
@@ -59,19 +67,19 @@ def _layers(dtype: Any, train: bool, lean: bool = False):
 def _stem_strategy(stem: Strategy | None, block_strategies: Sequence[Strategy]) -> Strategy:
     """The stem's strategy: ``stem``, or one that suits the blocks when ``stem`` is ``None``.
 
-    ``Store()`` uses flax's layers, ``Lean()`` jaxoffload's (the convolution's
+    ``Store()`` uses flax's layers, ``Lean()`` the lean ones (the convolution's
     output, the pooled output and a byte per pooled value), and ``Remat()``
     the lean layers recomputed from the image, which the step keeps anyway.
     """
     if stem is None:
         # Once every block's residuals leave the device, the stem's are the
-        # largest left (0.5 GB at batch 256); 1.8 ms of recomputation on an
-        # H200 costs less than moving them.
-        if all(isinstance(s, Offload) for s in block_strategies):
+        # largest left, and recomputing them costs less than moving them
+        # (docs/history.md, "A lean stem, recomputed when every block offloads").
+        if all(s.to_host for s in block_strategies):
             return Remat()
         return Lean() if uses_lean_layers(block_strategies[0]) else Store()
     stem = check_strategy(stem)
-    if not isinstance(stem, Store | Lean | Remat):
+    if stem.to_host:
         raise ValueError(f"the stem takes Store(), Lean() or Remat(), got {stem!r}.")
     return stem
 
@@ -88,7 +96,7 @@ class _Stem(nn.Module):
         x = norm(name="norm")(conv(64, (7, 7), (2, 2), padding=3, name="conv")(x))
         pool = (3, 3), (2, 2), ((1, 1), (1, 1))
         if self.lean:
-            return layers.relu_max_pool(x, *pool)
+            return relu_max_pool(x, *pool)
         return nn.max_pool(nn.relu(x), pool[0], strides=pool[1], padding=pool[2])
 
 
@@ -99,7 +107,7 @@ class _ResidualBlock(nn.Module):
     convolution, and that convolution's arguments; the last convolution, its
     BatchNorms, the shortcut, the sum and the ReLU are made here.
 
-    ``lean`` uses :class:`jaxoffload.layers.BatchNorm`, fused with the ReLU
+    ``lean`` uses :class:`jaxoffload.bench.layers.BatchNorm`, fused with the ReLU
     and the convolution that follow it. With ``defer_relu`` (lean blocks
     only), a block returns its sum before the final ReLU, and the block after
     it applies that ReLU to its input (``relu_input``): between two
@@ -107,7 +115,7 @@ class _ResidualBlock(nn.Module):
 
     ``fuse_tail`` (lean blocks only) makes the last convolution, the
     BatchNorms around it, the sum and the ReLU one rule
-    (:func:`jaxoffload.layers.residual_tail`), which keeps the block's output
+    (:func:`jaxoffload.bench.layers.residual_tail`), which keeps the block's output
     (the next block's input, kept there anyway) and recomputes the last
     convolution's input and output. A bottleneck then keeps its input, its
     first two convolutions' outputs and its shortcut convolution's output.
@@ -181,7 +189,7 @@ class BottleneckBlock(_ResidualBlock):
     Offloaded (``models.wrap_block``), a block keeps its input and the 3x3
     convolution's output (``offload_names``), and recomputes the rest: the
     1x1 convolutions' outputs are the block's widest tensors and its cheapest
-    to compute. On ResNet-50 this moves 3.6 GB per step at batch 256, not 8.2.
+    to compute, so the block moves less than its lean residuals.
     """
 
     branch_convs = 3
@@ -205,7 +213,7 @@ class ResNet(nn.Module):
       dtype: compute dtype; parameters are float32.
       block_strategies: one strategy value per residual block, or empty for
         all ``Store()``. Blocks under ``Lean`` and ``Offload`` are built from
-        :mod:`jaxoffload.layers`. The classifier is never wrapped.
+        :mod:`jaxoffload.bench.layers`. The classifier is never wrapped.
       stem: the stem's strategy (``Store()``, ``Lean()`` or ``Remat()``), or
         ``None``: ``Remat()`` if every block offloads, ``Lean()`` if the first
         block uses lean layers, ``Store()`` otherwise.
@@ -226,7 +234,7 @@ class ResNet(nn.Module):
         kind = BasicBlock if self.block == "basic" else BottleneckBlock
         stem = _stem_strategy(self.stem, strategies)
         stem_module = offload_linen.wrap(_Stem, stem, static_argnums=(2,))
-        x = stem_module(self.dtype, not isinstance(stem, Store), name="stem")(x, train)
+        x = stem_module(self.dtype, not stem.is_identity, name="stem")(x, train)
         blocks = [(stage, i) for stage, size in enumerate(self.stage_sizes) for i in range(size)]
         owed = False  # the block before left its final ReLU to its reader
         for n, (stage, i) in enumerate(blocks):
@@ -234,19 +242,19 @@ class ResNet(nn.Module):
             lean = uses_lean_layers(strategy)
             # A lean block keeps its output on the device, where the next block
             # shares it; moving that input again would free nothing there.
-            kept = isinstance(strategies[n - 1], Lean) if n else isinstance(stem, Lean)
+            kept = is_lean(strategies[n - 1] if n else stem)
             block = wrap_block(
                 kind, strategy, static_argnums=(2,), device_argnums=(1,) if kept else ()
             )
-            fuse = isinstance(strategy, Lean)
+            fuse = is_lean(strategy)
             # An offloading block leaves its ReLU to the next one only if that
             # one offloads too (or is the classifier). A ReLU applied by any
             # other reader is one that XLA recomputes from the sum in the
-            # backward pass, keeping the sum alive beside the ReLU's output:
-            # 392 MiB per 56x56 block at batch 256 on an H200 (live-range dump
-            # of one offloading block between lean ones).
+            # backward pass, keeping the sum alive beside the ReLU's output
+            # (docs/history.md: XLA's live-range dump of one offloading block
+            # between lean ones).
             last = n + 1 == len(strategies)
-            defer = lean and not fuse and (last or isinstance(strategies[n + 1], Offload))
+            defer = lean and not fuse and (last or strategies[n + 1].to_host)
             module = block(
                 64 * 2**stage,
                 2 if stage > 0 and i == 0 else 1,
@@ -258,6 +266,6 @@ class ResNet(nn.Module):
                 name=f"block{n}",
             )
             x, owed = module(x, train), defer
-        x = layers.relu(x) if owed else x
+        x = relu(x) if owed else x
         x = jnp.mean(x, axis=(1, 2))
         return nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)

@@ -10,9 +10,10 @@ import flax.linen as nn
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxoffload import layers
+from jaxoffload import Strategy
+from jaxoffload._src.layers import max_pool, relu, relu_max_pool
+from jaxoffload.bench import layers
 from jaxoffload.bench.models.common import CONV_NAME, check_strategies, uses_lean_layers, wrap_block
-from jaxoffload.strategies import Strategy
 
 __all__ = ["VGG", "ConvBlock", "VGG11", "VGG13", "VGG16", "VGG19", "num_conv_blocks"]
 
@@ -29,11 +30,11 @@ class ConvBlock(nn.Module):
 
     The pool belongs to the block before it, so that a block's strategy also
     covers the pool's residuals. ``lean_pool`` picks
-    :func:`jaxoffload.layers.max_pool` over ``flax.linen.max_pool``: same
+    :func:`jaxoffload._src.layers.max_pool` over ``flax.linen.max_pool``: same
     values and gradients, without the int32 index tensors that XLA:GPU makes
     for the latter's backward pass.
 
-    ``lean`` blocks use :mod:`jaxoffload.layers` and move the ReLU (and pool)
+    ``lean`` blocks use the lean layers (:mod:`jaxoffload.bench.layers`) and move the ReLU (and pool)
     to the start of the *next* block: a lean block applies ``incoming`` (the
     activation the block before it owes) to its input, and returns its
     convolution's (or BatchNorm's) output. The ReLU's output is then both its
@@ -69,17 +70,17 @@ class ConvBlock(nn.Module):
             x = nn.BatchNorm(use_running_average=not train, momentum=0.9, dtype=self.dtype)(x)
         x = nn.relu(x)
         if self.pool:
-            max_pool = layers.max_pool if self.lean_pool else nn.max_pool
-            x = max_pool(x, (2, 2), strides=(2, 2))
+            pool = max_pool if self.lean_pool else nn.max_pool
+            x = pool(x, (2, 2), strides=(2, 2))
         return x
 
 
 def activate(x, activation: str):
     """Applies a lean block's deferred activation: ``""``, ``"relu"`` or ``"relu_pool"``."""
     if activation == "relu_pool":
-        return layers.relu_max_pool(x, (2, 2), strides=(2, 2))
+        return relu_max_pool(x, (2, 2), strides=(2, 2))
     if activation == "relu":
-        return layers.relu(x)
+        return relu(x)
     if activation:
         raise ValueError(f"unknown activation {activation!r}")
     return x
@@ -99,9 +100,9 @@ class VGG(nn.Module):
       dtype: compute dtype; parameters are float32.
       block_strategies: one strategy value per conv block, or empty for all
         ``Store()``. Blocks under ``Lean`` and ``Offload`` are built from
-        :mod:`jaxoffload.layers`.
+        :mod:`jaxoffload.bench.layers`.
       classifier_width: width of the two hidden dense layers.
-      lean_pool: use :func:`jaxoffload.layers.max_pool` in blocks that are not
+      lean_pool: use :func:`jaxoffload._src.layers.max_pool` in blocks that are not
         lean (see ``ConvBlock``); lean blocks always pool leanly.
       norm: BatchNorm after every convolution (the ``vgg*_bn`` models).
     """

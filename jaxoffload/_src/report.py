@@ -5,21 +5,16 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import jax
 import numpy as np
-from jax.extend import core as jex_core
 
-__all__ = [
-    "MemoryReport",
-    "OffloadDroppedError",
-    "OffloadWarning",
-    "analyze",
-    "memory_report",
-    "with_twin",
-]
+from jaxoffload._src.errors import OffloadDroppedError, OffloadWarning
+from jaxoffload._src.jaxprs import equations, format_bytes, nbytes
+from jaxoffload._src.transfers import without_host_placement
+
+__all__ = ["MemoryReport", "analyze", "memory_report", "requested_host_transfers", "with_twin"]
 
 # XLA writes the host memory space as S(5) in a layout: bf16[8,128]{1,0:S(5)}.
 # A typed array; scalars print no layout unless they carry a memory space.
@@ -30,14 +25,6 @@ _HOST_KINDS = ("pinned_host", "unpinned_host")
 # Instructions whose result is another instruction's buffer, or an argument.
 _ALIASES = ("get-tuple-element", "tuple", "bitcast", "opt-barrier", "copy-done", "parameter")
 _BYTES = {"pred": 1, "s4": 1, "u4": 1}  # sub-byte types are stored a byte each
-
-
-class OffloadWarning(UserWarning):
-    """A requested host placement had no effect."""
-
-
-class OffloadDroppedError(RuntimeError):
-    """The compiler removed every requested host transfer."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +48,7 @@ class MemoryReport:
       host_to_device: compiled copies from host to device memory.
       host_to_device_bytes: the bytes they move.
       twin_temp_bytes: the device temp of the same program with host
-        placement off (:func:`jaxoffload.transform.without_host_placement`),
+        placement off (:func:`jaxoffload._src.transfers.without_host_placement`),
         or ``None`` where it was not compiled.
     """
 
@@ -109,12 +96,12 @@ class MemoryReport:
     def summary(self) -> str:
         """One paragraph a person can read."""
         lines = [
-            f"platform {self.platform}: device temp {_gib(self.temp_bytes)}, "
-            f"host temp {_gib(self.host_temp_bytes)}",
-            f"requested: {self.requested_transfers} transfers to host, {_gib(self.requested_bytes)}",
-            f"compiled: {self.device_to_host} device->host copies ({_gib(self.device_to_host_bytes)}), "
-            f"{self.host_to_device} host->device copies ({_gib(self.host_to_device_bytes)}), "
-            f"{self.host_buffers} host buffers ({_gib(self.host_buffer_bytes)})",
+            f"platform {self.platform}: device temp {format_bytes(self.temp_bytes)}, "
+            f"host temp {format_bytes(self.host_temp_bytes)}",
+            f"requested: {self.requested_transfers} transfers to host, {format_bytes(self.requested_bytes)}",
+            f"compiled: {self.device_to_host} device->host copies ({format_bytes(self.device_to_host_bytes)}), "
+            f"{self.host_to_device} host->device copies ({format_bytes(self.host_to_device_bytes)}), "
+            f"{self.host_buffers} host buffers ({format_bytes(self.host_buffer_bytes)})",
         ]
         if self.platform == "cpu" and self.requested:
             lines.append(
@@ -124,8 +111,8 @@ class MemoryReport:
             lines.append("note: the compiler dropped every requested transfer; nothing moved.")
         if self.twin_temp_bytes is not None:
             lines.append(
-                f"without host placement: device temp {_gib(self.twin_temp_bytes)}; the copies "
-                f"free {_gib(self.freed_bytes)}"
+                f"without host placement: device temp {format_bytes(self.twin_temp_bytes)}; the copies "
+                f"free {format_bytes(self.freed_bytes)}"
             )
         return "\n".join(lines)
 
@@ -174,8 +161,6 @@ def memory_report(
     traced = jitted.trace(*args, **kwargs)
     report = analyze(traced, traced.lower().compile(), on_dropped=on_dropped)
     if twin and report.moved:
-        from jaxoffload.transform import without_host_placement
-
         # jit caches traces by argument types alone: clear it on both sides
         # of the twin's trace, so that neither reuses the other's.
         jitted.clear_cache()
@@ -198,9 +183,9 @@ def with_twin(
     report = dataclasses.replace(report, twin_temp_bytes=twin_temp)
     if report.frees_little and on_dropped != "ignore":
         warnings.warn(
-            f"the compiled program moves {_gib(report.device_to_host_bytes)} to host memory, but "
-            f"its device temp is {_gib(report.temp_bytes)} against {_gib(twin_temp)} without "
-            f"host placement: the copies free {_gib(report.freed_bytes)}, less than a tenth of "
+            f"the compiled program moves {format_bytes(report.device_to_host_bytes)} to host memory, but "
+            f"its device temp is {format_bytes(report.temp_bytes)} against {format_bytes(twin_temp)} without "
+            f"host placement: the copies free {format_bytes(report.freed_bytes)}, less than a tenth of "
             "what they move. The device peak is elsewhere (a working set, not residuals); "
             "Lean() keeps the same memory without the transfers.",
             OffloadWarning,
@@ -252,8 +237,8 @@ def requested_host_transfers(jaxpr: Any) -> list[int]:
       [32]
     """
     return [
-        _aval_bytes(eqn.outvars[0].aval)
-        for eqn in _equations(getattr(jaxpr, "jaxpr", jaxpr))
+        nbytes(eqn.outvars[0].aval)
+        for eqn in equations(jaxpr)
         if eqn.primitive.name == "device_put" and any(map(_is_host, eqn.params["devices"]))
     ]
 
@@ -271,7 +256,7 @@ def _complain(report: MemoryReport, on_dropped: str) -> None:
         )
         return
     message = (
-        f"{report.requested_transfers} host transfers ({_gib(report.requested_bytes)}) were "
+        f"{report.requested_transfers} host transfers ({format_bytes(report.requested_bytes)}) were "
         f"requested, but the compiled program for {report.platform} moves nothing to host "
         "memory: XLA dropped them. Residuals stay on the device."
     )
@@ -280,46 +265,10 @@ def _complain(report: MemoryReport, on_dropped: str) -> None:
     warnings.warn(message, OffloadWarning, stacklevel=3)
 
 
-# Set once this process has said that host placement does nothing on its backend.
-_said_one_memory = False
-
-
-def _warn_once_on_one_memory(platform: str) -> None:
-    """Warns, once per process, that offloaded calls traced for ``platform`` move nothing.
-
-    XLA:CPU keeps every buffer in one memory, so training on CPU with
-    offload runs as it would without. Every trace of every offloaded call
-    would say the same, hence once.
-    """
-    global _said_one_memory
-    if platform != "cpu" or _said_one_memory:
-        return
-    _said_one_memory = True
-    warnings.warn(
-        "offloaded calls are traced for CPU, where host placement has no effect: XLA:CPU "
-        "keeps every buffer in one memory, so nothing moves and no device memory is freed "
-        "(outputs and gradients are unchanged). Measure memory savings on a GPU. This "
-        "warning is given once per process.",
-        OffloadWarning,
-        stacklevel=4,
-    )
-
-
-def _equations(jaxpr) -> Iterator[Any]:
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jex_core.jaxprs_in_params(eqn.params):
-            yield from _equations(sub)
-
-
 def _is_host(destination: Any) -> bool:
     if destination == jax.memory.Space.Host:
         return True
     return getattr(destination, "memory_kind", None) in _HOST_KINDS
-
-
-def _aval_bytes(aval) -> int:
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
 def _read_hlo(text: str) -> dict[str, int]:
@@ -374,7 +323,3 @@ def _array_bytes(array: re.Match) -> int:
 def _itemsize(hlo_dtype: str) -> int:
     bits = re.search(r"(\d+)", hlo_dtype)
     return max(1, int(bits.group(1)) // 8) if bits else 1
-
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"

@@ -4,8 +4,8 @@ A user's block calls ``flax.linen.relu`` and ``flax.linen.max_pool``. Their jax
 rules keep more than the backward pass needs: the ReLU keeps a mask of its
 input, which the next layer does not keep, and the max-pool's gradient makes
 XLA:GPU write int32 index tensors of the input's size. :func:`with_lean_rules`
-traces a function and runs it again with :mod:`jaxoffload.layers`' rules in
-their place, so that the rest (which values to keep, see :mod:`jaxoffload.cut`)
+traces a function and runs it again with :mod:`jaxoffload._src.layers`' rules in
+their place, so that the rest (which values to keep, see :mod:`jaxoffload._src.cut`)
 works on the leaner program. Everything else runs as traced.
 """
 
@@ -21,9 +21,9 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-from jaxoffload import layers
+from jaxoffload._src import jaxprs, layers
 
-__all__ = ["Rewrite", "bind", "with_lean_rules"]
+__all__ = ["Rewrite", "with_lean_rules"]
 
 _CALLS_TO_INLINE = ("jit", "pjit")
 # Readers that keep their input for the backward pass (or an output, which the
@@ -53,7 +53,7 @@ class Rewrite:
 
 
 def with_lean_rules(fun: Callable[..., Any], notes: list[Rewrite] | None = None):
-    """``fun``, with jax.nn.relu and max-pools computed by :mod:`jaxoffload.layers`' rules.
+    """``fun``, with jax.nn.relu and max-pools computed by :mod:`jaxoffload._src.layers`' rules.
 
     The outputs are ``fun``'s; gradients are too, except that ties in a
     max-pool window send the gradient to the window's first maximum.
@@ -91,18 +91,11 @@ def with_lean_rules(fun: Callable[..., Any], notes: list[Rewrite] | None = None)
     return rewritten
 
 
-def bind(eqn, invals: list[Any]) -> list[Any]:
-    """Runs one traced equation on ``invals``, as ``jax.core.eval_jaxpr`` would: its outputs, as a list."""
-    outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-    return outs if eqn.primitive.multiple_results else [outs]
-
-
 def _is_array(x) -> bool:
     return isinstance(x, jax.Array | np.ndarray | np.generic)
 
 
 def _run(jaxpr, consts, args, notes: list[Rewrite], prefix: str = "") -> list[Any]:
-    env: dict[Any, Any] = {}
     readers: dict[Any, list[str]] = {}  # variable -> the primitives that read it
     for eqn in jaxpr.eqns:
         for v in eqn.invars:
@@ -114,35 +107,24 @@ def _run(jaxpr, consts, args, notes: list[Rewrite], prefix: str = "") -> list[An
     uses = {v: len(r) for v, r in readers.items()}
     relu_inputs: dict[Any, Any] = {}  # a ReLU's output variable -> its input value
 
-    def read(v):
-        return v.val if isinstance(v, jex_core.Literal) else env[v]
-
-    for v, x in zip(jaxpr.constvars, consts):
-        env[v] = x
-    for v, x in zip(jaxpr.invars, args):
-        env[v] = x
-    for eqn in jaxpr.eqns:
+    def run(eqn, invals):
         where = "/".join(s for s in (prefix, str(eqn.source_info.name_stack)) if s)
-        invals = [read(v) for v in eqn.invars]
-        name = eqn.primitive.name
         with jax.named_scope(where) if where else contextlib.nullcontext():
-            if name in _CALLS_TO_INLINE:
+            if eqn.primitive.name in _CALLS_TO_INLINE:
                 inner = eqn.params["jaxpr"]
-                outs = _run(inner.jaxpr, inner.consts, invals, notes, where)
-            elif _is_relu(eqn) and _KEEPS_ITS_INPUT & set(readers.get(eqn.outvars[0], ())):
+                return _run(inner.jaxpr, inner.consts, invals, notes, where)
+            if _is_relu(eqn) and _KEEPS_ITS_INPUT & set(readers.get(eqn.outvars[0], ())):
                 notes.append(Rewrite(where, "relu"))
-                outs = [layers.relu(invals[0])]
                 relu_inputs[eqn.outvars[0]] = invals[0]
-            elif name == "reduce_window_max":
-                outs = [_max_pool(eqn, invals[0], relu_inputs, uses, where, notes)]
-            else:
-                if _is_relu(eqn):
-                    why = "no reader keeps its output, so jax's one-byte mask is smaller"
-                    notes.append(Rewrite(where, "relu", applied=False, why=why))
-                outs = bind(eqn, invals)
-        for v, x in zip(eqn.outvars, outs):
-            env[v] = x
-    return [read(v) for v in jaxpr.outvars]
+                return [layers.relu(invals[0])]
+            if eqn.primitive.name == "reduce_window_max":
+                return [_max_pool(eqn, invals[0], relu_inputs, uses, where, notes)]
+            if _is_relu(eqn):
+                why = "no reader keeps its output, so jax's one-byte mask is smaller"
+                notes.append(Rewrite(where, "relu", applied=False, why=why))
+            return jaxprs.bind(eqn, invals)
+
+    return jaxprs.evaluate(jaxpr, consts, args, run)
 
 
 def _is_relu(eqn) -> bool:
@@ -177,7 +159,7 @@ def _max_pool(eqn, x, relu_inputs, uses, where, notes):
     elif (tuple(p["padding"][0]), tuple(p["padding"][-1])) != ((0, 0), (0, 0)):
         why = "padded batch or feature dimension"
     elif (
-        layers._Pool.of(
+        layers.Pool.of(
             x, p["window_dimensions"][spatial], p["window_strides"][spatial], p["padding"][spatial]
         )
         is None
@@ -185,7 +167,7 @@ def _max_pool(eqn, x, relu_inputs, uses, where, notes):
         why = "a window wholly in the padding, or an integer dtype"
     if why:
         notes.append(Rewrite(where, "max_pool", applied=False, why=why))
-        return bind(eqn, [x])[0]
+        return jaxprs.bind(eqn, [x])[0]
     args = p["window_dimensions"][spatial], p["window_strides"][spatial], p["padding"][spatial]
     source = eqn.invars[0]
     if source in relu_inputs and uses.get(source) == 1:

@@ -16,8 +16,8 @@ PyTorch compiles nothing ahead of time, so the ``compiled_*`` fields are null.
 
 Usage (on a CUDA machine)::
 
-    python benchmarks/peers/torch_reference.py --model vgg19 --batch 128 \
-        --out benchmarks/results/torch_vgg19_b128_h200.json
+    python -m jaxoffload.bench.torch_reference --model vgg19 --batch 128 \
+        --out torch_vgg19_b128.json
 """
 
 from __future__ import annotations
@@ -71,41 +71,17 @@ def measure(
     """One mode's record, measured in this process."""
     import torch
     import torchvision
-    from torch.utils.checkpoint import checkpoint
-
-    # The same comparison as jaxoffload bench's (importing jax starts no device client).
-    from jaxoffload.bench.benchmark import gradient_error
 
     torch.manual_seed(0)
     device = torch.device("cuda")
     model = getattr(torchvision.models, model_name)(num_classes=1000)
     model = model.to(device, memory_format=torch.channels_last)
-    blocks, head = _blocks(model, model_name)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     x = torch.randn(batch, 3, image_size, image_size, device=device)
     x = x.to(memory_format=torch.channels_last)
     labels = torch.randint(0, 1000, (batch,), device=device)
     initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-
-    def loss_fn():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            h = x
-            for block in blocks:
-                if mode == "checkpoint":
-                    h = checkpoint(block, h, use_reentrant=False)
-                else:
-                    h = block(h)
-            logits = head(h)
-        return torch.nn.functional.cross_entropy(logits.float(), labels)
-
-    def backward():
-        if mode == "save_on_cpu":
-            with torch.autograd.graph.save_on_cpu(pin_memory=True):
-                loss = loss_fn()
-        else:
-            loss = loss_fn()
-        loss.backward()
-        return loss
+    backward = _backward(model, model_name, mode, x, labels)
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -113,25 +89,13 @@ def measure(
         opt.step()
         return loss
 
-    for _ in range(warmup):
-        loss = step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        loss = step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    loss, times = _time_steps(step, warmup=warmup, steps=steps)
     # Like jax's peak_bytes_in_use, the peak covers the whole process.
     peak = torch.cuda.max_memory_allocated()
     final_loss = float(loss)
     grad_rel_err = None
     if reference is not None:
-        model.load_state_dict(initial)
-        opt.zero_grad(set_to_none=True)
-        backward()
-        grads = [p.grad.double().cpu().numpy() for p in model.parameters()]
-        grad_rel_err = gradient_error(grads, reference)
+        grad_rel_err = _gradient_error(model, opt, backward, initial, reference)
     step_s = statistics.median(times)
     return {
         "model": model_name,
@@ -154,6 +118,64 @@ def measure(
         "grad_rel_err": grad_rel_err,
         "date": datetime.date.today().isoformat(),
     }
+
+
+def _backward(model, model_name: str, mode: str, x, labels):
+    """``backward()``: the loss of ``x`` under ``mode``, its gradients accumulated; returns the loss."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    blocks, head = _blocks(model, model_name)
+
+    def loss_fn():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            h = x
+            for block in blocks:
+                if mode == "checkpoint":
+                    h = checkpoint(block, h, use_reentrant=False)
+                else:
+                    h = block(h)
+            logits = head(h)
+        return torch.nn.functional.cross_entropy(logits.float(), labels)
+
+    def backward():
+        if mode == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                loss = loss_fn()
+        else:
+            loss = loss_fn()
+        loss.backward()
+        return loss
+
+    return backward
+
+
+def _time_steps(step, *, warmup: int, steps: int):
+    """``(loss, times)``: ``warmup`` untimed steps, then ``steps`` each timed to its end, in seconds."""
+    import torch
+
+    for _ in range(warmup):
+        loss = step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        loss = step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return loss, times
+
+
+def _gradient_error(model, opt, backward, initial, reference: str) -> float:
+    """The gradient at the initial parameters, against the one stored at ``reference``."""
+    # The same comparison as jaxoffload bench's (importing jax starts no device client).
+    from jaxoffload.bench.benchmark import gradient_error
+
+    model.load_state_dict(initial)
+    opt.zero_grad(set_to_none=True)
+    backward()
+    grads = [p.grad.double().cpu().numpy() for p in model.parameters()]
+    return gradient_error(grads, reference)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -191,53 +213,55 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as folder:
         reference = os.path.join(folder, "reference.npz") if modes[0] == "plain" else None
         for mode in modes:
-            print(f"{args.model} b{args.batch}: {mode} ...", file=sys.stderr, flush=True)
-            child = [
-                sys.executable,
-                __file__,
-                "--model",
-                args.model,
-                "--batch",
-                str(args.batch),
-                "--image-size",
-                str(args.image_size),
-                "--steps",
-                str(args.steps),
-                "--warmup",
-                str(args.warmup),
-                "--out",
-                args.out,
-                "--child",
-                mode,
-            ]
-            if reference:
-                child += ["--reference", reference]
-            done = subprocess.run(child, capture_output=True, text=True)
-            if done.returncode != 0:
-                if "CUDA out of memory" in done.stderr or "OutOfMemoryError" in done.stderr:
-                    records.append(
-                        {
-                            "model": args.model,
-                            "batch": args.batch,
-                            "strategy": mode,
-                            "framework": "torch",
-                            "out_of_memory": True,
-                        }
-                    )
-                    continue
-                sys.exit(f"{mode} failed:\n{done.stderr[-3000:]}")
-            record = json.loads(done.stdout.strip().splitlines()[-1])
-            record["command"] = command
-            records.append(record)
-            print(
-                f"  peak {record['peak_bytes_in_use'] / 2**30:.2f} GiB, "
-                f"step {record['step_time_ms']:.1f} ms, grad err {record['grad_rel_err']}",
-                file=sys.stderr,
-                flush=True,
-            )
+            records.append(_run_mode(args, mode, reference, command))
     with open(args.out, "w") as f:
         json.dump(records, f, indent=1)
         f.write("\n")
+
+
+def _run_mode(args: argparse.Namespace, mode: str, reference: str | None, command: str) -> dict:
+    """One mode's record, measured in a fresh process; exits if that process fails but for memory."""
+    print(f"{args.model} b{args.batch}: {mode} ...", file=sys.stderr, flush=True)
+    child = [
+        sys.executable,
+        __file__,
+        "--model",
+        args.model,
+        "--batch",
+        str(args.batch),
+        "--image-size",
+        str(args.image_size),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--out",
+        args.out,
+        "--child",
+        mode,
+    ]
+    if reference:
+        child += ["--reference", reference]
+    done = subprocess.run(child, capture_output=True, text=True)
+    if done.returncode != 0:
+        if "CUDA out of memory" in done.stderr or "OutOfMemoryError" in done.stderr:
+            return {
+                "model": args.model,
+                "batch": args.batch,
+                "strategy": mode,
+                "framework": "torch",
+                "out_of_memory": True,
+            }
+        sys.exit(f"{mode} failed:\n{done.stderr[-3000:]}")
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    record["command"] = command
+    print(
+        f"  peak {record['peak_bytes_in_use'] / 2**30:.2f} GiB, "
+        f"step {record['step_time_ms']:.1f} ms, grad err {record['grad_rel_err']}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return record
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ each process computes on its own first device.
 
 Run both processes (the script launches them when given no --process-id)::
 
-    python benchmarks/distributed_example.py --strategy lean,offload
+    python -m jaxoffload.bench.distributed_example --strategy lean,offload
 """
 
 from __future__ import annotations
@@ -60,62 +60,72 @@ def run_process(process_id: int, port: int, strategies: list[str]) -> None:
         coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id
     )
     import jax.numpy as jnp
-    import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import jaxoffload
-    from jaxoffload.bench.models import plain_model
-    from jaxoffload.bench.models.flax_resnet import ResNet, ResNetBlock
-
-    def model(s):
-        return plain_model(
-            ResNet, ResNetBlock, s, stage_sizes=(1, 1), num_filters=8, num_classes=10
-        )
 
     # Every process builds the same global batch and variables, on its first local device.
     local = jax.local_devices()[0]
     x = jax.device_put(jax.random.normal(jax.random.key(0), (8, 16, 16, 3)), local)
     labels = jax.device_put(jnp.arange(8) % 10, local)
-    variables = jax.jit(model(jaxoffload.Store()).init, static_argnums=2)(
+    variables = jax.jit(_model(jaxoffload.Store()).init, static_argnums=2)(
         jax.random.key(1), x, True
     )
-    reference = jax.jit(functools.partial(step, model(jaxoffload.Store())))(
+    reference = jax.jit(functools.partial(step, _model(jaxoffload.Store())))(
         variables["params"], variables["batch_stats"], x, labels
     )
 
     mesh = jax.make_mesh((4,), ("data",))
     batch, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
-
-    def global_array(value, sharding):
-        # Each process gives the shards of its own devices.
-        value = np.asarray(value)
-        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
-
     params, stats = jax.tree.map(
-        lambda v: global_array(v, replicated), (variables["params"], variables["batch_stats"])
+        lambda v: _global_array(v, replicated), (variables["params"], variables["batch_stats"])
     )
-    xs, ys = global_array(x, batch), global_array(labels, batch)
-
-    def rel_err(got, want):
-        pairs = list(zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-        num = sum(np.sum((np.asarray(a.addressable_data(0), np.float64) - np.asarray(b)) ** 2)
-                  for a, b in pairs)  # fmt: skip
-        den = sum(np.sum(np.asarray(b, np.float64) ** 2) for _, b in pairs)
-        return float(np.sqrt(num / den))
+    xs, ys = _global_array(x, batch), _global_array(labels, batch)
 
     if process_id == 0:
         print(f"devices={jax.device_count()} processes={jax.process_count()}")
     for strategy in strategies:
-        grads, new_stats = jax.jit(functools.partial(step, model(_strategy(strategy))))(
+        grads, new_stats = jax.jit(functools.partial(step, _model(_strategy(strategy))))(
             params, stats, xs, ys
         )
         # Replicated outputs: each process reads its own copy.
-        errors = rel_err(grads, reference[0]), rel_err(new_stats, reference[1])
+        errors = _rel_err(grads, reference[0]), _rel_err(new_stats, reference[1])
         if process_id == 0:
             print(f"strategy={strategy} grad_rel_err={errors[0]:.3e} "
                   f"batch_stats_rel_err={errors[1]:.3e}", flush=True)  # fmt: skip
     jax.distributed.shutdown()
+
+
+def _model(strategy):
+    """A small plain-Flax ResNet whose blocks are wrapped with ``strategy``."""
+    from jaxoffload.bench.models import plain_model
+    from jaxoffload.bench.models.flax_resnet import ResNet, ResNetBlock
+
+    return plain_model(
+        ResNet, ResNetBlock, strategy, stage_sizes=(1, 1), num_filters=8, num_classes=10
+    )
+
+
+def _global_array(value, sharding):
+    """``value`` as a global array: each process gives the shards of its own devices."""
+    import jax
+    import numpy as np
+
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def _rel_err(got, want) -> float:
+    """The relative L2 error of this process's copy of replicated ``got`` against ``want``."""
+    import jax
+    import numpy as np
+
+    pairs = list(zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    num = sum(np.sum((np.asarray(a.addressable_data(0), np.float64) - np.asarray(b)) ** 2)
+              for a, b in pairs)  # fmt: skip
+    den = sum(np.sum(np.asarray(b, np.float64) ** 2) for _, b in pairs)
+    return float(np.sqrt(num / den))
 
 
 def free_port() -> int:

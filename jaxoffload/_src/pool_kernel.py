@@ -1,11 +1,9 @@
 """A Pallas (Triton) kernel: the input gradient of a 3x3, stride-2, padding-1 max pool.
 
-That is ResNet's stem pool. ``layers._Pool.route`` computes the same gradient
+That is ResNet's stem pool. ``layers.Pool.route`` computes the same gradient
 with XLA's elementwise operations, which write it in several passes. This kernel
-writes each element of the gradient once. Measured alone on an H200 for a
-bf16 input of 256x112x112x64, it took 0.32 ms, against 1.12 ms for XLA's route
-(``benchmarks/results/pool_kernel_h200.json``, whose probe
-``benchmarks/results/MANIFEST.md`` names). The two results are equal bit for bit.
+writes each element of the gradient once, and gives the same values bit for bit;
+``docs/design.md`` says what it measured against XLA's route.
 
 Geometry, per spatial dimension: window ``o`` covers input ``2o - 1``, ``2o``
 and ``2o + 1``. With an even input size, input ``2m`` lies only in window
@@ -112,6 +110,6 @@ def route(g: jax.Array, first: jax.Array, shape: tuple[int, ...], interpret: boo
         out_shape=jax.ShapeDtypeStruct(shape, g.dtype),
         grid=(batch, height // 2),
         interpret=interpret,
-        # The fastest on an H200 of 4 or 8 warps with 1, 2 or 4 window rows per program.
+        # The fastest of 4 or 8 warps with 1, 2 or 4 window rows per program, as measured.
         compiler_params=plgpu.CompilerParams(num_warps=8),
     )(g, first)

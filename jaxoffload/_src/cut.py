@@ -27,10 +27,11 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import numpy as np
 from jax.extend import core as jex_core
 
-__all__ = ["Cut", "cheapest_cut", "eqn_flops", "nbytes"]
+from jaxoffload._src.jaxprs import eqn_flops, nbytes
+
+__all__ = ["Cut", "cheapest_cut"]
 
 _INF = math.inf
 
@@ -58,34 +59,6 @@ _CALLS = frozenset(
     {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
      "custom_vjp_call_jaxpr", "remat", "checkpoint", "cond"}
 )  # fmt: skip
-
-
-def nbytes(aval) -> int:
-    """The bytes of an abstract value (0 for tokens and other non-arrays)."""
-    shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
-    if shape is None or dtype is None:
-        return 0
-    try:
-        itemsize = np.dtype(dtype).itemsize
-    except TypeError:  # extended dtypes, such as PRNG keys
-        itemsize = getattr(dtype, "itemsize", 8)
-    return int(np.prod(shape, dtype=np.int64)) * int(itemsize)
-
-
-def eqn_flops(eqn) -> int:
-    """2 × the multiply-adds of a matrix product or convolution, of those nested in calls too."""
-    name = eqn.primitive.name
-    if name == "dot_general":
-        (contracting, _), _ = eqn.params["dimension_numbers"]
-        lhs = eqn.invars[0].aval.shape
-        out = eqn.outvars[0].aval.shape
-        return 2 * math.prod(out) * math.prod(lhs[d] for d in contracting)
-    if name == "conv_general_dilated":
-        rhs = eqn.invars[1].aval.shape
-        out = eqn.outvars[0].aval.shape
-        out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
-        return 2 * math.prod(out) * (math.prod(rhs) // out_features)
-    return sum(eqn_flops(e) for sub in jex_core.jaxprs_in_params(eqn.params) for e in sub.eqns)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +133,7 @@ def cheapest_cut(
         recomputed, as a share of the forward pass's.
 
     Returns:
-      The cut that keeps the fewest bytes within that budget.
+      The cut that keeps the fewest bytes within that many FLOPs recomputed.
     """
     if not 0 <= max_recompute:
         raise ValueError(f"max_recompute must be non-negative, got {max_recompute}.")
@@ -169,18 +142,18 @@ def cheapest_cut(
     prices = {i: _price(jaxpr.eqns[i]) for i in relevant}
     never = {i: p.never for i, p in prices.items() if p.never}
     forward_flops = sum(p.flops for i, p in enumerate(map(_price, jaxpr.eqns)) if not p.never)
-    budget = max_recompute * forward_flops
+    allowed_flops = max_recompute * forward_flops
     free = set(free)
     # Each candidate rate (FLOPs per byte kept) prices matrix products so that
     # recomputing one pays off just above its own ratio of FLOPs to bytes.
-    # Equal ratios are told apart by position, so that the budget can take
+    # Equal ratios are told apart by position, so that the allowance can take
     # one of two equal convolutions rather than neither.
     matmuls = [i for i, p in prices.items() if p.flops and not p.never]
     ratios = sorted(
         prices[i].flops * _tie_break(i) / max(1, sum(nbytes(v.aval) for v in jaxpr.eqns[i].outvars))
         for i in matmuls
     )
-    # Rates trace the cheapest cuts on the way to the budget; a budget that
+    # Rates trace the cheapest cuts on the way to the allowance; one that
     # falls between two of them may fit one large product better than the
     # small ones below it, so each product is also tried alone.
     candidates = [(None, None), *((r * (1 + 1e-12), None) for r in ratios), (math.inf, None)]
@@ -189,8 +162,8 @@ def cheapest_cut(
     for rate, only in candidates:
         cut = _solve(jaxpr, needed, free, relevant, prices, rate, only)
         flops = sum(prices[i].flops for i in cut[1])
-        if flops > budget:
-            continue  # over the budget: a higher rate can still fit as one product alone
+        if flops > allowed_flops:
+            continue  # too many: a higher rate can still fit as one product alone
         cost = sum(nbytes(v.aval) for v in cut[0] if v not in free)
         if best is None or (cost, flops) < best[0]:
             best = ((cost, flops), cut, flops)

@@ -1,8 +1,11 @@
 """Plot ``jaxoffload bench`` records together with the PyTorch peer's, on one memory/time plane.
 
-pip install -e ".[bench]"
-python benchmarks/plot_bench.py benchmarks/results/bench_vgg19_b128_h200.json \
-    benchmarks/results/torch_vgg19_b128_h200.json --out benchmarks/results/vgg19_b128_h200.png
+    pip install -e ".[bench]"
+    python -m jaxoffload.bench.plot_bench bench-out/records.json torch_vgg19_b128.json \
+        --out vgg19_b128.png
+
+The records are ``jaxoffload bench``'s (``records.json``) and the PyTorch peer's
+(:mod:`jaxoffload.bench.torch_reference`), of one workload.
 """
 
 from __future__ import annotations

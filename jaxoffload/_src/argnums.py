@@ -1,0 +1,130 @@
+"""Argument positions: which arguments of a wrapped call are static, and which stay on the device."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["Argnums", "check_argnums", "check_positions", "holds_arrays", "positional_names"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Argnums:
+    """The positions of a wrapped function's static arguments, and of those kept on the device."""
+
+    device: tuple[int, ...]
+    static: tuple[int, ...]
+
+    def __post_init__(self):
+        check_disjoint(set(self.static), set(self.device))  # negative ones at the call
+
+    def split(self, args: tuple, kwargs: dict, names: Sequence[str] = ()):
+        """``(dynamic, rebuild, device)``: the array arguments, a function of them, and
+        the positions among them of ``device_argnums``.
+
+        ``names`` are the function's positional parameters, for the errors.
+        """
+        n = len(args)
+        for what, argnums in (("static_argnums", self.static), ("device_argnums", self.device)):
+            check_positions(what, argnums, n, kwargs, names)
+        static = {i % n for i in self.static}
+        check_disjoint(static, {i % n for i in self.device})
+        positions = [i for i in range(n) if i not in static]
+        dynamic = tuple(args[i] for i in positions)
+        device = tuple(positions.index(i % n) for i in self.device)
+
+        def rebuild(dynamic, kwargs):
+            values = dict(zip(positions, dynamic))
+            return [values[i] if i in values else args[i] for i in range(n)], kwargs
+
+        return dynamic, rebuild, device
+
+
+def check_disjoint(static: set[int], device: set[int]) -> None:
+    both = sorted(static & device)
+    if both:
+        raise ValueError(
+            f"arguments {both} are in both static_argnums and device_argnums; a static argument "
+            "is not an array, so it cannot be kept on the device: leave "
+            f"{'it' if len(both) == 1 else 'them'} out of device_argnums."
+        )
+
+
+def check_positions(
+    what: str,
+    argnums: Sequence[int],
+    n: int,
+    kwargs: dict,
+    names: Sequence[str] = (),
+    first: int = 0,
+) -> None:
+    """Raises if ``argnums`` names a position that a call with ``n`` positional arguments lacks.
+
+    ``names`` are the function's positional parameters: one that ``argnums``
+    names but the call passes by keyword is named. Positions count from
+    ``first``: linen's count ``self`` as 0, and the first argument as 1.
+    """
+    bad = [i for i in argnums if not -n <= i - first < n]
+    if not bad:
+        return
+    by_keyword = [names[i] for i in bad if 0 <= i < len(names) and names[i] in kwargs]
+    if by_keyword:
+        fix = f"; pass {', '.join(map(repr, by_keyword))} positionally"
+    else:
+        fix = "; pass those arguments positionally" if kwargs else ""
+    counted = {0: "and there are none", 1: f"here only {first}"}.get(
+        n, f"here {first} to {first + n - 1}"
+    )
+    raise ValueError(
+        f"{what}={tuple(argnums)} names positions {bad} that this call does not have: it passes "
+        f"{n} positional argument{'s' * (n != 1)}"
+        + (" after self" if first else "")
+        + (f" and the keywords {sorted(kwargs)}" if kwargs else "")
+        + f". {what} counts the arguments passed positionally, {counted}{fix}."
+    )
+
+
+def positional_names(fun: Callable[..., Any]) -> tuple[str, ...]:
+    """The names of ``fun``'s positional parameters, or none where it has no signature."""
+    try:
+        parameters = inspect.signature(fun).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in parameters if p.kind in kinds)
+
+
+def check_argnums(what: str, argnums) -> tuple[int, ...]:
+    if isinstance(argnums, bool | str) or not isinstance(argnums, int | Sequence):
+        raise TypeError(
+            f"{what} must be an int or a sequence of ints, got {argnums!r} of type "
+            f"{type(argnums).__name__}; {_hint(what, argnums)}."
+        )
+    argnums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    bad = [a for a in argnums if isinstance(a, bool) or not isinstance(a, int)]
+    if bad:
+        raise TypeError(f"{what} must be ints, got {bad!r} in {argnums!r}; {_hint(what, argnums)}.")
+    return argnums
+
+
+def _hint(what: str, argnums) -> str:
+    """What to write instead: the same positions as ints where they are whole numbers (``1.0``)."""
+    many = isinstance(argnums, tuple | list)
+    values = tuple(argnums) if many else (argnums,)
+    if all(type(a) is int or (isinstance(a, float) and a.is_integer()) for a in values):
+        ints = tuple(int(a) for a in values)
+        return f"write {what}={ints if many else ints[0]}"
+    return f"write an int such as {what}=1, or a tuple such as {what}=(0, 1)"
+
+
+def holds_arrays(value) -> bool:
+    """Whether ``value`` holds arrays (or their shapes): what a traced argument is made of."""
+    return any(
+        isinstance(leaf, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
+        for leaf in jax.tree.leaves(value)
+    )

@@ -1,0 +1,330 @@
+"""Strategies for Flax NNX: ``wrap`` and ``offload``, shaped like ``nnx.remat``.
+
+An NNX Module is a mutable object: a function that takes one may update its
+variables (BatchNorm's running statistics, RNG stream counts). A function
+transform of jax sees only arrays, so these updates would be lost: here the
+Modules among the arguments are split into their variables, the function runs
+on them under the strategy, and the variables it changed are written back, as
+``nnx.remat`` does.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar, overload
+
+import jax
+from flax import nnx
+
+from jaxoffload._src import context, transform
+from jaxoffload._src.argnums import Argnums, check_argnums
+from jaxoffload._src.strategies import Offload, Strategy, check_strategy
+
+__all__ = ["offload", "wrap"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def wrap(f: F, strategy: Strategy, *, static_argnums: int | Sequence[int] = ()) -> F:
+    """Applies a strategy to a function that takes NNX Modules, a Module's method, or a Module.
+
+    Variables never move and cost nothing to keep: they live on the device
+    for the whole step. Every ``nnx.Variable`` that the function changes
+    (``BatchStat``, RNG counts, any other) is written back to the Module
+    afterwards, as under ``nnx.remat``. A bound method (``model.block.__call__``)
+    is wrapped with its Module as the first argument. A Module instance is
+    wrapped in place, with no edit to the model that calls it: its calls
+    take the strategy, and its class name, variables and their paths stay::
+
+        for block in model.blocks:
+            jaxoffload.nnx.wrap(block, jaxoffload.Lean())
+
+    Args:
+      f: a function whose arguments may hold NNX Modules, a bound method, or
+        a Module instance.
+      strategy: :class:`~jaxoffload.Store`, :class:`~jaxoffload.Lean`,
+        :class:`~jaxoffload.Remat` or :class:`~jaxoffload.Offload`.
+      static_argnums: positional arguments that are not arrays or Modules.
+
+    Returns:
+      A function with ``f``'s signature and outputs; ``f`` itself for ``Store()``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import jaxoffload
+      >>> bn = nnx.BatchNorm(3, rngs=nnx.Rngs(0))
+      >>> lean = jaxoffload.nnx.wrap(lambda bn, x: nnx.relu(bn(x)), jaxoffload.Lean())
+      >>> y = lean(bn, jnp.arange(6.0).reshape(2, 3))
+      >>> [round(float(m), 3) for m in bn.mean[...]]  # the running mean moved, as without it
+      [0.015, 0.025, 0.035]
+    """
+    strategy = check_strategy(strategy)
+    if isinstance(f, nnx.Module):
+        return wrap_instance(f, strategy, static_argnums)  # type: ignore[return-value]
+    if not callable(f):
+        raise TypeError(f"wrap expects a callable, got {f!r}.")
+    static_argnums = check_argnums("static_argnums", static_argnums)
+    bound = None
+    if inspect.ismethod(f) and isinstance(f.__self__, nnx.Module):
+        # The Module must be an argument, or its updates would escape the trace.
+        bound, f = f.__self__, f.__func__
+        static_argnums = tuple(i + 1 for i in static_argnums)
+    if strategy.is_identity:
+        return f if bound is None else functools.partial(f, bound)  # type: ignore[return-value]
+
+    @functools.wraps(f)
+    def wrapped(*args, **kwargs):
+        if bound is not None:
+            args = (bound, *args)
+        return _call(f, strategy, static_argnums, args, kwargs)
+
+    return wrapped  # type: ignore[return-value]
+
+
+@overload
+def offload(
+    f: F,
+    *,
+    names: Sequence[str] | None = None,
+    recompute: bool = False,
+    min_bytes: int = 0,
+    max_recompute: float = 0.25,
+    window: int = 1,
+    static_argnums: int | Sequence[int] = (),
+) -> F: ...
+
+
+@overload
+def offload(
+    f: None = None,
+    *,
+    names: Sequence[str] | None = None,
+    recompute: bool = False,
+    min_bytes: int = 0,
+    max_recompute: float = 0.25,
+    window: int = 1,
+    static_argnums: int | Sequence[int] = (),
+) -> Callable[[F], F]: ...
+
+
+def offload(
+    f=None,
+    *,
+    names=None,
+    recompute=False,
+    min_bytes=0,
+    max_recompute=0.25,
+    window=1,
+    static_argnums=(),
+):
+    """``wrap(f, Offload(...))``, bare or configured, as ``nnx.remat`` is used.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import jaxoffload
+      >>> @jaxoffload.nnx.offload(window=2)
+      ... def layer(dense, x):
+      ...     return jnp.tanh(dense(x))
+      >>> layer(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), jnp.ones((1, 3))).shape
+      (1, 2)
+    """
+    strategy = Offload(
+        names=names,
+        recompute=recompute,
+        min_bytes=min_bytes,
+        max_recompute=max_recompute,
+        window=window,
+    )
+
+    def decorate(f):
+        return wrap(f, strategy, static_argnums=static_argnums)
+
+    return decorate if f is None else decorate(f)
+
+
+def wrap_instance(module, strategy, static_argnums, path=None):
+    """``module``, its class swapped for a subclass of the same name whose calls take ``strategy``.
+
+    A planned block also knows its ``path``, so that the planner can see the
+    order in which the blocks are called.
+    """
+    base = getattr(type(module), "__jaxoffload_base__", type(module))
+    static_argnums = check_argnums("static_argnums", static_argnums)
+    if strategy.is_identity:
+        module.__class__ = base
+        return module
+    key = (base, strategy, static_argnums, path)
+    if key not in _WRAPPED_CLASSES:
+        # `self` becomes the first argument of the wrapped function.
+        call = wrap(base.__call__, strategy, static_argnums=tuple(i + 1 for i in static_argnums))
+
+        def __call__(self, *args, **kwargs):
+            if path is not None:
+                context.record_path(path)
+            return call(self, *args, **kwargs)
+
+        _WRAPPED_CLASSES[key] = type(
+            base.__name__,
+            (base,),
+            {
+                "__call__": __call__,
+                "__qualname__": base.__qualname__,
+                "__module__": base.__module__,
+                "__jaxoffload_base__": base,
+            },
+        )
+    module.__class__ = _WRAPPED_CLASSES[key]
+    return module
+
+
+_WRAPPED_CLASSES: dict[tuple, type] = {}
+
+
+def _call(f, strategy, static_argnums, args, kwargs):
+    dynamic, rebuild, _ = Argnums(device=(), static=static_argnums).split(args, kwargs)
+    graphdef, variables, rest = nnx.split((dynamic, kwargs), nnx.Variable, ...)
+    old_leaves, variables_tree = jax.tree.flatten(variables)
+    changed: list[int] = []
+
+    def pure(variables, rest):
+        inputs = jax.tree.leaves(variables)
+        # Fresh Variables of this trace: NNX refuses to mutate those of an outer one.
+        dynamic, kwargs = nnx.merge(graphdef, variables, rest, copy=True)
+        all_args, all_kwargs = rebuild(dynamic, kwargs)
+        out = f(*all_args, **all_kwargs)
+        _, new_variables, _ = nnx.split((dynamic, kwargs), nnx.Variable, ...)
+        new_leaves = jax.tree.leaves(new_variables)
+        # Traced once: the variables whose values are new tracers are the ones it changed.
+        changed[:] = [k for k, (a, b) in enumerate(zip(inputs, new_leaves)) if a is not b]
+        return out, [new_leaves[k] for k in changed]
+
+    out, updates = transform.wrap(pure, strategy, device_argnums=0)(variables, rest)
+    new_leaves = list(old_leaves)
+    for k, value in zip(changed, updates):
+        new_leaves[k] = value
+    nnx.update((dynamic, kwargs), jax.tree.unflatten(variables_tree, new_leaves))
+    return out
+
+
+# ---- what plans need of NNX models ------------------------------------------------------------------------------
+
+
+def submodules(model: nnx.Module) -> dict[str, nnx.Module]:
+    """``model``'s submodules by path, the keys joined by ``/`` (``"blocks/3"``)."""
+    return {
+        "/".join(map(str, path)): node
+        for path, node in nnx.iter_graph(model)
+        if path and isinstance(node, nnx.Module)
+    }
+
+
+def block_paths(model: nnx.Module, blocks: Any) -> list[str]:
+    """The paths of ``model``'s submodules that ``blocks`` selects, for :func:`jaxoffload.plan`.
+
+    Args:
+      model: an NNX Module.
+      blocks: a Module class or a tuple of them (their instances are the
+        blocks), or a function ``(path, module) -> bool``.
+
+    Raises:
+      ValueError: if nothing is selected, or a selected block holds another.
+    """
+    if blocks is None:
+        counts = collections.Counter(type(m).__name__ for m in submodules(model).values())
+        repeated = ", ".join(f"{k} ({v})" for k, v in counts.most_common())
+        raise ValueError(
+            "say which submodules of the NNX model are its blocks: blocks=MyBlock (a class), a "
+            "tuple of classes, or a function (path, module) -> bool. Its submodules' classes: "
+            f"{repeated or 'none'}."
+        )
+    if isinstance(blocks, type) or (
+        isinstance(blocks, tuple) and all(isinstance(b, type) for b in blocks)
+    ):
+        classes = blocks
+
+        def select(path, module):
+            return isinstance(module, classes)
+
+    elif callable(blocks):
+        select = blocks
+    else:
+        raise TypeError(
+            f"blocks must be a Module class, a tuple of them, or a function (path, module) -> "
+            f"bool; got {blocks!r}."
+        )
+    chosen = sorted(p for p, m in submodules(model).items() if select(p, m))
+    if not chosen:
+        raise ValueError(f"blocks={blocks!r} selects no submodule of {type(model).__name__}.")
+    nested = [(a, b) for a in chosen for b in chosen if b.startswith(a + "/")]
+    if nested:
+        raise ValueError(
+            f"block {nested[0][1]!r} is inside block {nested[0][0]!r}: a plan gives each block one "
+            "strategy, so select blocks that do not hold one another."
+        )
+    return chosen
+
+
+def calls_recorded() -> contextlib.AbstractContextManager[list[str]]:
+    """Collects the paths of the planned blocks called (traced) inside the block, in call order."""
+    return context.recording_paths()
+
+
+@contextlib.contextmanager
+def classes_kept(model: nnx.Module) -> Iterator[None]:
+    """Puts the classes of ``model`` and of its submodules back as they were, on exit."""
+    before = [(m, type(m)) for m in (model, *submodules(model).values())]
+    try:
+        yield
+    finally:
+        for module, cls in before:
+            module.__class__ = cls
+
+
+def functional(
+    step: Callable[..., Any], model: nnx.Module, args: Sequence[Any], donate_argnums=()
+) -> tuple[Callable[..., Any], tuple[Any, ...], tuple[int, ...]]:
+    """``step(model, *args)`` as a function of arrays: ``(fun, arrays, donate_argnums)``.
+
+    The Modules among ``model`` and ``args`` (an ``nnx.Optimizer``, say) are
+    split into one state, the first of ``fun``'s arguments; the other
+    arguments follow. ``fun`` returns ``step``'s output and the variables
+    it changed, so that the updates it makes to the Modules are part of the
+    program. ``donate_argnums`` (counting after ``model``) names arguments to
+    donate; the Modules' state is not donated, as under ``nnx.jit``, since
+    the variables that a step leaves alone stay in use.
+    """
+    is_node = [nnx.graph.is_graph_node(a) for a in args]
+    graphdef, state = nnx.split((model, *[a for a, node in zip(args, is_node) if node]))
+    others = tuple(a for a, node in zip(args, is_node) if not node)
+    position = [n for n, node in enumerate(is_node) if not node]
+    donate = check_argnums("donate_argnums", donate_argnums)
+    beyond = [i for i in donate if not -len(args) <= i < len(args)]
+    if beyond:
+        raise ValueError(
+            f"donate_argnums={donate} names positions {beyond}, but the step takes "
+            f"{len(args)} arguments after the model (counted from 0)."
+        )
+    modules = [i for i in donate if is_node[i]]
+    if modules:
+        raise ValueError(
+            f"donate_argnums={donate} names the NNX Modules at {modules}, whose state is not "
+            "donated (as under nnx.jit, the variables a step leaves alone stay in use): leave "
+            "them out of donate_argnums."
+        )
+
+    def fun(state, *others):
+        before = jax.tree.leaves(state)
+        model, *nodes = nnx.merge(graphdef, state)
+        node_args, other_args = iter(nodes), iter(others)
+        out = step(model, *[next(node_args) if node else next(other_args) for node in is_node])
+        after = jax.tree.leaves(nnx.state((model, *nodes)))
+        # Only what the step changed: a variable it never reads costs the program nothing.
+        return out, [new for old, new in zip(before, after) if new is not old]
+
+    return fun, (state, *others), tuple(1 + position.index(i % len(args)) for i in donate)

@@ -1,0 +1,110 @@
+"""Putting a plan on a model, linen or NNX, through one interface.
+
+A plan here is anything that answers :class:`Strategies`: a
+:class:`~jaxoffload.Plan`, or the stand-in that the planner traces a model
+with to find its blocks (:class:`Discovery`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import flax.linen as nn
+from flax import nnx
+
+from jaxoffload._src import context
+from jaxoffload._src import linen as offload_linen
+from jaxoffload._src import nnx as offload_nnx
+from jaxoffload._src.argnums import holds_arrays
+from jaxoffload._src.strategies import Lean, Store, Strategy
+
+__all__ = ["Discovery", "Strategies", "apply_plan"]
+
+
+class Strategies(Protocol):
+    """What applying a plan asks of it: a strategy per block path, and one for the rest."""
+
+    outside: Strategy
+
+    def strategy_for(self, path: str) -> Strategy: ...
+
+
+def apply_plan(plan: Any, model: Any) -> Any:
+    """``model`` under ``plan``: see :meth:`jaxoffload.Plan.apply`."""
+    if isinstance(model, nnx.Module):
+        return _apply_nnx(plan, model)
+    if isinstance(model, nn.Module):
+        return _apply_linen(plan, model)
+    raise TypeError(
+        f"Plan.apply takes a linen Module instance or an NNX Module, got {type(model).__name__}."
+    )
+
+
+class Discovery:
+    """Stands in for a linen plan while tracing: every block lean, and its path noted."""
+
+    outside = Store()
+
+    def __init__(self):
+        self.paths: list[str] = []
+
+    def strategy_for(self, path: str) -> Strategy:
+        self.paths.append(path)
+        return Lean()
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        return apply_plan(self, model)
+
+
+def _apply_linen(plan: Strategies, model: nn.Module) -> nn.Module:
+    """A new unbound Module of ``model``'s class name and fields, whose calls put ``plan`` in effect.
+
+    Plannable blocks (:func:`jaxoffload.linen.plannable`) read the plan in
+    effect when Flax builds them inside the model's ``__call__``.
+    """
+    if model.scope is not None:
+        raise TypeError("Plan.apply takes an unbound Module: apply the plan before init/apply.")
+    base = type(model)
+    wrapped_by_static: dict[tuple[int, ...], Any] = {}
+
+    def __call__(self, *args, **kwargs):
+        with context.plan_in_effect(plan):
+            if plan.outside.is_identity:
+                return base.__call__(self, *args, **kwargs)
+            # Non-array arguments (``train=True``) are static, as nn.remat's
+            # static_argnums would make them.
+            static = tuple(n + 1 for n, a in enumerate(args) if not holds_arrays(a))
+            if static not in wrapped_by_static:
+                wrapped_by_static[static] = offload_linen.wrap(
+                    base, plan.outside, static_argnums=static
+                )
+            return wrapped_by_static[static].__call__(self, *args, **kwargs)
+
+    planned = type(
+        base.__name__,
+        (base,),
+        {"__call__": __call__, "__qualname__": base.__qualname__, "__module__": base.__module__},
+    )
+    fields = {
+        f.name: getattr(model, f.name)
+        for f in dataclasses.fields(model)
+        if f.init and f.name not in ("parent", "name")
+    }
+    return planned(**fields, name=model.name)
+
+
+def _apply_nnx(plan: Any, model: nnx.Module) -> nnx.Module:
+    """``model`` under ``plan``, changed in place: each block at a plan's path takes its strategy."""
+    modules = offload_nnx.submodules(model)
+    missing = [path for path, _ in plan.blocks if path not in modules]
+    if missing:
+        known = ", ".join(list(modules)[:8]) + (", ..." if len(modules) > 8 else "") or "none"
+        raise ValueError(
+            f"the plan names {missing}, which {type(model).__name__} does not have; its "
+            f"submodules are {known}. Plan this model with jaxoffload.plan."
+        )
+    for path, strategy in plan.blocks:
+        offload_nnx.wrap_instance(modules[path], strategy, (), path=path)
+    offload_nnx.wrap_instance(model, plan.outside, ())
+    return model

@@ -1,0 +1,282 @@
+"""What each block costs under each strategy, measured on the device, and a model of the step.
+
+Each distinct block program is timed alone under each strategy, its residuals
+are read from traces, and the host link is measured once. The models of the
+step's peak (:func:`estimate_peak_bytes`) and time (:func:`estimate_step_ms`)
+combine them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+from jaxoffload._src import transform
+from jaxoffload._src.jaxprs import nbytes, struct_of
+from jaxoffload._src.residuals import trace_vjp
+from jaxoffload._src.strategies import Store, Strategy
+from jaxoffload._src.transfers import without_host_placement
+
+__all__ = [
+    "BlockCost",
+    "BlockCosts",
+    "cost_blocks",
+    "estimate_peak_bytes",
+    "estimate_step_ms",
+    "measure_link",
+    "median_ms",
+    "zeros",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCost:
+    """What one block costs under one strategy, measured on the device and read from traces.
+
+    Attributes:
+      device_bytes: residuals that stay on the device, other than its input
+        and outputs.
+      input_bytes: its input, if it keeps it on the device (else 0).
+      output_bytes: its outputs, if it keeps them on the device (else 0).
+      host_bytes: residuals that wait in host memory: what moves each way.
+      recompute_bytes: what its backward pass recomputes and holds at once.
+      forward_ms: its forward pass, alone on the device.
+      backward_ms: its backward pass, recomputation included, transfers not.
+      scale: what the compiled step holds per byte that the traces give,
+        for this kind of strategy (:func:`plan` fits it).
+    """
+
+    device_bytes: int
+    input_bytes: int
+    output_bytes: int
+    host_bytes: int
+    recompute_bytes: int
+    forward_ms: float
+    backward_ms: float
+    scale: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCosts:
+    """One plannable block: its path, the sizes at its edges, and its cost under each strategy."""
+
+    path: str
+    input_bytes: int
+    output_bytes: int
+    costs: dict[Strategy, BlockCost]
+
+    def cost(self, strategy: Strategy) -> BlockCost:
+        return self.costs[strategy.without_window()]
+
+
+def estimate_peak_bytes(blocks: Sequence[BlockCosts], choice: Sequence[Strategy]) -> int:
+    """The most device bytes that the blocks' residuals and work hold at once, over the step.
+
+    A model of time, not a sum: the forward pass runs the blocks in order,
+    each adding what it keeps; the backward pass runs them in reverse, each
+    holding what it keeps, what it fetched, what it recomputes and the
+    gradients at its edges, while the blocks before it hold theirs. An
+    activation between two blocks counts once, if either keeps it. With an
+    ``Offload`` window ``w``, a block's device copies live until ``w - 1``
+    blocks later, and its fetched residuals from the backward pass of the
+    block ``w - 1`` later. What the rest of the step holds (parameters,
+    gradients, the stem) is a constant that :func:`plan` measures.
+    """
+    c = [b.cost(s) for b, s in zip(blocks, choice)]
+    w = [s.window for s in choice]
+    n = len(c)
+    kept, host = [], [x.host_bytes * x.scale for x in c]
+    for k in range(n):
+        boundary = c[k].input_bytes > 0 or (k > 0 and c[k - 1].output_bytes > 0)
+        kept.append(c[k].scale * (c[k].device_bytes + (blocks[k].input_bytes if boundary else 0)))
+
+    def in_flight(i):  # host bytes of earlier blocks whose transfers overlap block i
+        return sum(host[j] for j in range(max(0, i - max(w) + 1), i) if j + w[j] > i)
+
+    peak = live = 0.0
+    for i in range(n):
+        edges = blocks[i].input_bytes + blocks[i].output_bytes
+        running = edges + c[i].scale * c[i].device_bytes + host[i]
+        peak = max(peak, live + in_flight(i) + running)
+        live += kept[i]
+    live += c[-1].output_bytes if n else 0
+    for i in reversed(range(n)):
+        live -= kept[i]
+        edges = blocks[i].input_bytes + blocks[i].output_bytes
+        work = kept[i] + host[i] + c[i].scale * c[i].recompute_bytes + edges
+        peak = max(peak, live + in_flight(i) + work)
+    return int(peak)
+
+
+def estimate_step_ms(
+    blocks: Sequence[BlockCosts], choice: Sequence[Strategy], link: tuple[float, float] | None
+) -> float:
+    """The blocks' time in a step: their compute, and the transfers it cannot hide.
+
+    A block's copies to the host overlap the forward passes of the next
+    ``w - 1`` blocks (its window ``w``), and its fetches their backward
+    passes; what sticks out is added. Each phase takes at least its
+    transfers' time on the link.
+
+    Args:
+      link: ``(d2h_gbps, h2d_gbps)``; ``None`` if nothing moves.
+    """
+    c = [b.cost(s) for b, s in zip(blocks, choice)]
+    w = [s.window for s in choice]
+    forward = sum(x.forward_ms for x in c)
+    backward = sum(x.backward_ms for x in c)
+    moved = [x.host_bytes for x in c]
+    if not any(moved):
+        return forward + backward
+    if link is None:
+        raise ValueError("a plan that moves bytes needs the link's bandwidth.")
+    out_ms = [m / (link[0] * 1e6) for m in moved]
+    back_ms = [m / (link[1] * 1e6) for m in moved]
+    n = len(c)
+    exposed_out = sum(
+        max(0.0, out_ms[i] - sum(c[j].forward_ms for j in range(i + 1, min(n, i + w[i]))))
+        for i in range(n)
+    )
+    exposed_back = sum(
+        max(0.0, back_ms[i] - sum(c[j].backward_ms for j in range(i + 1, min(n, i + w[i]))))
+        for i in range(n)
+    )
+    return max(forward + exposed_out, sum(out_ms)) + max(backward + exposed_back, sum(back_ms))
+
+
+def _residual_bytes(fun, structs, device_inputs) -> tuple[int, int, int, int]:
+    """``(device, input, output, host)`` bytes of the residuals that ``jax.vjp(fun)`` keeps and reads."""
+    traced = trace_vjp(fun, *structs)
+    inputs = {v: k for k, v in enumerate(traced.jaxpr.invars)}
+    device = kept_input = kept_output = host = 0
+    for v in dict.fromkeys(traced.needed):
+        if inputs.get(v, -1) in device_inputs:
+            continue
+        size = nbytes(v.aval, per_device=True)
+        if getattr(v.aval, "memory_space", None) == jax.memory.Space.Host:
+            host += size
+        elif v in inputs:
+            kept_input += size
+        elif v in traced.outputs:
+            kept_output += size
+        else:
+            device += size
+    return device, kept_input, kept_output, host
+
+
+def median_ms(fn, *args, runs: int) -> float:
+    """The median time of ``fn(*args)`` in milliseconds, over ``runs`` runs after one to warm up."""
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def zeros(struct) -> jax.Array:
+    """Zeros of ``struct``'s shape, dtype and sharding (distinct keys for a PRNG key array)."""
+    if jax.dtypes.issubdtype(struct.dtype, jax.dtypes.prng_key):
+        keys = jax.random.split(jax.random.key(0), math.prod(struct.shape))
+        return keys.reshape(struct.shape)
+    sharding = getattr(struct, "sharding", None)
+    if isinstance(sharding, jax.sharding.Sharding):
+        return jnp.zeros(struct.shape, struct.dtype, device=sharding)
+    return jnp.zeros(struct.shape, struct.dtype)
+
+
+def _time_block(fun, structs, runs: int) -> tuple[float, float]:
+    """``(forward_ms, forward_and_backward_ms)`` of ``fun`` alone on the default device."""
+    args = [zeros(s) for s in structs]
+    out_structs = jax.eval_shape(fun, *structs)
+    floats = [jax.dtypes.issubdtype(o.dtype, np.inexact) for o in out_structs]
+
+    def both(args, cotangents):
+        out, vjp_fun = jax.vjp(fun, *args)
+        it = iter(cotangents)
+        full = [
+            next(it) if f else np.zeros(o.shape, jax.dtypes.float0) for f, o in zip(floats, out)
+        ]
+        return vjp_fun(full)
+
+    cotangents = [zeros(o) for f, o in zip(floats, out_structs) if f]
+    forward_ms = median_ms(jax.jit(fun), *args, runs=runs)
+    both_ms = median_ms(jax.jit(both), args, cotangents, runs=runs)
+    return forward_ms, both_ms
+
+
+def cost_blocks(paths, calls, options, *, runs, say) -> list[BlockCosts]:
+    """Each block's cost under each option: traced once and timed once per distinct program."""
+    costed = [s.without_window() for s in options]
+    costed = list(dict.fromkeys([Store(), *costed]))
+    by_program: dict[tuple, dict[Strategy, BlockCost]] = {}
+    programs = [(str(call.forward), call.device_inputs) for call in calls]
+    distinct = list(dict.fromkeys(programs))
+    blocks = []
+    for path, call, program in zip(paths, calls, programs):
+        fun = jex_core.jaxpr_as_fun(call.forward)
+        invars, outvars = call.forward.jaxpr.invars, call.forward.jaxpr.outvars
+        structs = [struct_of(v.aval, rebind=True) for v in invars]
+        input_bytes = sum(
+            nbytes(v.aval, per_device=True)
+            for k, v in enumerate(invars)
+            if k not in call.device_inputs
+        )
+        output_bytes = sum(nbytes(v.aval, per_device=True) for v in outvars)
+        if program not in by_program:
+            say(f"timing block program {distinct.index(program) + 1}/{len(distinct)} ({path})")
+            by_program[program] = _cost_program(fun, structs, call.device_inputs, costed, runs)
+        blocks.append(BlockCosts(path, input_bytes, output_bytes, by_program[program]))
+    return blocks
+
+
+def _cost_program(fun, structs, device_inputs, strategies, runs) -> dict[Strategy, BlockCost]:
+    store_forward_ms = None
+    measured = {}
+    for strategy in strategies:
+        wrapped = transform.wrap(fun, strategy, device_argnums=device_inputs)
+        device, kept_input, kept_output, host = _residual_bytes(wrapped, structs, device_inputs)
+        # Compute alone: the link's share is the planner's model (estimate_step_ms).
+        with without_host_placement():
+            forward_ms, both_ms = _time_block(wrapped, structs, runs)
+        if store_forward_ms is None:
+            store_forward_ms = forward_ms
+        measured[strategy] = (device, kept_input, kept_output, host, both_ms)
+    store_device = measured[Store()][0]
+    costs = {}
+    for strategy, (device, kept_input, kept_output, host, both_ms) in measured.items():
+        costs[strategy] = BlockCost(
+            device, kept_input, kept_output, host,
+            max(0, store_device - device) if strategy.recomputes else 0,
+            store_forward_ms, max(0.0, both_ms - store_forward_ms),
+        )  # fmt: skip
+    return costs
+
+
+def measure_link(nbytes: int = 2**30, runs: int = 3) -> dict[str, float]:
+    """The host link's bandwidth: ``jax.device_put`` between device and pinned host memory.
+
+    Args:
+      nbytes: size of the array moved each way.
+      runs: timed moves each way; the median counts.
+
+    Returns:
+      ``{"d2h_gbps": ..., "h2d_gbps": ...}``, in 10⁹ bytes per second.
+    """
+    device = jax.devices()[0]
+    on_host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    x = jax.device_put(jnp.ones(nbytes // 4, jnp.float32), on_device)
+    host = jax.device_put(x, on_host).block_until_ready()
+    d2h = median_ms(lambda: jax.device_put(x, on_host), runs=runs)
+    h2d = median_ms(lambda: jax.device_put(host, on_device), runs=runs)
+    return {"d2h_gbps": x.nbytes / d2h / 1e6, "h2d_gbps": x.nbytes / h2d / 1e6}

@@ -1,0 +1,189 @@
+"""The plan: one strategy per block of a model, as a value that prints, compares and saves."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from jaxoffload._src.jaxprs import format_bytes
+from jaxoffload._src.planner.apply import apply_plan
+from jaxoffload._src.strategies import (
+    Store,
+    Strategy,
+    brief,
+    check_strategy,
+    strategy_from_dict,
+    strategy_to_dict,
+)
+
+__all__ = ["Plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One strategy per plannable block of a model, and one for the code between the blocks.
+
+    A plan is a value: it prints as a table, compares, hashes, and saves to
+    JSON. :meth:`apply` puts it on a model, so the training loop is the one
+    that trained the plain model. :func:`plan` makes one for a budget; one
+    can also be written by hand.
+
+    Attributes:
+      blocks: ``(path, strategy)`` pairs in call order. A path is the
+        block's Flax path joined by ``/``: ``"BottleneckResNetBlock_3"`` in
+        linen, ``"blocks/3"`` in NNX.
+      outside: the strategy of the code outside the blocks (a stem, a
+        classifier), applied as wrapped Modules nest.
+      budget_bytes: the budget the plan was made for, if any.
+      estimated_bytes: the planner's model of the step's device bytes.
+      compiled_bytes: the compiled step's device bytes (arguments and
+        temporaries), as the planner checked them.
+      estimated_step_ms: the planner's model of the step's time: the blocks'
+        measured compute, and the transfers that it cannot hide.
+      measured_step_ms: the compiled plan's step, as the planner timed it.
+      notes: per block, what the planner measured for its choice.
+
+    Example:
+      >>> import jaxoffload
+      >>> p = Plan((("Block_0", jaxoffload.Lean()), ("Block_1", jaxoffload.Offload(window=2))))
+      >>> p.strategy_for("Block_1")
+      Offload(names=None, recompute=False, min_bytes=0, max_recompute=0.25, window=2)
+      >>> Plan.from_json(p.to_json()) == p
+      True
+    """
+
+    blocks: tuple[tuple[str, Strategy], ...]
+    outside: Strategy = Store()
+    budget_bytes: int | None = dataclasses.field(default=None, compare=False)
+    estimated_bytes: int | None = dataclasses.field(default=None, compare=False)
+    compiled_bytes: int | None = dataclasses.field(default=None, compare=False)
+    estimated_step_ms: float | None = dataclasses.field(default=None, compare=False)
+    measured_step_ms: float | None = dataclasses.field(default=None, compare=False)
+    notes: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+
+    def __post_init__(self):
+        blocks = tuple((path, check_strategy(s)) for path, s in self.blocks)
+        bad = [path for path, _ in blocks if not isinstance(path, str)]
+        if bad:
+            raise TypeError(f"block paths must be strings such as 'Block_0', got {bad!r}.")
+        seen = [path for n, (path, _) in enumerate(blocks) if path in dict(blocks[:n])]
+        if seen:
+            raise ValueError(f"a plan gives each block one strategy; {seen} appear twice.")
+        object.__setattr__(self, "blocks", blocks)
+        object.__setattr__(self, "outside", check_strategy(self.outside))
+        object.__setattr__(self, "notes", tuple(self.notes))
+
+    def strategy_for(self, path: str) -> Strategy:
+        """The strategy of the block at ``path``.
+
+        Raises:
+          ValueError: if the plan has no such block: it was made for another model.
+        """
+        for p, strategy in self.blocks:
+            if p == path:
+                return strategy
+        known = ", ".join(p for p, _ in self.blocks[:6]) + (", ..." if len(self.blocks) > 6 else "")
+        raise ValueError(
+            f"the plan has no block {path!r}; it was made for a model whose plannable blocks "
+            f"are {known or 'none'}. Plan this model with jaxoffload.plan."
+        )
+
+    @property
+    def strategies(self) -> tuple[Strategy, ...]:
+        """The blocks' strategies, in call order."""
+        return tuple(s for _, s in self.blocks)
+
+    def apply(self, model: Any) -> Any:
+        """``model``, whose blocks take this plan's strategies.
+
+        A linen ``model`` is an unbound Module whose blocks are
+        :func:`jaxoffload.linen.plannable`; the result is a new Module of the
+        same class name and fields: its variables are ``model``'s, and
+        ``init``, ``apply`` and the training step are unchanged.
+
+        An NNX ``model`` is changed in place and returned, as
+        :func:`jaxoffload.nnx.wrap` changes a Module instance: the submodule
+        at each of the plan's paths takes its strategy, and ``model`` itself
+        the ``outside`` one. Its variables, and the Optimizer that holds them,
+        are untouched; a ``Store()`` puts a block back as it was.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, flax.linen as nn
+          >>> import jaxoffload
+          >>> Dense = jaxoffload.linen.plannable(nn.Dense)
+          >>> class Net(nn.Module):
+          ...     @nn.compact
+          ...     def __call__(self, x):
+          ...         return Dense(2)(nn.relu(Dense(4)(x)))
+          >>> plan = Plan((("Dense_0", jaxoffload.Lean()), ("Dense_1", jaxoffload.Remat())))
+          >>> v = plan.apply(Net()).init(jax.random.key(0), jnp.ones((1, 3)))
+          >>> sorted(v["params"])
+          ['Dense_0', 'Dense_1']
+        """
+        return apply_plan(self, model)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data; :meth:`from_dict` reads it back."""
+        return {
+            "blocks": [[path, strategy_to_dict(s)] for path, s in self.blocks],
+            "outside": strategy_to_dict(self.outside),
+            "budget_bytes": self.budget_bytes,
+            "estimated_bytes": self.estimated_bytes,
+            "compiled_bytes": self.compiled_bytes,
+            "estimated_step_ms": self.estimated_step_ms,
+            "measured_step_ms": self.measured_step_ms,
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """The plan that :meth:`to_dict` wrote."""
+        return cls(
+            tuple((path, strategy_from_dict(s)) for path, s in data["blocks"]),
+            strategy_from_dict(data.get("outside", {"kind": "Store"})),
+            **{k: data.get(k) for k in ("budget_bytes", "estimated_bytes", "compiled_bytes")},
+            estimated_step_ms=data.get("estimated_step_ms"),
+            measured_step_ms=data.get("measured_step_ms"),
+            notes=tuple(data.get("notes", ())),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str) -> None:
+        """Writes the plan to ``path`` as JSON."""
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str) -> Plan:
+        """Reads a plan that :meth:`save` wrote."""
+        with open(path) as f:
+            return cls.from_json(f.read())
+
+    def __str__(self) -> str:
+        rows = [("block", "strategy", "measured")]
+        notes = self.notes if len(self.notes) == len(self.blocks) else ("",) * len(self.blocks)
+        rows += [(path, brief(s), note) for (path, s), note in zip(self.blocks, notes)]
+        rows.append(("(outside the blocks)", brief(self.outside), ""))
+        widths = [max(len(r[k]) for r in rows) for k in range(2)]
+        lines = [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c}".rstrip() for a, b, c in rows]
+        figures = [
+            f"{name} {format_bytes(value)}"
+            for name, value in (
+                ("budget", self.budget_bytes),
+                ("estimated", self.estimated_bytes),
+                ("compiled", self.compiled_bytes),
+            )
+            if value is not None
+        ]
+        if self.estimated_step_ms is not None:
+            figures.append(f"estimated step {self.estimated_step_ms:.1f} ms")
+        if self.measured_step_ms is not None:
+            figures.append(f"measured step {self.measured_step_ms:.1f} ms")
+        return "\n".join(lines + ([", ".join(figures)] if figures else []))

@@ -1,0 +1,72 @@
+"""A training step under a plan, as a program: the blocks it calls, and its compiled bytes."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxoffload._src import calls as calls_lib
+from jaxoffload._src import nnx as offload_nnx
+from jaxoffload._src.planner.apply import Discovery
+from jaxoffload._src.planner.plan import Plan
+from jaxoffload._src.residuals import OffloadedCall
+from jaxoffload._src.strategies import Lean
+
+__all__ = ["compile_step", "compiled_bytes", "device_bytes", "discover", "program"]
+
+
+def discover(model, step, args, blocks) -> tuple[list[str], list[OffloadedCall]]:
+    """The paths of the blocks that ``step`` calls, in call order, and each one's wrapped call."""
+    if isinstance(model, nnx.Module):
+        every_block_lean = Plan(tuple((p, Lean()) for p in offload_nnx.block_paths(model, blocks)))
+        with offload_nnx.calls_recorded() as paths:
+            fun, arrays, _ = program(model, step, args, every_block_lean)
+            calls = calls_lib.offloaded_calls(fun, *arrays)
+        return paths, calls
+    if blocks is not None:
+        raise TypeError(
+            "blocks= selects the blocks of an NNX model; a linen model's blocks are those whose "
+            "class is jaxoffload.linen.plannable (block_cls=jaxoffload.linen.plannable(Block))."
+        )
+    discovery = Discovery()
+    fun, arrays, _ = program(model, step, args, discovery)
+    return discovery.paths, calls_lib.offloaded_calls(fun, *arrays)
+
+
+def compiled_bytes(
+    model: Any,
+    step: Callable[..., Any],
+    *args: Any,
+    plan: Plan,
+    donate_argnums: int | Sequence[int] = (),
+) -> int:
+    """The device bytes of ``step``'s compiled program under ``plan``: arguments and temporaries.
+
+    Outputs are not counted: a training step donates its state, so its
+    outputs reuse the arguments' buffers. ``donate_argnums`` counts the
+    arguments after ``model``, as the training loop's ``jax.jit`` does.
+    """
+    return device_bytes(compile_step(model, step, args, plan, donate_argnums))
+
+
+def program(model, step, args, plan, donate_argnums=()):
+    """``step`` with ``model`` under ``plan``, as a function of arrays: ``(fun, arrays, donate)``."""
+    if isinstance(model, nnx.Module):
+        return offload_nnx.functional(step, plan.apply(model), args, donate_argnums)
+    return functools.partial(step, plan.apply(model)), args, donate_argnums
+
+
+def compile_step(model, step, args, plan: Plan, donate_argnums):
+    """``step`` under ``plan``, traced, lowered and compiled."""
+    fun, arrays, donate = program(model, step, args, plan, donate_argnums)
+    return jax.jit(fun, donate_argnums=donate).trace(*arrays).lower().compile()
+
+
+def device_bytes(executable) -> int:
+    """A compiled step's device bytes: its arguments and temporaries."""
+    memory = executable.memory_analysis()
+    return int(memory.temp_size_in_bytes + memory.argument_size_in_bytes)

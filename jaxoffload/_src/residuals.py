@@ -1,0 +1,347 @@
+"""What a wrapped call keeps for its backward pass, where each value waits, and why.
+
+:func:`select` traces a call's forward pass with its ``jax.vjp`` residuals and
+chooses what to keep, as its strategy answers: jax's residuals (``Store``), a
+``jax.checkpoint`` policy's (``Remat``, ``Offload(names=...)``), or the cheapest
+cut of the forward graph with lean rules (:mod:`jaxoffload._src.cut`,
+:mod:`jaxoffload._src.rewrite`). :class:`Residual` and :class:`OffloadedCall`
+describe the result for people.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+from jaxoffload._src import cut as cut_lib
+from jaxoffload._src import rewrite
+from jaxoffload._src.jaxprs import eqn_flops, live_vars, nbytes, struct_of, sub_function
+from jaxoffload._src.strategies import Strategy
+
+__all__ = ["OffloadedCall", "Residual", "Selection", "VjpTrace", "describe", "select", "trace_vjp"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """One value that the backward pass of a wrapped function reads.
+
+    Attributes:
+      shape: the residual's shape.
+      dtype: its dtype.
+      nbytes: its size in bytes.
+      placement: ``"pinned_host"`` if it waits in host memory between the
+        forward and the backward pass, ``"device"`` if it stays on the device.
+      reason: why it is kept, and why it is placed there, in words.
+      output: whether it is also one of the call's outputs, which the next
+        layer usually keeps as its input.
+      where: the operation that computes it, with its layer's name
+        (``"Block_0/Conv_1: conv_general_dilated"``), or ``"input"``.
+    """
+
+    shape: tuple[int, ...]
+    dtype: Any
+    nbytes: int
+    placement: str
+    reason: str
+    output: bool = False
+    where: str = ""
+
+    def __str__(self) -> str:
+        dtype = getattr(self.dtype, "name", str(self.dtype))
+        where = f" [{self.where}]" if self.where else ""
+        return f"{dtype}{list(self.shape)} {self.nbytes:,} B -> {self.placement} ({self.reason}){where}"
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadedCall:
+    """One wrapped call in a traced function (see :func:`offloaded_calls`).
+
+    Attributes:
+      residuals: what its backward pass reads, and where each value waits.
+      flops: the floating-point operations of its forward pass's matrix
+        products and convolutions (2 per multiply-add); elementwise work is
+        not counted.
+      grad_flops: the same, for its forward and backward passes together,
+        with what the backward pass recomputes.
+      rewrites: where lean rules replaced jax's, and where they could not.
+      forward: its forward pass as a closed jaxpr, on its own:
+        ``jax.extend.core.jaxpr_as_fun(call.forward)`` runs it, so that a
+        planner can time it.
+      device_inputs: the positions, among ``forward``'s inputs, of those
+        kept on the device anyway (parameters).
+    """
+
+    residuals: tuple[Residual, ...]
+    flops: int
+    grad_flops: int
+    rewrites: tuple[rewrite.Rewrite, ...] = ()
+    forward: Any = dataclasses.field(default=None, repr=False, compare=False)
+    device_inputs: tuple[int, ...] = ()
+
+    @property
+    def host_bytes(self) -> int:
+        """The bytes of its residuals that wait in host memory: what it moves each way."""
+        return sum(r.nbytes for r in self.residuals if r.placement == "pinned_host")
+
+    @property
+    def device_bytes(self) -> int:
+        """The bytes of its residuals that stay on the device."""
+        return sum(r.nbytes for r in self.residuals if r.placement == "device")
+
+
+@dataclasses.dataclass(frozen=True)
+class VjpTrace:
+    """The forward pass of ``jax.vjp(fun)``, traced with its residuals.
+
+    Attributes:
+      jaxpr: the forward pass, whose outputs are ``fun``'s flat outputs, then
+        the residuals (the leaves of the vjp function).
+      consts: its constants.
+      outputs: its first outputs: ``fun``'s.
+      residuals: the rest.
+      used: per residual, whether the backward pass really reads it.
+      vjp_tree: the pytree structure of the vjp function.
+      out_tree: the pytree structure of ``fun``'s outputs.
+    """
+
+    jaxpr: Any
+    consts: list[Any]
+    outputs: list[Any]
+    residuals: list[Any]
+    used: list[bool]
+    vjp_tree: Any
+    out_tree: Any
+
+    @property
+    def needed(self) -> list[Any]:
+        """The residuals that the backward pass reads, as variables of ``jaxpr``."""
+        return [a for a, u in zip(self.residuals, self.used) if u and isinstance(a, jex_core.Var)]
+
+
+def trace_vjp(fun: Callable[..., Any], *args: Any) -> VjpTrace:
+    """Traces ``jax.vjp(fun, *args)``'s forward pass, and which residuals its backward pass reads.
+
+    ``jax.vjp`` can keep values that the backward pass then ignores; keeping
+    them would cost memory (and moving them two transfers) for nothing.
+    """
+    trees = {}
+
+    def forward_and_residuals(*args):
+        out, vjp_fun = jax.vjp(fun, *args)
+        leaves, trees["vjp"] = jax.tree.flatten(vjp_fun)
+        trees["out"] = jax.tree.structure(out)
+        return jax.tree.leaves(out), leaves
+
+    closed = jax.make_jaxpr(forward_and_residuals)(*args)
+    jaxpr = closed.jaxpr
+    num_out = trees["out"].num_leaves
+    outputs, residuals = jaxpr.outvars[:num_out], jaxpr.outvars[num_out:]
+    cotangents = jax.tree.unflatten(
+        trees["out"],
+        [
+            struct_of(a.aval, a.aval.dtype if _is_inexact(a.aval) else jax.dtypes.float0)
+            for a in outputs
+        ],
+    )
+    structs = [struct_of(a.aval) for a in residuals]
+    vjp_tree = trees["vjp"]
+    backward = jax.make_jaxpr(lambda r, c: jax.tree.unflatten(vjp_tree, r)(c))(structs, cotangents)
+    live = live_vars(backward.jaxpr)
+    used = [v in live for v in backward.jaxpr.invars[: len(residuals)]]
+    return VjpTrace(jaxpr, closed.consts, outputs, residuals, used, vjp_tree, trees["out"])
+
+
+def _is_inexact(aval) -> bool:
+    return jax.dtypes.issubdtype(aval.dtype, np.inexact)
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """What one call keeps for its backward pass, and where: made once per trace of its forward pass.
+
+    Attributes:
+      forward: flat inputs -> flat outputs, then the saved values.
+      backward: saved values -> the residuals of ``vjp``, in order.
+      recomputes: whether ``backward`` computes anything.
+      residuals: a description of each saved value.
+      to_host: the positions of the saved values that move to the host.
+      vjp_tree: the pytree structure of the ``vjp`` function.
+      out_tree: the pytree structure of the outputs.
+      num_outputs: how many flat outputs ``forward`` gives before the saved values.
+      rewrites: where lean rules replaced jax's (:mod:`jaxoffload._src.rewrite`).
+      recompute_flops: the FLOPs of the products that ``backward`` recomputes.
+      fun: the function differentiated: the call with lean rules, or under
+        ``jax.checkpoint`` for ``Offload(names=...)``.
+    """
+
+    forward: Callable[..., list[Any]]
+    backward: Callable[..., list[Any]]
+    recomputes: bool
+    residuals: tuple[Residual, ...]
+    to_host: tuple[int, ...]
+    vjp_tree: Any
+    out_tree: Any
+    num_outputs: int
+    rewrites: tuple[rewrite.Rewrite, ...]
+    recompute_flops: int
+    fun: Callable[..., Any]
+
+
+def select(call, dynamic, kwargs, strategy: Strategy, device_leaves: set[int]) -> Selection:
+    """Traces ``call``'s forward pass with its ``vjp`` residuals, and chooses what to keep.
+
+    ``device_leaves`` are the positions, among the flat inputs, of leaves that
+    live on the device anyway (parameters).
+    """
+    notes: list[rewrite.Rewrite] = []
+    if strategy.cuts:
+        fun = rewrite.with_lean_rules(call, notes)
+    else:
+        fun = strategy.checkpointed(call) or call
+    traced = trace_vjp(fun, dynamic, kwargs)
+    jaxpr, consts = traced.jaxpr, traced.consts
+    needed = traced.needed
+    params = {jaxpr.invars[i] for i in device_leaves} | set(jaxpr.constvars)
+    if strategy.cuts:
+        chosen = _cheapest(jaxpr, needed, traced.outputs, params, strategy)
+        saved, recomputed, flops = list(chosen.saved), chosen.recomputed, chosen.recompute_flops
+    else:
+        saved, recomputed, flops, chosen = list(dict.fromkeys(needed)), (), 0, None
+    residuals, to_host = _describe_saved(saved, jaxpr, traced.outputs, params, strategy, chosen)
+    forward = sub_function(jaxpr, consts, list(jaxpr.invars), [*traced.outputs, *saved])
+    backward_eqns = [jaxpr.eqns[i] for i in recomputed]
+    backward = _residuals_from(traced, saved, backward_eqns)
+    return Selection(
+        forward, backward, bool(recomputed), tuple(residuals), tuple(to_host),
+        traced.vjp_tree, traced.out_tree, len(traced.outputs), tuple(notes), flops, fun,
+    )  # fmt: skip
+
+
+def _cheapest(jaxpr, needed, out_atoms, params, strategy) -> cut_lib.Cut:
+    """The cut that ``strategy`` keeps (see :func:`jaxoffload._src.cut.cheapest_cut`).
+
+    A lean call's inputs and outputs are kept anyway, by the layers around
+    it, so they cost nothing; an offloading call moves its own, and never
+    more than a lean call would keep.
+    """
+    kept_anyway = params | set(jaxpr.invars) | {a for a in out_atoms if isinstance(a, jex_core.Var)}
+    lean = cut_lib.cheapest_cut(jaxpr, needed, kept_anyway, max_recompute=strategy.max_recompute)
+    if not strategy.to_host:
+        return lean
+    chosen = cut_lib.cheapest_cut(jaxpr, needed, params, max_recompute=strategy.max_recompute)
+    return lean if _bytes(chosen.saved, params) > _bytes(lean.saved, params) else chosen
+
+
+def _describe_saved(saved, jaxpr, out_atoms, params, strategy, chosen):
+    """``(residuals, to_host)``: a :class:`Residual` per saved value, and which move."""
+    residuals, to_host = [], []
+    outputs = {a for a in out_atoms if isinstance(a, jex_core.Var)}
+    for n, v in enumerate(saved):
+        placement, reason = _place(v, params, strategy, jaxpr)
+        if placement == "pinned_host":
+            to_host.append(n)
+        why = _why_kept(v, jaxpr, chosen, outputs)
+        residuals.append(
+            Residual(
+                tuple(v.aval.shape), v.aval.dtype, nbytes(v.aval), placement,
+                f"{why}; {reason}" if why else reason, v in outputs, _where(v, jaxpr),
+            )
+        )  # fmt: skip
+    return residuals, to_host
+
+
+def _bytes(values, free) -> int:
+    return sum(nbytes(v.aval) for v in values if v not in free)
+
+
+def _place(v, params, strategy, jaxpr) -> tuple[str, str]:
+    if v in jaxpr.constvars:
+        return "device", "constant"
+    if v in params:
+        return "device", "argument in device_argnums"
+    return strategy.placement(nbytes(v.aval), tuple(v.aval.shape))
+
+
+def _why_kept(v, jaxpr, chosen, outputs) -> str:
+    """Why the cut keeps ``v`` rather than recompute it (empty without a cut)."""
+    if chosen is None or v in jaxpr.invars or v in jaxpr.constvars:
+        return ""
+    if v in outputs:
+        return "an output"
+    i = next(i for i, e in enumerate(jaxpr.eqns) if v in e.outvars)
+    if i in chosen.never:
+        return f"not recomputable: {chosen.never[i]}"
+    if eqn_flops(jaxpr.eqns[i]):
+        return "recomputing it would pass max_recompute"
+    return "keeping it costs less than recomputing it"
+
+
+def _where(v, jaxpr) -> str:
+    if v in jaxpr.invars:
+        return "input"
+    if v in jaxpr.constvars:
+        return "constant"
+    eqn = next(e for e in jaxpr.eqns if v in e.outvars)
+    stack = str(eqn.source_info.name_stack)
+    # Tracing under jax.vjp prefixes the stack with transformation names.
+    stack = "/".join(s.removeprefix("jvp(").removesuffix(")") for s in stack.split("/") if s)
+    return f"{stack}: {eqn.primitive.name}" if stack else eqn.primitive.name
+
+
+def _residuals_from(traced: VjpTrace, saved, eqns):
+    """saved values -> every residual leaf of ``vjp``, recomputing what was not saved."""
+    needed = traced.needed
+    recompute = sub_function(traced.jaxpr, traced.consts, list(saved), needed) if eqns else None
+    positions = {v: n for n, v in enumerate(saved)}
+
+    def residuals(saved_values):
+        values = dict(zip(needed, recompute(*saved_values))) if recompute else {}
+        leaves = []
+        for atom, is_used in zip(traced.residuals, traced.used):
+            if isinstance(atom, jex_core.Literal):
+                leaves.append(atom.val)
+            elif not is_used:  # never read by the backward pass, so never saved
+                leaves.append(jax.numpy.zeros(atom.aval.shape, atom.aval.dtype))
+            elif atom in values:
+                leaves.append(values[atom])
+            else:
+                leaves.append(saved_values[positions[atom]])
+        return leaves
+
+    return residuals
+
+
+def describe(call, selection: Selection, dynamic, kwargs, device_leaves) -> OffloadedCall:
+    """The record :func:`offloaded_calls` gives of one call."""
+    forward = jax.make_jaxpr(call)(dynamic, kwargs)
+    # Of the function that is differentiated: recomputation under names included.
+    both = jax.make_jaxpr(_forward_and_backward(selection.fun))(dynamic, kwargs)
+    return OffloadedCall(
+        selection.residuals,
+        sum(eqn_flops(e) for e in forward.jaxpr.eqns),
+        sum(eqn_flops(e) for e in both.jaxpr.eqns) + selection.recompute_flops,
+        selection.rewrites,
+        forward,
+        tuple(sorted(device_leaves)),
+    )
+
+
+def _forward_and_backward(call):
+    """``call``'s forward pass, then its backward pass from a cotangent of zeros."""
+
+    def both(*args):
+        out, vjp_fun = jax.vjp(call, *args)
+        return vjp_fun(jax.tree.map(_zero_cotangent, out))
+
+    return both
+
+
+def _zero_cotangent(x):
+    if jax.dtypes.issubdtype(x.dtype, np.inexact):
+        return jax.numpy.zeros_like(x)
+    return np.zeros(np.shape(x), jax.dtypes.float0)

@@ -1,0 +1,328 @@
+"""What a block keeps for its backward pass, as small frozen values.
+
+A strategy is a value, as a ``jax.checkpoint_policies`` policy is: it can be
+printed, compared, hashed and stored. :func:`jaxoffload.wrap` applies one to a
+function and :func:`jaxoffload.linen.wrap` to a Flax module:
+
+- :class:`Store`: keep jax's residuals on the device (the plain model);
+- :class:`Lean`: keep the fewest bytes on the device, recomputing cheap
+  values (BatchNorm's normalised copies, masks) in the backward pass;
+- :class:`Remat`: ``jax.checkpoint`` with a policy;
+- :class:`Offload`: keep the lean residuals in pinned host memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+__all__ = [
+    "Lean",
+    "Offload",
+    "Remat",
+    "Store",
+    "Strategy",
+    "brief",
+    "check_strategy",
+    "strategy_from_dict",
+    "strategy_to_dict",
+]
+
+Function = Callable[..., Any]
+
+
+class Strategy:
+    """What every strategy answers: the questions that the transform and the planner ask.
+
+    A strategy is asked, not inspected, as a ``jax.checkpoint_policies``
+    policy is; the defaults here are a plain block's answers, and each
+    strategy overrides the ones where it differs.
+
+    Attributes:
+      is_identity: wrapping a function with it returns the function itself.
+      to_host: its residuals wait in pinned host memory.
+      window: how many consecutive wrapped calls may have transfers in
+        flight (1 waits for the call's own).
+      cuts: its residuals are the cheapest cut of the call's forward graph,
+        with lean rules for ReLUs and max-pools (:mod:`jaxoffload._src.cut`).
+      recomputes: its backward pass recomputes what it does not keep, by a
+        ``jax.checkpoint`` policy.
+      required_names: the names, given with ``checkpoint_name``, that the function must mark.
+    """
+
+    is_identity: bool = False
+    to_host: bool = False
+    window: int = 1
+    cuts: bool = False
+    recomputes: bool = False
+    required_names: tuple[str, ...] = ()
+
+    def checkpointed(self, fun: Function) -> Function | None:
+        """``fun`` under the ``jax.checkpoint`` whose policy picks its residuals, if any."""
+        return None
+
+    def placement(self, nbytes: int, shape: tuple[int, ...]) -> tuple[str, str]:
+        """Where a residual of this size waits (``"device"`` or ``"pinned_host"``), and why."""
+        return "device", type(self).__name__
+
+    def without_window(self) -> Strategy:
+        """The strategy with window 1: the same residuals and compute, transfers waited for."""
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class Store(Strategy):
+    """Keep every residual that ``jax.vjp`` keeps, on the device: the plain model.
+
+    Example:
+      >>> Store()
+      Store()
+    """
+
+    is_identity = True
+
+
+def _check_share(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ValueError(f"{name} must be a non-negative number, got {value!r}.")
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lean(Strategy):
+    """Keep the fewest residual bytes on the device; recompute the cheap rest.
+
+    The kept values are a minimum cut of the block's forward graph
+    (:mod:`jaxoffload._src.cut`): elementwise work is recomputed in the backward
+    pass, where it fuses into loops that run anyway; reductions' small
+    outputs are kept; convolutions and matrix products are recomputed only
+    where that saves the most bytes, within ``max_recompute``. ReLUs and
+    max-pools get leaner rules than jax's (:mod:`jaxoffload._src.rewrite`). The
+    block's inputs and outputs cost nothing to keep: the layers around it
+    keep them anyway.
+
+    Attributes:
+      max_recompute: the FLOPs of convolutions and matrix products that the
+        backward pass may recompute, as a share of the block's forward pass's.
+
+    Example:
+      >>> Lean(), Lean(max_recompute=0.0)
+      (Lean(max_recompute=0.25), Lean(max_recompute=0.0))
+    """
+
+    max_recompute: float = 0.25
+    cuts = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "max_recompute", _check_share("max_recompute", self.max_recompute))
+
+
+@dataclasses.dataclass(frozen=True)
+class Remat(Strategy):
+    """Recompute in the backward pass: ``jax.checkpoint`` (``nn.remat``) with ``policy``.
+
+    Attributes:
+      policy: a ``jax.checkpoint_policies`` policy; ``None`` saves nothing
+        but the inputs.
+      prevent_cse: as in ``jax.checkpoint``.
+
+    Example:
+      >>> import jax
+      >>> Remat(jax.checkpoint_policies.dots_saveable) == Remat(jax.checkpoint_policies.dots_saveable)
+      True
+    """
+
+    policy: Callable[..., Any] | None = None
+    prevent_cse: bool = True
+    recomputes = True
+
+    def __post_init__(self):
+        if self.policy is not None and not callable(self.policy):
+            raise TypeError(
+                f"policy must be a jax.checkpoint_policies policy or None, got {self.policy!r}."
+            )
+        if not isinstance(self.prevent_cse, bool):
+            raise TypeError(f"prevent_cse must be a bool, got {self.prevent_cse!r}.")
+
+    def checkpointed(self, fun: Function) -> Function:
+        return jax.checkpoint(fun, policy=self.policy, prevent_cse=self.prevent_cse)
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload(Strategy):
+    """Keep the residuals in pinned host memory between the two passes.
+
+    By default what moves is what :class:`Lean` would keep, so cheap values
+    are recomputed rather than moved, and a block never moves more bytes
+    than its lean residuals. ``names`` and ``recompute`` choose fewer values
+    and recompute the rest.
+
+    Attributes:
+      names: move only the :func:`~jax.ad_checkpoint.checkpoint_name` values
+        with these names, and the block's inputs; recompute the rest.
+      recompute: move only the block's inputs, and recompute everything else
+        (offload and recompute, like ``nn.remat`` with its inputs on the host).
+      min_bytes: residuals smaller than this stay on the device.
+      max_recompute: as in :class:`Lean`.
+      window: how many consecutive wrapped blocks may have transfers in
+        flight (see :func:`jaxoffload.offload`); 1 waits for the block's own.
+
+    Example:
+      >>> Offload(window=2)
+      Offload(names=None, recompute=False, min_bytes=0, max_recompute=0.25, window=2)
+    """
+
+    names: tuple[str, ...] | None = None
+    recompute: bool = False
+    min_bytes: int = 0
+    max_recompute: float = 0.25
+    window: int = 1
+
+    def __post_init__(self):
+        names = self.names
+        if names is not None:
+            if isinstance(names, str):
+                raise TypeError(
+                    f"names must be a sequence of strings, got the string {names!r}; "
+                    f"write names=({names!r},)."
+                )
+            names = tuple(names)
+            bad = [n for n in names if not isinstance(n, str)]
+            if bad:
+                raise TypeError(f"names must be strings, got {bad!r}.")
+            object.__setattr__(self, "names", names)
+        if not isinstance(self.recompute, bool):
+            raise TypeError(f"recompute must be a bool, got {self.recompute!r}.")
+        if self.recompute and names is not None:
+            raise ValueError(
+                "recompute=True moves only the inputs and recomputes the rest; it takes no "
+                f"names (got names={names!r})."
+            )
+        min_bytes = self.min_bytes
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(f"min_bytes must be a non-negative int, got {min_bytes!r}.")
+        object.__setattr__(self, "max_recompute", _check_share("max_recompute", self.max_recompute))
+        window = self.window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an int of at least 1, got {window!r}.")
+
+    to_host = True
+
+    @property
+    def cuts(self) -> bool:  # type: ignore[override]
+        return self.names is None and not self.recompute
+
+    @property
+    def recomputes(self) -> bool:  # type: ignore[override]
+        return not self.cuts
+
+    @property
+    def required_names(self) -> tuple[str, ...]:  # type: ignore[override]
+        return self.names or ()
+
+    def checkpointed(self, fun: Function) -> Function | None:
+        if self.cuts:
+            return None
+        names = () if self.recompute else self.names
+        return jax.checkpoint(fun, policy=jax.checkpoint_policies.save_only_these_names(*names))
+
+    def placement(self, nbytes: int, shape: tuple[int, ...]) -> tuple[str, str]:
+        if not shape:
+            return "device", "a scalar"
+        if nbytes < self.min_bytes:
+            return "device", f"smaller than min_bytes={self.min_bytes}"
+        return "pinned_host", "offloaded"
+
+    def without_window(self) -> Offload:
+        return dataclasses.replace(self, window=1)
+
+
+_KINDS = (Store, Lean, Remat, Offload)
+
+
+def check_strategy(strategy: Any) -> Strategy:
+    """Returns ``strategy`` if it is a strategy value, and raises a clear error if not."""
+    if isinstance(strategy, Strategy):
+        return strategy
+    if isinstance(strategy, type) and issubclass(strategy, Strategy):
+        raise TypeError(
+            f"a strategy is a value: write {strategy.__name__}(), not {strategy.__name__}."
+        )
+    hint = ""
+    if isinstance(strategy, str):
+        hint = " Strategy names such as 'lean' are for the command line; write Lean()."
+    raise TypeError(
+        f"expected a strategy (Store(), Lean(), Remat(...) or Offload(...)), got {strategy!r}.{hint}"
+    )
+
+
+def strategy_to_dict(strategy: Strategy) -> dict[str, Any]:
+    """A strategy as a JSON-ready dict: ``{"kind": "Offload", "window": 2, ...}``.
+
+    A ``Remat`` policy is saved by its name in ``jax.checkpoint_policies``;
+    a parameterised policy (``save_only_these_names(...)``) has none.
+
+    Example:
+      >>> strategy_to_dict(Offload(window=2))["window"]
+      2
+      >>> strategy_from_dict(strategy_to_dict(Lean(max_recompute=0.1)))
+      Lean(max_recompute=0.1)
+    """
+    strategy = check_strategy(strategy)
+    fields = {f.name: getattr(strategy, f.name) for f in dataclasses.fields(strategy)}
+    if "policy" in fields:
+        fields["policy"] = _policy_name(fields["policy"])
+    if fields.get("names") is not None:
+        fields["names"] = list(fields["names"])
+    return {"kind": type(strategy).__name__, **fields}
+
+
+def strategy_from_dict(fields: dict[str, Any]) -> Strategy:
+    """The strategy that :func:`strategy_to_dict` wrote."""
+    kinds = {cls.__name__: cls for cls in _KINDS}
+    fields = dict(fields)
+    kind = fields.pop("kind", None)
+    if kind not in kinds:
+        raise ValueError(f"unknown strategy kind {kind!r}; expected one of {sorted(kinds)}.")
+    if fields.get("policy") is not None:
+        name = fields["policy"]
+        policy = getattr(jax.checkpoint_policies, name, None)
+        if not callable(policy):
+            raise ValueError(f"jax.checkpoint_policies has no policy {name!r}.")
+        fields["policy"] = policy
+    return kinds[kind](**fields)
+
+
+def _policy_name(policy: Callable[..., Any] | None) -> str | None:
+    if policy is None:
+        return None
+    for name in dir(jax.checkpoint_policies):
+        if getattr(jax.checkpoint_policies, name) is policy:
+            return name
+    raise ValueError(
+        f"Remat policy {policy!r} has no name in jax.checkpoint_policies, so it cannot be "
+        "saved; parameterised policies (save_only_these_names(...)) cannot be written to JSON."
+    )
+
+
+def brief(strategy: Strategy) -> str:
+    """A strategy as a short phrase, its fields at their defaults left out: ``Offload(window=2)``.
+
+    Example:
+      >>> brief(Offload(window=2)), brief(Lean())
+      ('Offload(window=2)', 'Lean()')
+    """
+    defaults = type(strategy)()
+    changed = [
+        f"{f.name}={_name_or_repr(getattr(strategy, f.name))}"
+        for f in dataclasses.fields(strategy)
+        if getattr(strategy, f.name) != getattr(defaults, f.name)
+    ]
+    return f"{type(strategy).__name__}({', '.join(changed)})"
+
+
+def _name_or_repr(value: Any) -> str:
+    return getattr(value, "__name__", None) or repr(value)

@@ -1,0 +1,229 @@
+"""Host transfers, and the data dependencies that make XLA:GPU keep and order them.
+
+XLA:GPU deletes a host round trip that nothing forces, and its scheduler lets
+copies and fetched residuals pile up. Each construction here ties a transfer
+into the data flow with ``jax.lax.optimization_barrier``; ``docs/design.md``
+says why each one is there, and ``tests/test_gpu.py`` checks on a GPU that the
+copies are kept and that device memory falls.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import warnings
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+from jaxoffload._src import context
+from jaxoffload._src.errors import OffloadWarning
+
+__all__ = [
+    "Chain",
+    "after_tokens",
+    "barrier_arrays",
+    "empty_token",
+    "fetch",
+    "is_real",
+    "move_out",
+    "say_if_nothing_moves",
+    "scalar_of",
+    "without_host_placement",
+]
+
+_HOST = jax.memory.Space.Host
+_DEVICE = jax.memory.Space.Device
+_barrier = jax.lax.optimization_barrier
+
+
+def without_host_placement():
+    """Inside it, traced ``Offload`` calls keep every residual on the device.
+
+    Only the copies go: the program is otherwise the same, barriers and all.
+    Compiled, it is the twin that tells how much device memory the copies free.
+    """
+    return context.host_placement_off()
+
+
+class Chain:
+    """The wrapped calls of one trace, in call order, and the transfers still in flight.
+
+    A call with window ``w`` lets the next ``w - 1`` calls run before its
+    host copies must be done: the outputs of call ``i + w - 1`` wait for
+    call ``i``'s copies (its token), and call ``i``'s fetch starts when call
+    ``i + w - 1`` starts its backward pass (the token's cotangent). So the
+    device memory held by transfers in flight is bounded by the windows,
+    whatever the depth. The last calls have no such later call, and nothing
+    orders their fetches.
+    """
+
+    def __init__(self, trace):
+        self.trace = trace
+        self.index = 0
+        self.pending: dict[int, list[jax.Array]] = {}  # call index -> tokens it gates on
+
+    @classmethod
+    def of_current_trace(cls) -> Chain:
+        """The chain of the trace in progress; a new trace starts a new chain."""
+        trace = jex_core.get_opaque_trace_state(convention="jaxoffload")
+        return context.chain_of_trace(trace, cls)
+
+    def next_gates(self) -> tuple[int, list[jax.Array]]:
+        """This call's index, and the tokens of earlier calls whose outputs must wait here."""
+        index = self.index
+        self.index += 1
+        return index, self.pending.pop(index, [])
+
+    def push(self, index: int, window: int, token: jax.Array) -> None:
+        if window > 1:
+            self.pending.setdefault(index + window - 1, []).append(token)
+
+
+def say_if_nothing_moves(fun, selection) -> None:
+    """Warns where an offloading call moves nothing: no residual goes, or the backend has one memory."""
+    if context.host_placement_is_off() or not selection.residuals:
+        return  # the twin asks for no transfer, and a call without residuals has none to make
+    if selection.to_host:
+        _warn_once_on_one_memory(jax.default_backend())
+        return
+    warnings.warn(
+        f"offload({getattr(fun, '__name__', fun)}): none of its {len(selection.residuals)} "
+        "residuals moves to the host (all are in device_argnums or under min_bytes); it "
+        "behaves like the plain function. saved_residuals() lists them.",
+        OffloadWarning,
+        stacklevel=3,
+    )
+
+
+def _warn_once_on_one_memory(platform: str) -> None:
+    """Warns, once per process, that offloaded calls traced for ``platform`` move nothing.
+
+    XLA:CPU keeps every buffer in one memory, so training on CPU with
+    offload runs as it would without. Every trace of every offloaded call
+    would say the same, hence once.
+    """
+    if platform != "cpu" or not context.say_once("one memory"):
+        return
+    warnings.warn(
+        "offloaded calls are traced for CPU, where host placement has no effect: XLA:CPU "
+        "keeps every buffer in one memory, so nothing moves and no device memory is freed "
+        "(outputs and gradients are unchanged). Measure memory savings on a GPU. This "
+        "warning is given once per process.",
+        OffloadWarning,
+        stacklevel=4,
+    )
+
+
+def move_out(out, saved, to_host, gates, window):
+    """Moves saved values to the host, and ties the copies into the forward pass's data flow."""
+    saved = list(saved)
+    host = [_put(saved[n], _HOST) for n in to_host]
+    # Without a barrier between the move out and the move back, XLA deletes
+    # the pair.
+    host = _barrier(host)
+    # XLA drops a barrier operand whose output is never read, and with it the
+    # ordering: every gate below is read, through `anchors`.
+    anchors = []
+    if window == 1:
+        # The outputs wait for this call's copies, so each residual's device
+        # buffer dies before the next layer runs.
+        out, host = _barrier((out, host))
+        token = empty_token()
+    else:
+        # The outputs of the call window - 1 calls later wait for them
+        # instead; this call's copies overlap the calls in between.
+        host, token = _barrier((host, scalar_of(out)))
+    if gates:
+        # This call's outputs wait for the copies of the earlier calls that gated here.
+        out, gates = _barrier((out, list(gates)))
+        anchors.extend(gates)
+    for n, value in zip(to_host, host):
+        saved[n] = value
+    return out, saved, token, anchors
+
+
+def fetch(saved, to_host, cotangent, token_cotangent, anchors, window):
+    """Brings host values back once the backward pass needs them (see :class:`Chain`)."""
+    saved = list(saved)
+    fetched = [saved[n] for n in to_host]
+    if fetched and window == 1:
+        fetched, cotangent = barrier_arrays((fetched, cotangent))
+    elif fetched:
+        fetched, token_cotangent = barrier_arrays((fetched, token_cotangent))
+        anchors = [*anchors, token_cotangent]
+    for n, value in zip(to_host, fetched):
+        saved[n] = _put(value, _DEVICE)
+    return saved, cotangent, anchors
+
+
+def _put(value, space):
+    """``jax.device_put(value, space)``, or ``value`` itself in a twin (:class:`without_host_placement`)."""
+    return value if context.host_placement_is_off() else jax.device_put(value, space)
+
+
+def empty_token() -> jax.Array:
+    """A scalar token that gates nothing."""
+    return jax.numpy.zeros((), np.float32)
+
+
+def scalar_of(tree) -> jax.Array:
+    """A float32 scalar that exists only once ``tree`` does: one of its elements.
+
+    A barrier over a constant gates nothing: XLA drops the operands of an
+    ``optimization_barrier`` whose outputs are never read.
+    """
+    leaves = [x for x in jax.tree.leaves(tree) if is_real(x) and x.size]
+    if not leaves:
+        return empty_token()
+    first = leaves[0]
+    # Under an Explicit mesh a sharded dimension cannot be sliced to one element: keep it
+    # whole (a batch's first elements, one row per example) and take the maximum, which
+    # cannot overflow (tests/test_sharding.py).
+    spec = tuple(getattr(jax.typeof(first).sharding, "spec", None) or ())
+    spec += (None,) * (first.ndim - len(spec))
+    limit = tuple(n if axes is not None else 1 for n, axes in zip(first.shape, spec))
+    element = jax.lax.slice(first, (0,) * first.ndim, limit)
+    if all(n == 1 for n in limit):
+        return jax.lax.reshape(element, ()).astype(np.float32)
+    return jax.numpy.max(element).astype(np.float32)
+
+
+def after_tokens(tree, tokens: list[jax.Array]):
+    """``tree``, its anchor leaf made to wait for every token: ``leaf + 0 * tokens``.
+
+    XLA does not fold ``x * 0`` for floats, so the dependency survives. The
+    sum is exact unless a token is inf or NaN, when the gradient already is.
+    The anchor is the smallest float leaf of rank 2 or more (the smallest
+    float leaf if none has that rank): small, because the add costs a pass
+    over it, and not a vector, because the gradients that a training step
+    never reads are vectors, such as those of BatchNorm's running statistics.
+    If a program never reads the anchor, XLA drops the tokens' ordering
+    (not the values).
+    """
+    if not tokens:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    floats = [
+        n for n, x in enumerate(leaves) if is_real(x) and jax.dtypes.issubdtype(x.dtype, np.inexact)
+    ]
+    if floats:
+        n = min(floats, key=lambda n: (leaves[n].ndim < 2, leaves[n].size))
+        zero = functools.reduce(operator.add, tokens) * 0
+        leaves[n] = leaves[n] + zero.astype(leaves[n].dtype)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def is_real(x) -> bool:
+    return x.dtype != jax.dtypes.float0
+
+
+def barrier_arrays(tree):
+    """An optimization barrier over the leaves that are real arrays (not float0)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    real = [n for n, leaf in enumerate(leaves) if is_real(leaf)]
+    tied = _barrier([leaves[n] for n in real])
+    for n, value in zip(real, tied):
+        leaves[n] = value
+    return jax.tree.unflatten(treedef, leaves)

@@ -1,0 +1,481 @@
+"""Function transforms that choose what a function keeps for its backward pass, and where.
+
+:func:`offload` keeps a function's residuals in pinned host memory between its
+two passes; :func:`wrap` applies any strategy value to a function. Both are
+shaped like :func:`jax.checkpoint`. A wrapped call is traced once, its residuals
+are chosen (:mod:`jaxoffload._src.residuals`), and it runs under one
+``custom_vjp`` whose transfers :mod:`jaxoffload._src.transfers` ties into the
+data flow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, overload
+
+import flax.linen as flax_linen
+import jax
+import numpy as np
+from flax import nnx as flax_nnx
+from jax.extend import core as jex_core
+
+from jaxoffload._src import context, jaxprs, transfers
+from jaxoffload._src.argnums import Argnums, check_argnums, holds_arrays, positional_names
+from jaxoffload._src.residuals import describe, select
+from jaxoffload._src.strategies import Offload, Strategy, check_strategy
+
+__all__ = ["TracedCall", "has_inner_calls", "offload", "trace_call", "wrap"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def wrap(
+    fun: F,
+    strategy: Strategy,
+    *,
+    device_argnums: int | Sequence[int] = (),
+    static_argnums: int | Sequence[int] = (),
+) -> F:
+    """Applies a strategy (``Store``, ``Lean``, ``Remat``, ``Offload``) to a function.
+
+    ``Store()`` calls ``fun`` as it is; ``Remat(policy)`` is ``jax.checkpoint``;
+    ``Lean()`` keeps the fewest residual bytes on the device, recomputing
+    cheap values in the backward pass; ``Offload(...)`` keeps them in
+    pinned host memory (see :func:`offload`).
+
+    Args:
+      fun: the function to wrap.
+      strategy: what it keeps for its backward pass.
+      device_argnums: positional arguments that are kept on the device anyway,
+        typically parameters: they cost nothing to keep and never move.
+      static_argnums: positional arguments that are not arrays, as with
+        :func:`jax.checkpoint`. Keyword arguments that hold no arrays
+        (``train=True``) are static without being named.
+
+    Returns:
+      A function with ``fun``'s signature, outputs and gradients.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxoffload import Lean, wrap
+      >>> layer = wrap(lambda w, x: jax.nn.relu(x @ w), Lean(), device_argnums=0)
+      >>> w, x = jnp.eye(3), jnp.arange(6.0).reshape(2, 3) - 2
+      >>> g = jax.grad(lambda w, x: layer(w, x).sum(), argnums=1)(w, x)
+      >>> g.tolist()
+      [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
+    """
+    strategy = check_strategy(strategy)
+    if not callable(fun):
+        raise TypeError(f"wrap expects a callable, got {fun!r} of type {type(fun).__name__}.")
+    device_argnums = check_argnums("device_argnums", device_argnums)
+    static_argnums = check_argnums("static_argnums", static_argnums)
+    if inspect.ismethod(fun) and _is_nnx_module(fun.__self__):
+        raise TypeError(_NNX_HINT.format(name=type(fun.__self__).__name__))
+    _refuse_linen(fun)
+    argnums = Argnums(device=device_argnums, static=static_argnums)
+    if strategy.is_identity:
+        # Calls ``fun`` as it is; marked, so that saved_residuals lists jax's residuals.
+        plain = functools.wraps(fun)(lambda *args, **kwargs: fun(*args, **kwargs))
+        plain.__jaxoffload__ = (fun, strategy, argnums)  # type: ignore[attr-defined]
+        return plain  # type: ignore[return-value]
+
+    @functools.wraps(fun)
+    def wrapped(*args, **kwargs):
+        modules = [
+            x for x in jax.tree.leaves((args, kwargs), is_leaf=_is_nnx_module) if _is_nnx_module(x)
+        ]
+        if modules:
+            raise TypeError(_NNX_HINT.format(name=type(modules[0]).__name__))
+        return _wrapped_call(fun, strategy, argnums, args, kwargs)
+
+    wrapped.__jaxoffload__ = (fun, strategy, argnums)  # type: ignore[attr-defined]
+    return wrapped  # type: ignore[return-value]
+
+
+@overload
+def offload(
+    fun: F,
+    *,
+    names: Sequence[str] | None = None,
+    recompute: bool = False,
+    min_bytes: int = 0,
+    max_recompute: float = 0.25,
+    window: int = 1,
+    device_argnums: int | Sequence[int] = (),
+    static_argnums: int | Sequence[int] = (),
+) -> F: ...
+
+
+@overload
+def offload(
+    fun: None = None,
+    *,
+    names: Sequence[str] | None = None,
+    recompute: bool = False,
+    min_bytes: int = 0,
+    max_recompute: float = 0.25,
+    window: int = 1,
+    device_argnums: int | Sequence[int] = (),
+    static_argnums: int | Sequence[int] = (),
+) -> Callable[[F], F]: ...
+
+
+def offload(
+    fun=None,
+    *,
+    names=None,
+    recompute=False,
+    min_bytes=0,
+    max_recompute=0.25,
+    window=1,
+    device_argnums=(),
+    static_argnums=(),
+):
+    """Keeps ``fun``'s residuals in pinned host memory between its two passes.
+
+    ``offload`` is shaped like :func:`jax.checkpoint`. Where ``jax.checkpoint``
+    throws residuals away and recomputes them, ``offload`` moves them to
+    ``pinned_host`` memory at the end of ``fun``'s forward pass and brings
+    them back when its backward pass starts. Outputs and gradients are
+    ``fun``'s; only where the residuals wait changes. It is
+    ``wrap(fun, Offload(...))``: the arguments are those of
+    :class:`jaxoffload.Offload`.
+
+    What moves is what a lean function would keep (:class:`jaxoffload.Lean`):
+    the cheapest set of values from which the backward pass can recompute the
+    rest, so that cheap values (elementwise results, BatchNorm's normalised
+    copies, masks) are recomputed, not moved. Of those, values in
+    ``device_argnums`` and values under ``min_bytes`` stay on the device.
+    :func:`saved_residuals` lists them, and why each is kept where it is.
+
+    XLA:GPU deletes a host round trip that nothing forces, and its scheduler
+    lets fetched residuals and weight-gradient work pile up. The transfers are
+    tied into the data flow with ``jax.lax.optimization_barrier``:
+
+    - the host copy is separated from its way back, so the pair is kept;
+    - ``fun``'s outputs wait for the host copies of its residuals (or, with
+      ``window`` ``w``, the outputs of the call ``w - 1`` calls later do), so
+      a residual's device buffer dies early;
+    - the residuals are fetched only once the output cotangent has arrived
+      (or the call ``w - 1`` calls later starts its backward pass), and the
+      input cotangent leaves together with the parameter cotangents, so the
+      previous call fetches only after this one's weight gradients exist.
+
+    The calls of one trace form a chain in call order, so a window spans the
+    wrapped calls that follow, whatever wraps them.
+
+    ``offload`` is built on :func:`jax.custom_vjp`: it supports reverse-mode
+    differentiation, ``jit``, ``vmap`` and sharding, but not forward mode.
+
+    Args:
+      fun: the function to wrap.
+      names: keep and move only the :func:`~jax.ad_checkpoint.checkpoint_name`
+        values with these names, and the arguments; recompute the rest.
+      recompute: move only the arguments, and recompute everything else.
+      min_bytes: residuals smaller than this stay on the device.
+      max_recompute: the FLOPs of convolutions and matrix products that may
+        be recomputed to move fewer bytes, as a share of the forward pass's.
+      window: how many consecutive wrapped calls may have transfers in
+        flight; 1 waits for this call's own transfers.
+      device_argnums: positional arguments kept on the device anyway
+        (parameters): they never move.
+      static_argnums: positional arguments that are not arrays; they must be
+        hashable, as with :func:`jax.jit`.
+
+    Returns:
+      A function with ``fun``'s signature and outputs.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxoffload import offload
+      >>> @offload(device_argnums=0)
+      ... def layer(w, x):
+      ...     return jnp.tanh(x @ w)
+      >>> w, x = jnp.ones((4, 4)) / 4, jnp.ones((2, 4))
+      >>> g = jax.grad(lambda w, x: layer(w, x).sum(), argnums=1)(w, x)
+      >>> bool(jnp.allclose(g, jax.grad(lambda w, x: jnp.tanh(x @ w).sum(), argnums=1)(w, x)))
+      True
+    """
+    strategy = Offload(
+        names=names,
+        recompute=recompute,
+        min_bytes=min_bytes,
+        max_recompute=max_recompute,
+        window=window,
+    )
+
+    def decorate(fun):
+        return wrap(fun, strategy, device_argnums=device_argnums, static_argnums=static_argnums)
+
+    return decorate if fun is None else decorate(fun)
+
+
+_NNX_HINT = (
+    "jaxoffload.wrap and jaxoffload.offload take arrays, but got the NNX Module {name}: its "
+    "variable updates (BatchNorm statistics, RNG counts) would be lost. Use "
+    "jaxoffload.nnx.wrap(f, strategy) or jaxoffload.nnx.offload, which write them back."
+)
+
+
+def _refuse_linen(fun) -> None:
+    """Raises if ``fun`` is a linen Module class or instance: its variables live in a Flax scope."""
+    cls = fun.func if isinstance(fun, functools.partial) else fun
+    if isinstance(cls, type) and issubclass(cls, flax_linen.Module):
+        raise TypeError(
+            "jaxoffload.wrap and jaxoffload.offload take a function of arrays, but got the "
+            f"linen Module class {cls.__name__}: it would be called to build a Module, not to "
+            f"apply one. Write jaxoffload.linen.offload({cls.__name__}) or "
+            f"jaxoffload.linen.wrap({cls.__name__}, strategy): they return a Module class with "
+            f"{cls.__name__}'s variables."
+        )
+    if isinstance(fun, flax_linen.Module):
+        name = type(fun).__name__
+        raise TypeError(
+            "jaxoffload.wrap and jaxoffload.offload take a function of arrays, but got the "
+            f"linen Module {name}(...), whose variables (parameters, batch_stats) a function "
+            f"transform cannot see. Write jaxoffload.linen.offload({name})(...) where you wrote "
+            f"{name}(...), or wrap a pure function such as {name}(...).apply."
+        )
+
+
+def _is_nnx_module(x) -> bool:
+    return isinstance(x, flax_nnx.Module)
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedCall:
+    """One call of a wrapped function, traced once, and a replay of its trace.
+
+    Attributes:
+      replay: ``(dynamic, kwargs) -> outputs``: the traced call, run again.
+      dynamic: the positional arguments that are not static.
+      kwargs: the keyword arguments that hold arrays.
+      device_leaves: the positions, among the flat leaves of
+        ``(dynamic, kwargs)``, of those in ``device_argnums``.
+      closed: the call's closed jaxpr.
+      out_tree: the pytree structure of its outputs.
+    """
+
+    replay: Callable[..., Any]
+    dynamic: tuple
+    kwargs: dict
+    device_leaves: frozenset[int]
+    closed: Any
+    out_tree: Any
+
+
+def trace_call(fun: Callable[..., Any], argnums: Argnums, args: tuple, kwargs: dict) -> TracedCall:
+    """Traces ``fun(*args, **kwargs)`` once; what follows replays the trace.
+
+    A Flax Module called twice would draw its RNGs twice, and initialise other
+    values: ``fun`` runs once, here.
+    """
+    dynamic, rebuild, device = argnums.split(args, kwargs, positional_names(fun))
+    # Keywords that hold no arrays (``train=True``) are static, as jit's static
+    # arguments are: traced, a Python bool could not steer the function.
+    static_kwargs = {k: v for k, v in kwargs.items() if not holds_arrays(v)}
+    kwargs = {k: v for k, v in kwargs.items() if k not in static_kwargs}
+
+    def call(dynamic, kwargs):
+        args, kwargs = rebuild(dynamic, kwargs)
+        return fun(*args, **kwargs, **static_kwargs)
+
+    # Flat positions of the leaves of device_argnums among (dynamic, kwargs).
+    sizes = [len(jax.tree.leaves(a)) for a in dynamic]
+    starts = np.cumsum([0, *sizes])
+    device_leaves = frozenset(int(starts[n]) + k for n in device for k in range(sizes[n]))
+    closed, out_shape = jax.make_jaxpr(call, return_shape=True)(dynamic, kwargs)
+    out_tree = jax.tree.structure(out_shape)
+    run = jex_core.jaxpr_as_fun(closed)
+
+    def replay(dynamic, kwargs):
+        return jax.tree.unflatten(out_tree, run(*jax.tree.leaves((dynamic, kwargs))))
+
+    return TracedCall(replay, dynamic, kwargs, device_leaves, closed, out_tree)
+
+
+def has_inner_calls(traced: TracedCall) -> bool:
+    """Whether the call holds wrapped calls, or ``jax.checkpoint`` calls, with strategies of their own."""
+    return any(_is_inner_call(e) for e in traced.closed.jaxpr.eqns)
+
+
+# The name of the custom_vjp of every wrapped call, by which an enclosing
+# wrapped call tells it apart from the code around it.
+_CALL_NAME = "jaxoffload_call"
+# Calls that keep their own strategy inside an enclosing wrapped call.
+_INNER_CALLS = ("checkpoint", "remat", "remat2")
+
+
+def _wrapped_call(fun, strategy, argnums: Argnums, args: tuple, kwargs: dict, check_names=True):
+    traced = trace_call(fun, argnums, args, kwargs)
+    if check_names and strategy.required_names:
+        _check_names(strategy.required_names, traced.closed)
+    if has_inner_calls(traced):
+        flat = _run_regions(traced, strategy)
+        return jax.tree.unflatten(traced.out_tree, flat)
+    remat = None if strategy.to_host else strategy.checkpointed(traced.replay)
+    if remat is not None:
+        # Nothing moves, and a checkpoint policy picks the residuals: jax.checkpoint itself.
+        return remat(traced.dynamic, traced.kwargs)
+    return _custom_call(traced, strategy, fun)
+
+
+def _check_names(names: tuple[str, ...], closed) -> None:
+    """Raises if ``names`` holds a name that the traced function never marks.
+
+    A typo would otherwise keep nothing but the inputs, and recompute the rest.
+    """
+    marked = {
+        e.params["name"] for e in jaxprs.equations(closed.jaxpr) if e.primitive.name == "name"
+    }
+    missing = [n for n in names if n not in marked]
+    if missing:
+        raise ValueError(
+            f"Offload(names={names!r}): the function marks no value named "
+            f"{', '.join(map(repr, missing))} with jax.ad_checkpoint.checkpoint_name; "
+            + (f"the names it marks are {sorted(marked)}." if marked else "it marks no value.")
+            + " Fix the name, or mark the value: checkpoint_name(x, name)."
+        )
+
+
+def _is_inner_call(eqn) -> bool:
+    """Whether ``eqn`` is a wrapped call (or a ``jax.checkpoint``) with a strategy of its own."""
+    name = eqn.primitive.name
+    if name in _INNER_CALLS:
+        return True
+    if not name.startswith("custom_vjp_call"):
+        return False
+    # jax names the function in the equation, or only in its jaxpr's debug info.
+    called = eqn.params.get("name")
+    if called is None:
+        jaxpr = getattr(eqn.params.get("call_jaxpr"), "jaxpr", None)
+        called = getattr(getattr(jaxpr, "debug_info", None), "func_name", None)
+    return called == _CALL_NAME
+
+
+@dataclasses.dataclass(frozen=True)
+class _Region:
+    """Equations between wrapped calls, run as one step: wrapped with the enclosing strategy."""
+
+    eqns: list[Any]
+    invars: list[Any]
+    outvars: list[Any]
+
+
+def _run_regions(traced: TracedCall, strategy) -> list[Any]:
+    """Runs a traced function whose wrapped calls keep their strategies, and ``strategy`` elsewhere.
+
+    The code between the wrapped calls (a ResNet's stem and classifier, say)
+    is cut into regions, and each region that does more than elementwise
+    work is wrapped with ``strategy`` on its own.
+    """
+    closed = traced.closed
+    jaxpr = closed.jaxpr
+    params = {jaxpr.invars[i] for i in traced.device_leaves} | set(jaxpr.constvars)
+
+    def run(step, invals):
+        if not isinstance(step, _Region):
+            return jaxprs.bind(step, invals)
+        sub = jex_core.Jaxpr(
+            [], step.invars, step.outvars, step.eqns, jaxpr.effects, jaxprs.debug_info(step.invars)
+        )
+        fun = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(sub, []))
+        if not any(
+            jaxprs.eqn_flops(e) or e.primitive.name.startswith("reduce_window") for e in step.eqns
+        ):
+            return fun(*invals)
+        device = tuple(k for k, v in enumerate(step.invars) if v in params)
+        # The names were checked on the whole function; a region may mark none of them.
+        argnums = Argnums(device=device, static=())
+        return _wrapped_call(fun, strategy, argnums, tuple(invals), {}, check_names=False)
+
+    flat = jax.tree.leaves((traced.dynamic, traced.kwargs))
+    return jaxprs.evaluate(jaxpr, closed.consts, flat, run, _regions(jaxpr))
+
+
+def _regions(jaxpr) -> list[Any]:
+    """The steps of ``jaxpr``: its wrapped calls, and a region of the equations between each two."""
+    later_uses = jaxprs.uses_after(jaxpr)
+    steps, region = [], []
+
+    def flush(n):  # the region that ends before equation n
+        if not region:
+            return
+        defined = {v for e in region for v in e.outvars}
+        inputs = list(
+            dict.fromkeys(
+                v for e in region for v in e.invars
+                if isinstance(v, jex_core.Var) and v not in defined
+            )
+        )  # fmt: skip
+        outputs = [
+            v for v in dict.fromkeys(v for e in region for v in e.outvars) if later_uses(v, n)
+        ]
+        steps.append(_Region(list(region), inputs, outputs))
+        region.clear()
+
+    for n, eqn in enumerate(jaxpr.eqns):
+        if _is_inner_call(eqn):
+            flush(n)
+            steps.append(eqn)
+        else:
+            region.append(eqn)
+    flush(len(jaxpr.eqns))
+    return steps
+
+
+def _custom_call(traced: TracedCall, strategy: Strategy, fun) -> Any:
+    """The traced call under one ``custom_vjp`` that keeps what ``strategy`` chooses, where it chooses."""
+    call, device_leaves = traced.replay, traced.device_leaves
+    chain = transfers.Chain.of_current_trace()
+    index, gates = chain.next_gates()
+    window = strategy.window
+    chosen: dict[str, Any] = {}  # the selection, made when the forward pass is traced
+
+    def run(dynamic, kwargs, gates):
+        return call(dynamic, kwargs), transfers.empty_token()
+
+    run.__name__ = _CALL_NAME  # how an enclosing call finds it
+    run = jax.custom_vjp(run)
+
+    def run_fwd(dynamic, kwargs, gates):
+        kept = chosen["kept"] = select(call, dynamic, kwargs, strategy, device_leaves)
+        context.record_call(lambda: describe(call, kept, dynamic, kwargs, device_leaves))
+        if strategy.to_host:
+            transfers.say_if_nothing_moves(fun, kept)
+        flat = kept.forward(*jax.tree.leaves((dynamic, kwargs)))
+        out = jax.tree.unflatten(kept.out_tree, flat[: kept.num_outputs])
+        saved = list(flat[kept.num_outputs :])
+        with jax.named_scope("jaxoffload/to_host"):
+            out, saved, token, anchors = transfers.move_out(out, saved, kept.to_host, gates, window)
+        return (out, token), (saved, anchors)
+
+    def run_bwd(residuals, cotangents):
+        kept = chosen["kept"]
+        saved, anchors = residuals
+        cotangent, token_cotangent = cotangents
+        with jax.named_scope("jaxoffload/to_device"):
+            saved, cotangent, anchors = transfers.fetch(
+                saved, kept.to_host, cotangent, token_cotangent, anchors, window
+            )
+        if kept.recomputes:
+            # Recomputed after the cotangent arrives, as jax.checkpoint does:
+            # otherwise XLA merges the recomputation with the forward pass's.
+            saved, cotangent = transfers.barrier_arrays((saved, cotangent))
+        vjp_fun = jax.tree.unflatten(kept.vjp_tree, kept.backward(saved))
+        # Each gate's cotangent exists once this call's backward pass starts:
+        # it starts the fetch of the call that gated on it.
+        gate_cotangents = [transfers.scalar_of(cotangent) for _ in gates]
+        # The input cotangent leaves with the parameter cotangents: XLA would
+        # otherwise sink weight-gradient work to the end of the backward pass
+        # and keep every fetched residual alive until then.
+        cotangents_in = transfers.after_tokens(vjp_fun(cotangent), anchors)
+        return (*transfers.barrier_arrays(cotangents_in), gate_cotangents)
+
+    run.defvjp(run_fwd, run_bwd)
+    out, token = run(traced.dynamic, traced.kwargs, gates)
+    chain.push(index, window, token)
+    return out

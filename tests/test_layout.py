@@ -1,0 +1,272 @@
+"""The house: imports run one way, down the layers that docs/design.md declares.
+
+Read from the source with ``ast``, function-level imports included, so that an
+import hidden inside a function to dodge a cycle is seen too.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import pathlib
+import re
+
+import pytest
+
+import jaxoffload
+import jaxoffload.linen
+import jaxoffload.nnx
+import jaxoffload.strategies
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "jaxoffload"
+DESIGN = (ROOT / "docs" / "design.md").read_text()
+STRATEGY_CLASSES = {"Store", "Lean", "Remat", "Offload"}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+PATHS = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if "__pycache__" not in p.parts}
+SOURCES = {m: ast.parse(p.read_text(), str(p)) for m, p in PATHS.items()}
+
+
+def _declared(section: str) -> str:
+    """The fenced block under the heading ``section`` of docs/design.md."""
+    match = re.search(rf"{re.escape(section)}\n.*?```text\n(.*?)```", DESIGN, re.S)
+    assert match, f"docs/design.md has no ```text block under {section!r}"
+    return match.group(1)
+
+
+def _layers() -> list[list[str]]:
+    """The layers, top first: each module may import only from the layers below its own."""
+    rows = [line.split("#")[0].split() for line in _declared("## The rooms").splitlines()]
+    return [row for row in rows if row]
+
+
+def _layer_of(module: str, layers: list[list[str]]) -> int:
+    """The layer of ``module``: the row naming it, or a package above it (``jaxoffload.bench``)."""
+    best = None
+    for n, row in enumerate(layers):
+        for name in row:
+            under = name.endswith(".*") and (module == name[:-2] or module.startswith(name[:-1]))
+            if module == name or under:
+                best = n if best is None else best
+    assert best is not None, f"{module} is in no layer of docs/design.md's map"
+    return best
+
+
+def _imports(module: str, tree: ast.AST) -> list[tuple[str, list[str], int]]:
+    """``(imported module, names, line)`` for every jaxoffload import in ``tree``, at any depth."""
+    found = []
+    package = module if module in _PACKAGES else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [
+                (a.name, [], node.lineno) for a in node.names if a.name.startswith("jaxoffload")
+            ]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + [base]
+                )
+            if not base.startswith("jaxoffload"):
+                continue
+            names = [a.name for a in node.names]
+            # `from package import module` imports the module.
+            for name in names:
+                if f"{base}.{name}" in SOURCES:
+                    found.append((f"{base}.{name}", [], node.lineno))
+                else:
+                    found.append((base, [name], node.lineno))
+    return found
+
+
+_PACKAGES = {
+    _module_name(p.parent) for p in PACKAGE.rglob("__init__.py") if "__pycache__" not in p.parts
+}
+
+
+def _graph() -> dict[str, set[str]]:
+    return {m: {i for i, _, _ in _imports(m, t) if i != m} for m, t in SOURCES.items()}
+
+
+def test_every_module_is_in_a_layer():
+    layers = _layers()
+    for module in SOURCES:
+        _layer_of(module, layers)
+
+
+def test_imports_have_no_cycle():
+    graph, state, path = _graph(), {}, []
+
+    def visit(m):
+        state[m] = "open"
+        path.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == "open":
+                cycle = path[path.index(n) :] + [n]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if n not in state:
+                visit(n)
+        path.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_imports_only_go_down_the_declared_layers():
+    layers, wrong = _layers(), []
+    for module, tree in SOURCES.items():
+        for imported, _, line in _imports(module, tree):
+            if imported == module or imported not in SOURCES:
+                continue
+            if (
+                _layer_of(imported, layers)
+                == _layer_of(module, layers)
+                == _layer_of("jaxoffload.bench", layers)
+            ):
+                continue  # the bench is one room
+            if _layer_of(imported, layers) <= _layer_of(module, layers):
+                wrong.append(f"{module}:{line} imports {imported}")
+    assert not wrong, "imports against docs/design.md's layers:\n" + "\n".join(wrong)
+
+
+def test_the_library_never_imports_the_bench():
+    wrong = [
+        f"{m}:{line} imports {i}"
+        for m, t in SOURCES.items()
+        if not m.startswith(("jaxoffload.bench", "jaxoffload.__main__"))
+        for i, _, line in _imports(m, t)
+        if i.startswith("jaxoffload.bench")
+    ]
+    assert not wrong, wrong
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_no_private_name_crosses_modules():
+    wrong = []
+    for module, tree in SOURCES.items():
+        aliases = {}  # local name -> jaxoffload module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom | ast.Import):
+                for a in node.names:
+                    full = f"{node.module}.{a.name}" if isinstance(node, ast.ImportFrom) else a.name
+                    if full in SOURCES:
+                        aliases[a.asname or a.name.split(".")[0]] = full
+        for imported, names, line in _imports(module, tree):
+            wrong += [f"{module}:{line} imports {imported}.{n}" for n in names if _private(n)]
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and _private(node.attr)
+            ):
+                wrong.append(f"{module}:{node.lineno} reads {aliases[node.value.id]}.{node.attr}")
+    assert not wrong, "private names that cross modules:\n" + "\n".join(wrong)
+
+
+def test_no_isinstance_of_a_strategy_class_outside_strategies():
+    """A strategy is asked what it does; where code must test its class, a comment says why."""
+    wrong = []
+    for module, tree in SOURCES.items():
+        if module == "jaxoffload._src.strategies":
+            continue
+        lines = PATHS[module].read_text().splitlines()
+        for node in ast.walk(tree):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("isinstance", "issubclass")
+                and len(node.args) == 2
+            ):
+                continue
+            named = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+            if named & STRATEGY_CLASSES:
+                said = "#" in lines[node.lineno - 1] or lines[node.lineno - 2].strip().startswith(
+                    "#"
+                )
+                if not said:
+                    wrong.append(f"{module}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    assert not wrong, "isinstance tests of strategy classes, with no comment:\n" + "\n".join(wrong)
+
+
+def test_modules_in_src_are_short_unless_the_design_says_why():
+    allowed = set(_declared("## Long modules").split())
+    long = [
+        f"{m} ({n} lines)"
+        for m in SOURCES
+        if m.startswith("jaxoffload._src")
+        and (n := len(PATHS[m].read_text().splitlines())) > 500
+        and m not in allowed
+    ]
+    assert not long, long
+
+
+def test_a_strategy_reaches_where_it_acts_through_imports_that_go_down():
+    """``linen.wrap``'s strategy value travels face -> lifting -> transform -> residuals, down."""
+    graph, layers = _graph(), _layers()
+    path = [
+        "jaxoffload.linen",
+        "jaxoffload._src.linen",
+        "jaxoffload._src.transform",
+        "jaxoffload._src.residuals",
+    ]
+    for above, below in zip(path, path[1:]):
+        assert below in graph[above], (above, below)
+        assert _layer_of(below, layers) > _layer_of(above, layers)
+    # Where it takes effect: the residuals it keeps, and the transfers it makes.
+    assert "jaxoffload._src.transfers" in graph["jaxoffload._src.transform"]
+    assert "jaxoffload._src.strategies" in graph["jaxoffload._src.residuals"]
+
+
+PUBLIC_SURFACE = {
+    jaxoffload: [
+        "Lean", "MemoryReport", "NoPlanFits", "Offload", "OffloadDroppedError", "OffloadWarning",
+        "OffloadedCall", "Plan", "Remat", "Residual", "Store", "Strategy", "linen",
+        "memory_report", "nnx", "offload", "offloaded_calls", "plan", "residuals_per_call",
+        "saved_residuals", "wrap",
+    ],
+    jaxoffload.linen: ["offload", "plannable", "wrap"],
+    jaxoffload.nnx: ["offload", "wrap"],
+    jaxoffload.strategies: [
+        "Lean", "Offload", "Remat", "Store", "Strategy", "check_strategy", "strategy_from_dict",
+        "strategy_to_dict",
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("face", list(PUBLIC_SURFACE), ids=lambda m: m.__name__)
+def test_the_public_surface_is_pinned(face):
+    assert sorted(face.__all__) == sorted(PUBLIC_SURFACE[face])
+    for name in face.__all__:
+        assert getattr(face, name) is not None
+    # Nothing else public leaks from a face: every other attribute is private or a module.
+    extra = [
+        n
+        for n, v in vars(face).items()
+        if not n.startswith("_") and n not in face.__all__ and not inspect.ismodule(v)
+    ]
+    assert not extra, extra
+
+
+def test_offload_takes_every_field_of_Offload_in_each_face():
+    """``offload``'s keyword list is written out for typing; this keeps it in step with the value."""
+    fields = inspect.signature(jaxoffload.Offload).parameters
+    for offload in (jaxoffload.offload, jaxoffload.linen.offload, jaxoffload.nnx.offload):
+        parameters = inspect.signature(offload).parameters
+        for name, field in fields.items():
+            assert name in parameters, (offload.__module__, name)
+            assert parameters[name].default == field.default, (offload.__module__, name)
+            assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
