@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 from helpers import normal, rel_err
 from jax.ad_checkpoint import checkpoint_name
 
@@ -102,6 +103,41 @@ def test_an_argument_both_static_and_on_the_device_is_refused_where_it_is_writte
         jaxoffload.linen.offload(_Block, device_argnums=-1)
 
 
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("strategy", [Lean(), Offload(), Remat()], ids=repr)
+def test_a_python_flag_passed_positionally_is_static_as_a_keyword_one_is(strategy, train):
+    # Traced, `if train` raised TracerBoolConversionError with no word of static_argnums.
+    f = lambda x, train, scale: jnp.tanh(x) * scale if train else x  # noqa: E731
+    ours = wrap(f, strategy)
+    assert rel_err(ours(X, train, 2.0), f(X, train, 2.0)) == 0.0
+    grad = lambda g: jax.grad(lambda x: g(x, train, 2.0).sum())(X)  # noqa: E731
+    assert rel_err(grad(ours), grad(f)) <= 1e-6
+
+
+class _Flagged(nn.Module):
+    @nn.compact
+    def __call__(self, x, train):
+        y = nn.Dense(3)(x)
+        return jnp.tanh(y) if train else y
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_a_linen_flag_passed_positionally_is_static(train):
+    plain = _init_with(_Flagged, lambda b, x: b(x, train))
+    lean = jaxoffload.linen.wrap(_Flagged, Lean())
+    variables = _init_with(lean, lambda b, x: b(x, train))
+    assert jax.tree.map(jnp.shape, variables) == jax.tree.map(jnp.shape, plain)
+
+    class Model(nn.Module):
+        block: type
+
+        @nn.compact
+        def __call__(self, x):
+            return self.block()(x, train)
+
+    assert rel_err(Model(lean).apply(variables, X), Model(_Flagged).apply(plain, X)) == 0.0
+
+
 # ---- what is wrapped ----------------------------------------------------------------------
 
 
@@ -137,6 +173,39 @@ def test_function_transform_of_a_linen_module_says_to_use_the_linen_one():
     # Its apply is a function of arrays, and welcome.
     variables = nn.Dense(3).init(jax.random.key(0), X)
     assert rel_err(offload(nn.Dense(3).apply)(variables, X), nn.Dense(3).apply(variables, X)) == 0.0
+
+
+def test_function_transform_of_an_nnx_module_says_to_use_the_nnx_one():
+    norm = nnx.BatchNorm(3, rngs=nnx.Rngs(0))
+    message = (
+        r"NNX Module BatchNorm\(\.\.\.\) as the function.*jaxoffload\.nnx\.wrap\(module, Lean\(\)\)"
+    )
+    with pytest.raises(TypeError, match=message):
+        wrap(norm, Lean())
+    with pytest.raises(TypeError, match=r"NNX Module class Linear.*jaxoffload\.nnx\.wrap\(module"):
+        offload(nnx.Linear)
+
+
+def test_nnx_transform_of_a_linen_module_says_to_use_the_linen_one():
+    with pytest.raises(
+        TypeError,
+        match=r"linen Module class Dense\. Write jaxoffload\.linen\.wrap\(Dense, Lean\(\)\)",
+    ):
+        jaxoffload.nnx.wrap(nn.Dense, Lean())
+    with pytest.raises(TypeError, match=r"linen Module class Dense"):
+        jaxoffload.nnx.offload(functools.partial(nn.Dense, 3))
+    message = r"linen Module Dense\(\.\.\.\).*jaxoffload\.linen\.wrap\(Dense, Lean\(\)\)\(\.\.\.\) where you wrote"
+    with pytest.raises(TypeError, match=message):
+        jaxoffload.nnx.wrap(nn.Dense(3), Lean())
+
+
+def test_linen_transform_of_an_nnx_module_says_to_use_the_nnx_one():
+    with pytest.raises(TypeError, match=r"NNX Module class Linear\. Write jaxoffload\.nnx\.wrap"):
+        jaxoffload.linen.wrap(nnx.Linear, Lean())
+    with pytest.raises(
+        TypeError, match=r"NNX Module Linear\(\.\.\.\)\. Write jaxoffload\.nnx\.wrap"
+    ):
+        jaxoffload.linen.offload(nnx.Linear(3, 3, rngs=nnx.Rngs(0)))
 
 
 # ---- names, schedule, residuals_per_call ---------------------------------------------------
@@ -254,3 +323,94 @@ def test_lean_batch_norm_refuses_other_axes_and_a_mask_at_the_call():
         norm.init(jax.random.key(0), x, mask=x > 0)
     with pytest.raises(TypeError, match=r"\['padding'\].*need conv_kernel"):
         norm.init(jax.random.key(0), x, padding="SAME")
+
+
+# ---- strategies and plans ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [Lean, Offload, lambda **kw: offload(_layer, **kw)])
+@pytest.mark.parametrize(
+    ("value", "write"),
+    [(2, r"got 2; write max_recompute=1\.0"), (-0.1, r"got -0\.1; write max_recompute=0\.0"),
+     ("0.5", r"got '0\.5'; write a number such as max_recompute=0\.25")],
+)  # fmt: skip
+def test_max_recompute_is_a_share_from_0_to_1(make, value, write):
+    with pytest.raises(ValueError, match=r"max_recompute is a share .* at most 1, " + write):
+        make(max_recompute=value)
+    assert make(max_recompute=1) is not None
+
+
+_PlannedDense = jaxoffload.linen.plannable(nn.Dense)
+
+
+class _Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return _PlannedDense(3)(jnp.tanh(_PlannedDense(3)(x)))
+
+
+def _plan(model, budget):
+    variables = _Net().init(jax.random.key(0), X)
+
+    def step(model, variables, x):
+        return jax.grad(lambda v: model.apply(v, x).sum())(variables)
+
+    return jaxoffload.plan(model, step, variables, X, budget=budget, runs=1, progress=False)
+
+
+@pytest.mark.parametrize(
+    ("budget", "write"),
+    [("0.5", r"got the string '0\.5'; write budget=0\.5, a share"),
+     ("50%", r"got the string '50%'; write budget=0\.5, a share"),
+     ("8 GiB", r"got the string '8 GiB'; write budget=8 \* 2\*\*30, in bytes"),
+     (["0.5"], r"got the string '0\.5'; write budget=0\.5")],
+)  # fmt: skip
+def test_a_budget_written_as_a_string_is_quoted_whole_with_what_to_write(budget, write):
+    with pytest.raises(TypeError, match=r"budget must be bytes \(an int\) or a share .*" + write):
+        _plan(_Net(), budget)
+
+
+def test_plan_of_a_bound_model_says_to_pass_the_unbound_one():
+    bound = _Net().bind(_Net().init(jax.random.key(0), X))
+    message = (
+        r"jaxoffload\.plan takes an unbound linen Module, but this _Net is bound .*"
+        r"_Net\(\.\.\.\) itself, or model\.unbind\(\)\[0\].*the step as its arguments"
+    )
+    with pytest.raises(TypeError, match=message):
+        _plan(bound, 1.0)
+    with pytest.raises(
+        TypeError, match=r"jaxoffload\.plan takes a Module instance, got the class _Net"
+    ):
+        _plan(_Net, 1.0)
+    with pytest.raises(TypeError, match=r"Plan\.apply takes an unbound linen Module.*to apply\."):
+        jaxoffload.Plan((("Dense_0", Lean()),)).apply(bound)
+
+
+# ---- saved_residuals says why, in the user's words -----------------------------------------
+
+
+def _input_reasons(calls):
+    return sorted({r.reason for c in calls for r in c.residuals if r.where == "input"})
+
+
+def test_module_variables_are_kept_on_the_device_as_variables_not_as_device_argnums():
+    # linen and NNX pass a Module's variables as device arguments of their own.
+    linen_block = jaxoffload.linen.wrap(_Block, Lean(), device_argnums=2)
+    variables = _init_with(linen_block, lambda b, x: b(x, x, x))
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return linen_block()(x, 2 * x, x)
+
+    step = jax.grad(lambda v, x: Model().apply(v, x).sum())
+    reasons = _input_reasons(jaxoffload.offloaded_calls(step, variables, X))
+    # x, kept by the layers around a lean block; the Dense kernel; y, which the user named.
+    assert reasons == ["Lean", "a Module's variable", "argument in device_argnums"], reasons
+
+    linear = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(linear)
+    lean = jaxoffload.nnx.wrap(lambda m, x: jnp.tanh(m(x)), Lean())
+    step = jax.grad(lambda state, x: lean(nnx.merge(graphdef, state), x).sum())
+    reasons = _input_reasons(jaxoffload.offloaded_calls(step, state, X))
+    assert reasons == ["Lean", "a Module's variable"], reasons

@@ -207,7 +207,9 @@ def test_lean_offload_asks_to_move_fewer_bytes_than_lean_keeps():
     }
     for lean, offload in zip(calls["lean"], calls["offload"]):
         lean_bytes = sum(
-            r.nbytes for r in lean.residuals if r.reason != "argument in device_argnums"
+            r.nbytes
+            for r in lean.residuals
+            if r.reason not in ("argument in device_argnums", "a Module's variable")
         )
         assert offload.host_bytes <= lean_bytes
     # Every block moves; the stem and the classifier, outside the blocks, are lean.

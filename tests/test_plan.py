@@ -1,5 +1,6 @@
 """jaxoffload.plan and Plan values: JSON, application to a linen model, budgets, the peak model."""
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -12,6 +13,8 @@ import jaxoffload
 from jaxoffload import Lean, Offload, Plan, Remat, Store
 from jaxoffload._src.planner import BlockCost, BlockCosts, estimate_peak_bytes, estimate_step_ms
 from jaxoffload._src.planner import search as planner
+from jaxoffload._src.planner.costs import block_options
+from jaxoffload._src.strategies import brief
 from tests.helpers import host_device_puts, normal, rel_err
 
 
@@ -210,23 +213,53 @@ def test_the_time_model_adds_transfers_that_compute_cannot_hide():
     assert hidden < exposed
 
 
-def test_search_prefers_the_fastest_plan_that_fits():
-    blocks = _blocks()
-    options = (Store(), Lean(), Remat())
-    # Store and Lean take the same time here: the leaner is taken.
-    assert planner._search(blocks, options, budget=10**9, link=None) == (Lean(),) * 4
-    slower_lean = [
+def test_estimates_are_predictions_within_15_percent_of_the_compiled_bytes(shared_planner):
+    made, _ = shared_planner
+    plain = made.compiled[made.plain]
+    for budget in (plain, int(0.99 * plain), 10**12):
+        try:
+            plan = made.plan_for(budget, max_rounds=3)
+        except jaxoffload.NoPlanFits:
+            continue
+        assert plan.estimated_bytes > 0
+        assert abs(plan.estimated_bytes - plan.compiled_bytes) <= 0.15 * plan.compiled_bytes
+        assert plan.estimated_step_ms > 0 and plan.measured_step_ms > 0
+
+
+def test_a_list_of_budgets_loses_the_ones_that_fit_to_none_that_does_not():
+    plans = jaxoffload.plan(PLANNABLE, step, *ARGS, budget=[1.0, 1000], runs=1, progress=False)
+    fits, too_small = plans
+    assert isinstance(fits, Plan) and fits.compiled_bytes <= fits.budget_bytes
+    assert isinstance(too_small, jaxoffload.NoPlanFits)
+    assert "the least compiled was" in str(too_small) and "On CPU" in str(too_small)
+
+
+def test_hidden_offloads_move_only_what_the_next_blocks_compute_hides():
+    options = (Store(), Lean(), Remat(), Offload())
+    blocks = _blocks(n=4, kept=4_000_000, lean=2_500_000, host=2_000_000)
+    sized = [
         BlockCosts(
             b.path,
             b.input_bytes,
             b.output_bytes,
-            {**b.costs, Lean(): BlockCost(40, 10, 0, 0, 0, 1.0, 2.5)},
+            {
+                **b.costs,
+                Offload(): dataclasses.replace(
+                    b.costs[Offload()], host_sizes=(1_500_000, 400_000, 100_000)
+                ),
+            },
         )
         for b in blocks
     ]
-    assert planner._search(slower_lean, options, budget=10**9, link=None) == (Store(),) * 4
-    tight = planner._search(
-        blocks, options, budget=estimate_peak_bytes(blocks, [Lean()] * 4), link=None
-    )
-    assert estimate_peak_bytes(blocks, tight) <= estimate_peak_bytes(blocks, [Lean()] * 4)
-    assert planner._search(blocks, options, budget=1, link=None) is None
+    link = (2.0, 2.0)  # GB/s: the next block's 1 ms forward hides 1.6 MB at 80% of it
+    choices = block_options(sized, options, link)
+    first = {brief(o.strategy): o for o in choices[0]}
+    hidden = [o for o in choices[0] if o.strategy.max_bytes is not None]
+    assert hidden, sorted(first)
+    for o in hidden:
+        assert o.moved_bytes <= 0.8 * 2.0 * 1e6 * 1.0 * (o.strategy.window - 1)
+        assert o.ms == pytest.approx(3.0)  # the lean compute, and no transfer time
+        assert o.kept_bytes < first["Store()"].kept_bytes
+    assert first["Offload()"].ms > 3.0  # uncapped, window 1: its transfers show
+    # The last block has no block after it to hide behind.
+    assert not [o for o in choices[-1] if o.strategy.max_bytes is not None]

@@ -10,22 +10,49 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["Argnums", "check_argnums", "check_positions", "holds_arrays", "positional_names"]
+__all__ = [
+    "MODULE_RNGS",
+    "MODULE_VARIABLES",
+    "NAMED",
+    "Argnums",
+    "check_argnums",
+    "check_positions",
+    "holds_arrays",
+    "positional_names",
+]
+
+# Why an argument stays on the device, as saved_residuals says it: the user named it,
+NAMED = "argument in device_argnums"
+# or linen and NNX pass a Module's variables (and linen its RNG keys) as arguments of their own.
+MODULE_VARIABLES = "a Module's variable"
+MODULE_RNGS = "a Module's RNG key"
 
 
 @dataclasses.dataclass(frozen=True)
 class Argnums:
-    """The positions of a wrapped function's static arguments, and of those kept on the device."""
+    """The positions of a wrapped function's static arguments, and of those kept on the device.
+
+    Attributes:
+      device: the positions kept on the device.
+      static: the positions that are not arrays.
+      reasons: why each of ``device`` stays there, in words; :data:`NAMED`
+        (the user named it in ``device_argnums``) for each by default.
+    """
 
     device: tuple[int, ...]
     static: tuple[int, ...]
+    reasons: tuple[str, ...] = ()
 
     def __post_init__(self):
         check_disjoint(set(self.static), set(self.device))  # negative ones at the call
+        if not self.reasons:
+            object.__setattr__(self, "reasons", (NAMED,) * len(self.device))
+        if len(self.reasons) != len(self.device):
+            raise ValueError(f"{len(self.device)} device positions but {len(self.reasons)} reasons")
 
     def split(self, args: tuple, kwargs: dict, names: Sequence[str] = ()):
         """``(dynamic, rebuild, device)``: the array arguments, a function of them, and
-        the positions among them of ``device_argnums``.
+        the positions among them of ``device_argnums``, each with its reason.
 
         ``names`` are the function's positional parameters, for the errors.
         """
@@ -36,13 +63,25 @@ class Argnums:
         check_disjoint(static, {i % n for i in self.device})
         positions = [i for i in range(n) if i not in static]
         dynamic = tuple(args[i] for i in positions)
-        device = tuple(positions.index(i % n) for i in self.device)
+        device = {positions.index(i % n): why for i, why in zip(self.device, self.reasons)}
 
         def rebuild(dynamic, kwargs):
             values = dict(zip(positions, dynamic))
             return [values[i] if i in values else args[i] for i in range(n)], kwargs
 
         return dynamic, rebuild, device
+
+    def with_static_values(self, args: tuple) -> Argnums:
+        """These positions, and those of the positional arguments that hold no arrays, as static.
+
+        A Python value passed positionally (``f(x, True)``) is static, as a
+        keyword one is: traced, a bool could not steer the function. Positions
+        in ``device_argnums`` are left as they are.
+        """
+        n = len(args)
+        named = {i % n for i in (*self.static, *self.device) if -n <= i < n}
+        values = tuple(i for i in range(n) if i not in named and not holds_arrays(args[i]))
+        return dataclasses.replace(self, static=(*self.static, *values)) if values else self
 
 
 def check_disjoint(static: set[int], device: set[int]) -> None:

@@ -10,8 +10,15 @@ import flax.linen as nn
 from flax.core import lift
 from flax.linen import transforms as linen_transforms
 
-from jaxoffload._src import context, transform
-from jaxoffload._src.argnums import Argnums, check_argnums, check_positions
+from jaxoffload._src import context, targets, transform
+from jaxoffload._src.argnums import (
+    MODULE_RNGS,
+    MODULE_VARIABLES,
+    NAMED,
+    Argnums,
+    check_argnums,
+    check_positions,
+)
 from jaxoffload._src.strategies import Offload, Store, Strategy, check_strategy
 
 __all__ = ["offload", "plannable", "wrap"]
@@ -56,7 +63,8 @@ def wrap(
       strategy: :class:`~jaxoffload.Store`, :class:`~jaxoffload.Lean`,
         :class:`~jaxoffload.Remat` or :class:`~jaxoffload.Offload`.
       static_argnums: as in ``nn.remat``: positions of non-array arguments,
-        counting ``self`` as 0.
+        counting ``self`` as 0. Arguments that hold no arrays (``train=True``,
+        positional or keyword) are static without being named.
       device_argnums: positions of arguments, counting ``self`` as 0, kept on
         the device anyway: for instance an input that the layer before keeps,
         so that moving it would free nothing.
@@ -89,11 +97,7 @@ def wrap(
             f"device_argnums={device_argnums}. The first argument after self is 1."
         )
     Argnums(device=device_argnums, static=static_argnums)  # refuses overlaps
-    if isinstance(target, nn.Module):
-        raise TypeError(
-            f"wrap takes a Module class or a method, not an instance: write "
-            f"wrap({type(target).__name__}, ...)(...) rather than wrap({type(target).__name__}(...), ...)."
-        )
+    targets.check_linen_target(target, strategy)
     if strategy.is_identity:
         return target
     transformed = linen_transforms.lift_transform(
@@ -106,7 +110,7 @@ def wrap(
         static_argnums=static_argnums,
         methods=methods,
     )
-    if not _is_module_class(target):
+    if targets.linen_class(target) is None:
         return _method(transformed, target)
     return _named_like(transformed, target)
 
@@ -119,6 +123,7 @@ def offload(
     min_bytes: int = 0,
     max_recompute: float = 0.25,
     window: int = 1,
+    max_bytes: int | None = None,
     static_argnums: int | Sequence[int] = (),
     device_argnums: int | Sequence[int] = (),
     variables: Any = True,
@@ -145,6 +150,7 @@ def offload(
         min_bytes=min_bytes,
         max_recompute=max_recompute,
         window=window,
+        max_bytes=max_bytes,
     )
     return wrap(
         target,
@@ -190,8 +196,8 @@ def plannable(
         static_argnums=static_argnums, device_argnums=device_argnums, variables=variables, rngs=rngs
     )
     wrap(target, Store(), **options)  # checks the arguments now, not at the first call
-    base = target.func if isinstance(target, functools.partial) else target
-    if not (isinstance(base, type) and issubclass(base, nn.Module)):
+    base = targets.linen_class(target)
+    if base is None:
         raise TypeError(f"plannable takes a Module class, got {target!r}.")
     by_strategy: dict[Strategy, Any] = {}
 
@@ -212,11 +218,6 @@ def plannable(
     if isinstance(target, functools.partial):
         return functools.partial(planned, *target.args, **target.keywords)  # type: ignore[return-value]
     return planned  # type: ignore[return-value]
-
-
-def _is_module_class(target) -> bool:
-    base = target.func if isinstance(target, functools.partial) else target
-    return isinstance(base, type) and issubclass(base, nn.Module)
 
 
 def _named_like(transformed, target):
@@ -273,13 +274,14 @@ def _lifted(
         ):
             check_positions(what, argnums, len(args), kwargs, first=1)
 
-        @functools.partial(
-            transform.wrap,
-            strategy=strategy,
-            # The lifted function takes (variables, rngs, *args): `self` becomes two.
-            device_argnums=(0, 1, *(i + 1 for i in device_argnums)),
-            static_argnums=tuple(i + 1 for i in static_argnums),
+        # The lifted function takes (variables, rngs, *args): `self` becomes two.
+        argnums = Argnums(
+            device=(0, 1, *(i + 1 for i in device_argnums)),
+            static=tuple(i + 1 for i in static_argnums),
+            reasons=(MODULE_VARIABLES, MODULE_RNGS, *(NAMED for _ in device_argnums)),
         )
+
+        @functools.partial(transform.wrap_with, strategy=strategy, argnums=argnums)
         @functools.wraps(fn)
         def wrapped(variable_groups, rng_groups, *args, **kwargs):
             scope = scope_fn(variable_groups, rng_groups)

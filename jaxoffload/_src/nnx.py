@@ -20,8 +20,8 @@ from typing import Any, TypeVar, overload
 import jax
 from flax import nnx
 
-from jaxoffload._src import context, transform
-from jaxoffload._src.argnums import Argnums, check_argnums
+from jaxoffload._src import context, targets, transform
+from jaxoffload._src.argnums import MODULE_VARIABLES, Argnums, check_argnums
 from jaxoffload._src.strategies import Offload, Strategy, check_strategy
 
 __all__ = ["offload", "wrap"]
@@ -64,6 +64,7 @@ def wrap(f: F, strategy: Strategy, *, static_argnums: int | Sequence[int] = ()) 
       [0.015, 0.025, 0.035]
     """
     strategy = check_strategy(strategy)
+    targets.check_nnx_target(f, strategy)
     if isinstance(f, nnx.Module):
         return wrap_instance(f, strategy, static_argnums)  # type: ignore[return-value]
     if not callable(f):
@@ -95,6 +96,7 @@ def offload(
     min_bytes: int = 0,
     max_recompute: float = 0.25,
     window: int = 1,
+    max_bytes: int | None = None,
     static_argnums: int | Sequence[int] = (),
 ) -> F: ...
 
@@ -108,6 +110,7 @@ def offload(
     min_bytes: int = 0,
     max_recompute: float = 0.25,
     window: int = 1,
+    max_bytes: int | None = None,
     static_argnums: int | Sequence[int] = (),
 ) -> Callable[[F], F]: ...
 
@@ -120,6 +123,7 @@ def offload(
     min_bytes=0,
     max_recompute=0.25,
     window=1,
+    max_bytes=None,
     static_argnums=(),
 ):
     """``wrap(f, Offload(...))``, bare or configured, as ``nnx.remat`` is used.
@@ -140,6 +144,7 @@ def offload(
         min_bytes=min_bytes,
         max_recompute=max_recompute,
         window=window,
+        max_bytes=max_bytes,
     )
 
     def decorate(f):
@@ -204,7 +209,9 @@ def _call(f, strategy, static_argnums, args, kwargs):
         changed[:] = [k for k, (a, b) in enumerate(zip(inputs, new_leaves)) if a is not b]
         return out, [new_leaves[k] for k in changed]
 
-    out, updates = transform.wrap(pure, strategy, device_argnums=0)(variables, rest)
+    # The variables stay on the device, as the user's Module keeps them, named or not.
+    argnums = Argnums(device=(0,), static=(), reasons=(MODULE_VARIABLES,))
+    out, updates = transform.wrap_with(pure, strategy, argnums)(variables, rest)
     new_leaves = list(old_leaves)
     for k, value in zip(changed, updates):
         new_leaves[k] = value

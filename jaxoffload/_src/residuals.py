@@ -11,7 +11,7 @@ describe the result for people.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -20,7 +20,14 @@ from jax.extend import core as jex_core
 
 from jaxoffload._src import cut as cut_lib
 from jaxoffload._src import rewrite
-from jaxoffload._src.jaxprs import eqn_flops, live_vars, nbytes, struct_of, sub_function
+from jaxoffload._src.jaxprs import (
+    eqn_flops,
+    format_bytes,
+    live_vars,
+    nbytes,
+    struct_of,
+    sub_function,
+)
 from jaxoffload._src.strategies import Strategy
 
 __all__ = ["OffloadedCall", "Residual", "Selection", "VjpTrace", "describe", "select", "trace_vjp"]
@@ -92,6 +99,47 @@ class OffloadedCall:
     def device_bytes(self) -> int:
         """The bytes of its residuals that stay on the device."""
         return sum(r.nbytes for r in self.residuals if r.placement == "device")
+
+    def __repr__(self) -> str:
+        n = len(self.residuals)
+        return (
+            f"OffloadedCall({n} residual{'s' * (n != 1)}, {_size(self.host_bytes)} on the host, "
+            f"{_size(self.device_bytes)} on the device, {_count(self.flops)}FLOP)"
+        )
+
+    def __str__(self) -> str:
+        """Its sizes, then one line per residual and per rewrite.
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> from jaxoffload import offload, offloaded_calls
+          >>> layer = offload(lambda w, x: jnp.tanh(x @ w), device_argnums=0)
+          >>> step = jax.grad(lambda w, x: layer(w, x).sum())
+          >>> (call,) = offloaded_calls(step, jnp.ones((8, 8)), jnp.ones((4, 8)))
+          >>> call
+          OffloadedCall(3 residuals, 256 B on the host, 256 B on the device, 512 FLOP)
+          >>> print(call)
+          OffloadedCall(3 residuals, 256 B on the host, 256 B on the device, 512 FLOP)
+            float32[4, 8] 128 B -> pinned_host (offloaded) [input]
+            float32[8, 8] 256 B -> device (argument in device_argnums) [input]
+            float32[4, 8] 128 B -> pinned_host (an output; offloaded) [tanh]
+        """
+        lines = [repr(self), *(f"  {r}" for r in self.residuals)]
+        lines += [f"  rewrite: {r}" for r in self.rewrites]
+        return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    """Bytes as a person reads them: exact below a MiB, then MiB or GiB."""
+    return f"{nbytes:,} B" if nbytes < 2**20 else format_bytes(nbytes)
+
+
+def _count(n: int) -> str:
+    """A count with an SI prefix and a space: ``'2.1 G'``, ``'512 '``."""
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {prefix}"
+    return f"{n} "
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,11 +240,13 @@ class Selection:
     fun: Callable[..., Any]
 
 
-def select(call, dynamic, kwargs, strategy: Strategy, device_leaves: set[int]) -> Selection:
+def select(
+    call, dynamic, kwargs, strategy: Strategy, device_leaves: Mapping[int, str]
+) -> Selection:
     """Traces ``call``'s forward pass with its ``vjp`` residuals, and chooses what to keep.
 
     ``device_leaves`` are the positions, among the flat inputs, of leaves that
-    live on the device anyway (parameters).
+    live on the device anyway (parameters), each with why, in words.
     """
     notes: list[rewrite.Rewrite] = []
     if strategy.cuts:
@@ -206,13 +256,14 @@ def select(call, dynamic, kwargs, strategy: Strategy, device_leaves: set[int]) -
     traced = trace_vjp(fun, dynamic, kwargs)
     jaxpr, consts = traced.jaxpr, traced.consts
     needed = traced.needed
-    params = {jaxpr.invars[i] for i in device_leaves} | set(jaxpr.constvars)
+    on_device = {jaxpr.invars[i]: why for i, why in device_leaves.items()}
+    params = set(on_device) | set(jaxpr.constvars)
     if strategy.cuts:
         chosen = _cheapest(jaxpr, needed, traced.outputs, params, strategy)
         saved, recomputed, flops = list(chosen.saved), chosen.recomputed, chosen.recompute_flops
     else:
         saved, recomputed, flops, chosen = list(dict.fromkeys(needed)), (), 0, None
-    residuals, to_host = _describe_saved(saved, jaxpr, traced.outputs, params, strategy, chosen)
+    residuals, to_host = _describe_saved(saved, jaxpr, traced.outputs, on_device, strategy, chosen)
     forward = sub_function(jaxpr, consts, list(jaxpr.invars), [*traced.outputs, *saved])
     backward_eqns = [jaxpr.eqns[i] for i in recomputed]
     backward = _residuals_from(traced, saved, backward_eqns)
@@ -237,12 +288,18 @@ def _cheapest(jaxpr, needed, out_atoms, params, strategy) -> cut_lib.Cut:
     return lean if _bytes(chosen.saved, params) > _bytes(lean.saved, params) else chosen
 
 
-def _describe_saved(saved, jaxpr, out_atoms, params, strategy, chosen):
+def _describe_saved(saved, jaxpr, out_atoms, on_device, strategy, chosen):
     """``(residuals, to_host)``: a :class:`Residual` per saved value, and which move."""
     residuals, to_host = [], []
     outputs = {a for a in out_atoms if isinstance(a, jex_core.Var)}
+    places = [_place(v, on_device, strategy, jaxpr) for v in saved]
+    movable = [n for n, (placement, _) in enumerate(places) if placement == "pinned_host"]
+    moved = strategy.moved(tuple(nbytes(saved[n].aval) for n in movable))
+    for n, go in zip(movable, moved):
+        if not go:
+            places[n] = ("device", f"over max_bytes={strategy.max_bytes}")
     for n, v in enumerate(saved):
-        placement, reason = _place(v, params, strategy, jaxpr)
+        placement, reason = places[n]
         if placement == "pinned_host":
             to_host.append(n)
         why = _why_kept(v, jaxpr, chosen, outputs)
@@ -259,11 +316,11 @@ def _bytes(values, free) -> int:
     return sum(nbytes(v.aval) for v in values if v not in free)
 
 
-def _place(v, params, strategy, jaxpr) -> tuple[str, str]:
+def _place(v, on_device, strategy, jaxpr) -> tuple[str, str]:
     if v in jaxpr.constvars:
         return "device", "constant"
-    if v in params:
-        return "device", "argument in device_argnums"
+    if v in on_device:
+        return "device", on_device[v]
     return strategy.placement(nbytes(v.aval), tuple(v.aval.shape))
 
 

@@ -46,6 +46,7 @@ class Strategy:
       to_host: its residuals wait in pinned host memory.
       window: how many consecutive wrapped calls may have transfers in
         flight (1 waits for the call's own).
+      max_bytes: the most bytes a call moves to the host; ``None`` for no cap.
       cuts: its residuals are the cheapest cut of the call's forward graph,
         with lean rules for ReLUs and max-pools (:mod:`jaxoffload._src.cut`).
       recomputes: its backward pass recomputes what it does not keep, by a
@@ -56,6 +57,7 @@ class Strategy:
     is_identity: bool = False
     to_host: bool = False
     window: int = 1
+    max_bytes: int | None = None
     cuts: bool = False
     recomputes: bool = False
     required_names: tuple[str, ...] = ()
@@ -72,6 +74,18 @@ class Strategy:
         """The strategy with window 1: the same residuals and compute, transfers waited for."""
         return self
 
+    def costed(self) -> Strategy:
+        """The strategy as a planner measures it: window 1, no byte cap; the same compute."""
+        return self
+
+    def moved(self, sizes: tuple[int, ...]) -> list[bool]:
+        """Which of the residuals that may move, of these sizes, do: all, unless capped."""
+        return [True] * len(sizes)
+
+    def with_cap(self, window: int, max_bytes: int) -> Strategy | None:
+        """The strategy moving at most ``max_bytes``, with ``window``; ``None`` if nothing moves."""
+        return None
+
 
 @dataclasses.dataclass(frozen=True)
 class Store(Strategy):
@@ -86,9 +100,20 @@ class Store(Strategy):
 
 
 def _check_share(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise ValueError(f"{name} must be a non-negative number, got {value!r}.")
-    return float(value)
+    """``value`` as a float, if it is a share: a number from 0 to 1."""
+    number = not isinstance(value, bool) and isinstance(value, int | float)
+    if number and 0 <= value <= 1:
+        return float(value)
+    if number and value > 1:
+        fix = f"write {name}=1.0 to allow recomputing as many FLOPs as the forward pass has"
+    elif number and value < 0:
+        fix = f"write {name}=0.0 to recompute no convolution or matrix product"
+    else:
+        fix = f"write a number such as {name}=0.25"
+    raise ValueError(
+        f"{name} is a share of the block's forward FLOPs, a non-negative number of at most 1, "
+        f"got {value!r}; {fix}."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +131,8 @@ class Lean(Strategy):
 
     Attributes:
       max_recompute: the FLOPs of convolutions and matrix products that the
-        backward pass may recompute, as a share of the block's forward pass's.
+        backward pass may recompute, as a share of the block's forward pass's,
+        from 0 (none) to 1 (as many as the forward pass has).
 
     Example:
       >>> Lean(), Lean(max_recompute=0.0)
@@ -169,10 +195,14 @@ class Offload(Strategy):
       max_recompute: as in :class:`Lean`.
       window: how many consecutive wrapped blocks may have transfers in
         flight (see :func:`jaxoffload.offload`); 1 waits for the block's own.
+      max_bytes: move at most this many bytes, the largest residuals first
+        while they fit; the rest stays on the device. With a window, a cap
+        of what the link moves while the next blocks compute keeps the
+        transfers hidden (:func:`jaxoffload.plan` sets such caps).
 
     Example:
       >>> Offload(window=2)
-      Offload(names=None, recompute=False, min_bytes=0, max_recompute=0.25, window=2)
+      Offload(names=None, recompute=False, min_bytes=0, max_recompute=0.25, window=2, max_bytes=None)
     """
 
     names: tuple[str, ...] | None = None
@@ -180,6 +210,7 @@ class Offload(Strategy):
     min_bytes: int = 0
     max_recompute: float = 0.25
     window: int = 1
+    max_bytes: int | None = None
 
     def __post_init__(self):
         names = self.names
@@ -208,6 +239,12 @@ class Offload(Strategy):
         window = self.window
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be an int of at least 1, got {window!r}.")
+        cap = self.max_bytes
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+            raise ValueError(
+                f"max_bytes must be a non-negative int or None (no cap), got {cap!r}; "
+                "write max_bytes=2**30 for 1 GiB."
+            )
 
     to_host = True
 
@@ -238,6 +275,21 @@ class Offload(Strategy):
 
     def without_window(self) -> Offload:
         return dataclasses.replace(self, window=1)
+
+    def costed(self) -> Offload:
+        return dataclasses.replace(self, window=1, max_bytes=None)
+
+    def moved(self, sizes: tuple[int, ...]) -> list[bool]:
+        if self.max_bytes is None:
+            return [True] * len(sizes)
+        moved, room = [False] * len(sizes), self.max_bytes
+        for n in sorted(range(len(sizes)), key=lambda n: -sizes[n]):  # the largest first
+            if sizes[n] <= room:
+                moved[n], room = True, room - sizes[n]
+        return moved
+
+    def with_cap(self, window: int, max_bytes: int) -> Offload | None:
+        return dataclasses.replace(self, window=window, max_bytes=max_bytes) if max_bytes else None
 
 
 _KINDS = (Store, Lean, Remat, Offload)

@@ -90,8 +90,9 @@ def say_if_nothing_moves(fun, selection) -> None:
         return
     warnings.warn(
         f"offload({getattr(fun, '__name__', fun)}): none of its {len(selection.residuals)} "
-        "residuals moves to the host (all are in device_argnums or under min_bytes); it "
-        "behaves like the plain function. saved_residuals() lists them.",
+        "residuals moves to the host (each is under min_bytes, a scalar, or an argument that "
+        "stays on the device: in device_argnums, or a Module's variable); it behaves like the "
+        "plain function. saved_residuals() lists them.",
         OffloadWarning,
         stacklevel=3,
     )

@@ -12,22 +12,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, overload
 
-import flax.linen as flax_linen
 import jax
 import numpy as np
-from flax import nnx as flax_nnx
 from jax.extend import core as jex_core
 
-from jaxoffload._src import context, jaxprs, transfers
+from jaxoffload._src import context, jaxprs, targets, transfers
 from jaxoffload._src.argnums import Argnums, check_argnums, holds_arrays, positional_names
 from jaxoffload._src.residuals import describe, select
 from jaxoffload._src.strategies import Offload, Strategy, check_strategy
 
-__all__ = ["TracedCall", "has_inner_calls", "offload", "trace_call", "wrap"]
+__all__ = ["TracedCall", "has_inner_calls", "offload", "trace_call", "wrap", "wrap_with"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -52,8 +49,8 @@ def wrap(
       device_argnums: positional arguments that are kept on the device anyway,
         typically parameters: they cost nothing to keep and never move.
       static_argnums: positional arguments that are not arrays, as with
-        :func:`jax.checkpoint`. Keyword arguments that hold no arrays
-        (``train=True``) are static without being named.
+        :func:`jax.checkpoint`. Arguments that hold no arrays (``True``,
+        ``train=True``), positional or keyword, are static without being named.
 
     Returns:
       A function with ``fun``'s signature, outputs and gradients.
@@ -72,10 +69,16 @@ def wrap(
         raise TypeError(f"wrap expects a callable, got {fun!r} of type {type(fun).__name__}.")
     device_argnums = check_argnums("device_argnums", device_argnums)
     static_argnums = check_argnums("static_argnums", static_argnums)
-    if inspect.ismethod(fun) and _is_nnx_module(fun.__self__):
-        raise TypeError(_NNX_HINT.format(name=type(fun.__self__).__name__))
-    _refuse_linen(fun)
-    argnums = Argnums(device=device_argnums, static=static_argnums)
+    return wrap_with(fun, strategy, Argnums(device=device_argnums, static=static_argnums))
+
+
+def wrap_with(fun: F, strategy: Strategy, argnums: Argnums) -> F:
+    """:func:`wrap` with its positions as one value, which says why each device argument stays.
+
+    The linen and NNX faces pass a Module's variables as device arguments
+    that the user never named: their reasons say so.
+    """
+    targets.check_function_target(fun, strategy)
     if strategy.is_identity:
         # Calls ``fun`` as it is; marked, so that saved_residuals lists jax's residuals.
         plain = functools.wraps(fun)(lambda *args, **kwargs: fun(*args, **kwargs))
@@ -84,11 +87,7 @@ def wrap(
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
-        modules = [
-            x for x in jax.tree.leaves((args, kwargs), is_leaf=_is_nnx_module) if _is_nnx_module(x)
-        ]
-        if modules:
-            raise TypeError(_NNX_HINT.format(name=type(modules[0]).__name__))
+        targets.refuse_nnx_arguments(args, kwargs)
         return _wrapped_call(fun, strategy, argnums, args, kwargs)
 
     wrapped.__jaxoffload__ = (fun, strategy, argnums)  # type: ignore[attr-defined]
@@ -104,6 +103,7 @@ def offload(
     min_bytes: int = 0,
     max_recompute: float = 0.25,
     window: int = 1,
+    max_bytes: int | None = None,
     device_argnums: int | Sequence[int] = (),
     static_argnums: int | Sequence[int] = (),
 ) -> F: ...
@@ -118,6 +118,7 @@ def offload(
     min_bytes: int = 0,
     max_recompute: float = 0.25,
     window: int = 1,
+    max_bytes: int | None = None,
     device_argnums: int | Sequence[int] = (),
     static_argnums: int | Sequence[int] = (),
 ) -> Callable[[F], F]: ...
@@ -131,6 +132,7 @@ def offload(
     min_bytes=0,
     max_recompute=0.25,
     window=1,
+    max_bytes=None,
     device_argnums=(),
     static_argnums=(),
 ):
@@ -180,10 +182,12 @@ def offload(
         be recomputed to move fewer bytes, as a share of the forward pass's.
       window: how many consecutive wrapped calls may have transfers in
         flight; 1 waits for this call's own transfers.
+      max_bytes: move at most this many bytes, the largest residuals first;
+        the rest stays on the device.
       device_argnums: positional arguments kept on the device anyway
         (parameters): they never move.
-      static_argnums: positional arguments that are not arrays; they must be
-        hashable, as with :func:`jax.jit`.
+      static_argnums: positional arguments that are not arrays, as in
+        :func:`wrap`; those that hold no arrays are static without being named.
 
     Returns:
       A function with ``fun``'s signature and outputs.
@@ -205,44 +209,13 @@ def offload(
         min_bytes=min_bytes,
         max_recompute=max_recompute,
         window=window,
+        max_bytes=max_bytes,
     )
 
     def decorate(fun):
         return wrap(fun, strategy, device_argnums=device_argnums, static_argnums=static_argnums)
 
     return decorate if fun is None else decorate(fun)
-
-
-_NNX_HINT = (
-    "jaxoffload.wrap and jaxoffload.offload take arrays, but got the NNX Module {name}: its "
-    "variable updates (BatchNorm statistics, RNG counts) would be lost. Use "
-    "jaxoffload.nnx.wrap(f, strategy) or jaxoffload.nnx.offload, which write them back."
-)
-
-
-def _refuse_linen(fun) -> None:
-    """Raises if ``fun`` is a linen Module class or instance: its variables live in a Flax scope."""
-    cls = fun.func if isinstance(fun, functools.partial) else fun
-    if isinstance(cls, type) and issubclass(cls, flax_linen.Module):
-        raise TypeError(
-            "jaxoffload.wrap and jaxoffload.offload take a function of arrays, but got the "
-            f"linen Module class {cls.__name__}: it would be called to build a Module, not to "
-            f"apply one. Write jaxoffload.linen.offload({cls.__name__}) or "
-            f"jaxoffload.linen.wrap({cls.__name__}, strategy): they return a Module class with "
-            f"{cls.__name__}'s variables."
-        )
-    if isinstance(fun, flax_linen.Module):
-        name = type(fun).__name__
-        raise TypeError(
-            "jaxoffload.wrap and jaxoffload.offload take a function of arrays, but got the "
-            f"linen Module {name}(...), whose variables (parameters, batch_stats) a function "
-            f"transform cannot see. Write jaxoffload.linen.offload({name})(...) where you wrote "
-            f"{name}(...), or wrap a pure function such as {name}(...).apply."
-        )
-
-
-def _is_nnx_module(x) -> bool:
-    return isinstance(x, flax_nnx.Module)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,7 +227,7 @@ class TracedCall:
       dynamic: the positional arguments that are not static.
       kwargs: the keyword arguments that hold arrays.
       device_leaves: the positions, among the flat leaves of
-        ``(dynamic, kwargs)``, of those in ``device_argnums``.
+        ``(dynamic, kwargs)``, of those kept on the device, each with why.
       closed: the call's closed jaxpr.
       out_tree: the pytree structure of its outputs.
     """
@@ -262,7 +235,7 @@ class TracedCall:
     replay: Callable[..., Any]
     dynamic: tuple
     kwargs: dict
-    device_leaves: frozenset[int]
+    device_leaves: dict[int, str]
     closed: Any
     out_tree: Any
 
@@ -273,9 +246,11 @@ def trace_call(fun: Callable[..., Any], argnums: Argnums, args: tuple, kwargs: d
     A Flax Module called twice would draw its RNGs twice, and initialise other
     values: ``fun`` runs once, here.
     """
+    # Arguments that hold no arrays (``train=True``, positional or keyword) are
+    # static, as jit's static arguments are: traced, a Python bool could not
+    # steer the function.
+    argnums = argnums.with_static_values(args)
     dynamic, rebuild, device = argnums.split(args, kwargs, positional_names(fun))
-    # Keywords that hold no arrays (``train=True``) are static, as jit's static
-    # arguments are: traced, a Python bool could not steer the function.
     static_kwargs = {k: v for k, v in kwargs.items() if not holds_arrays(v)}
     kwargs = {k: v for k, v in kwargs.items() if k not in static_kwargs}
 
@@ -283,10 +258,10 @@ def trace_call(fun: Callable[..., Any], argnums: Argnums, args: tuple, kwargs: d
         args, kwargs = rebuild(dynamic, kwargs)
         return fun(*args, **kwargs, **static_kwargs)
 
-    # Flat positions of the leaves of device_argnums among (dynamic, kwargs).
+    # Flat positions of the leaves kept on the device among (dynamic, kwargs), and why.
     sizes = [len(jax.tree.leaves(a)) for a in dynamic]
     starts = np.cumsum([0, *sizes])
-    device_leaves = frozenset(int(starts[n]) + k for n in device for k in range(sizes[n]))
+    device_leaves = {int(starts[n]) + k: why for n, why in device.items() for k in range(sizes[n])}
     closed, out_shape = jax.make_jaxpr(call, return_shape=True)(dynamic, kwargs)
     out_tree = jax.tree.structure(out_shape)
     run = jex_core.jaxpr_as_fun(closed)
@@ -374,7 +349,9 @@ def _run_regions(traced: TracedCall, strategy) -> list[Any]:
     """
     closed = traced.closed
     jaxpr = closed.jaxpr
-    params = {jaxpr.invars[i] for i in traced.device_leaves} | set(jaxpr.constvars)
+    # What stays on the device, and why: a region keeps the reasons of the whole call.
+    why = {jaxpr.invars[i]: r for i, r in traced.device_leaves.items()}
+    why |= dict.fromkeys(jaxpr.constvars, "constant")
 
     def run(step, invals):
         if not isinstance(step, _Region):
@@ -387,9 +364,10 @@ def _run_regions(traced: TracedCall, strategy) -> list[Any]:
             jaxprs.eqn_flops(e) or e.primitive.name.startswith("reduce_window") for e in step.eqns
         ):
             return fun(*invals)
-        device = tuple(k for k, v in enumerate(step.invars) if v in params)
+        device = tuple(k for k, v in enumerate(step.invars) if v in why)
+        reasons = tuple(why[step.invars[k]] for k in device)
         # The names were checked on the whole function; a region may mark none of them.
-        argnums = Argnums(device=device, static=())
+        argnums = Argnums(device=device, static=(), reasons=reasons)
         return _wrapped_call(fun, strategy, argnums, tuple(invals), {}, check_names=False)
 
     flat = jax.tree.leaves((traced.dynamic, traced.kwargs))

@@ -19,7 +19,7 @@ from jaxoffload._src import nnx as offload_nnx
 from jaxoffload._src.argnums import holds_arrays
 from jaxoffload._src.strategies import Lean, Store, Strategy
 
-__all__ = ["Discovery", "Strategies", "apply_plan"]
+__all__ = ["Discovery", "Strategies", "apply_plan", "check_model"]
 
 
 class Strategies(Protocol):
@@ -32,13 +32,33 @@ class Strategies(Protocol):
 
 def apply_plan(plan: Any, model: Any) -> Any:
     """``model`` under ``plan``: see :meth:`jaxoffload.Plan.apply`."""
+    check_model(model, "Plan.apply")
     if isinstance(model, nnx.Module):
         return _apply_nnx(plan, model)
-    if isinstance(model, nn.Module):
-        return _apply_linen(plan, model)
-    raise TypeError(
-        f"Plan.apply takes a linen Module instance or an NNX Module, got {type(model).__name__}."
-    )
+    return _apply_linen(plan, model)
+
+
+def check_model(model: Any, called: str) -> None:
+    """Raises unless ``model`` is an unbound linen Module or an NNX Module, as ``called`` needs."""
+    if isinstance(model, nnx.Module):
+        return
+    if isinstance(model, type) and issubclass(model, nn.Module | nnx.Module):
+        raise TypeError(
+            f"{called} takes a Module instance, got the class {model.__name__}: write "
+            f"{model.__name__}(...) with its fields."
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{called} takes a linen Module instance or an NNX Module, got {type(model).__name__}."
+        )
+    if model.scope is not None:
+        name = type(model).__name__
+        raise TypeError(
+            f"{called} takes an unbound linen Module, but this {name} is bound to variables "
+            "(by .bind(...), or as self inside a method). Pass the unbound model, as you pass it "
+            f"to init: {name}(...) itself, or model.unbind()[0], and give the variables to "
+            + ("the step as its arguments." if called == "jaxoffload.plan" else "apply.")
+        )
 
 
 class Discovery:
@@ -63,8 +83,6 @@ def _apply_linen(plan: Strategies, model: nn.Module) -> nn.Module:
     Plannable blocks (:func:`jaxoffload.linen.plannable`) read the plan in
     effect when Flax builds them inside the model's ``__call__``.
     """
-    if model.scope is not None:
-        raise TypeError("Plan.apply takes an unbound Module: apply the plan before init/apply.")
     base = type(model)
     wrapped_by_static: dict[tuple[int, ...], Any] = {}
 

@@ -8,11 +8,14 @@ combine them.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
+import os
 import statistics
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +24,7 @@ from jax.extend import core as jex_core
 
 from jaxoffload._src import transform
 from jaxoffload._src.jaxprs import nbytes, struct_of
+from jaxoffload._src.planner.front import Option
 from jaxoffload._src.residuals import trace_vjp
 from jaxoffload._src.strategies import Store, Strategy
 from jaxoffload._src.transfers import without_host_placement
@@ -28,6 +32,8 @@ from jaxoffload._src.transfers import without_host_placement
 __all__ = [
     "BlockCost",
     "BlockCosts",
+    "block_options",
+    "compile_all",
     "cost_blocks",
     "estimate_peak_bytes",
     "estimate_step_ms",
@@ -50,8 +56,8 @@ class BlockCost:
       recompute_bytes: what its backward pass recomputes and holds at once.
       forward_ms: its forward pass, alone on the device.
       backward_ms: its backward pass, recomputation included, transfers not.
-      scale: what the compiled step holds per byte that the traces give,
-        for this kind of strategy (:func:`plan` fits it).
+      scale: what the compiled step holds per byte that the traces give.
+      host_sizes: the sizes of the residuals in host memory, largest first.
     """
 
     device_bytes: int
@@ -62,6 +68,7 @@ class BlockCost:
     forward_ms: float
     backward_ms: float
     scale: float = 1.0
+    host_sizes: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +81,17 @@ class BlockCosts:
     costs: dict[Strategy, BlockCost]
 
     def cost(self, strategy: Strategy) -> BlockCost:
-        return self.costs[strategy.without_window()]
+        """The cost under ``strategy``: as measured, with what a byte cap leaves on the device."""
+        cost = self.costs[strategy.costed()]
+        if strategy.max_bytes is None:
+            return cost
+        moved = [size for size, go in zip(cost.host_sizes, strategy.moved(cost.host_sizes)) if go]
+        return dataclasses.replace(
+            cost,
+            device_bytes=cost.device_bytes + cost.host_bytes - sum(moved),
+            host_bytes=sum(moved),
+            host_sizes=tuple(moved),
+        )
 
 
 def estimate_peak_bytes(blocks: Sequence[BlockCosts], choice: Sequence[Strategy]) -> int:
@@ -152,24 +169,29 @@ def estimate_step_ms(
     return max(forward + exposed_out, sum(out_ms)) + max(backward + exposed_back, sum(back_ms))
 
 
-def _residual_bytes(fun, structs, device_inputs) -> tuple[int, int, int, int]:
-    """``(device, input, output, host)`` bytes of the residuals that ``jax.vjp(fun)`` keeps and reads."""
+def _residual_bytes(fun, structs, device_inputs) -> tuple[int, int, int, int, tuple[int, ...]]:
+    """``(device, input, output, host, host_sizes)``: the residual bytes that ``jax.vjp(fun)`` keeps.
+
+    ``host_sizes`` are the sizes of the residuals in host memory, largest first.
+    """
     traced = trace_vjp(fun, *structs)
     inputs = {v: k for k, v in enumerate(traced.jaxpr.invars)}
     device = kept_input = kept_output = host = 0
+    sizes = []
     for v in dict.fromkeys(traced.needed):
         if inputs.get(v, -1) in device_inputs:
             continue
         size = nbytes(v.aval, per_device=True)
         if getattr(v.aval, "memory_space", None) == jax.memory.Space.Host:
             host += size
+            sizes.append(size)
         elif v in inputs:
             kept_input += size
         elif v in traced.outputs:
             kept_output += size
         else:
             device += size
-    return device, kept_input, kept_output, host
+    return device, kept_input, kept_output, host, tuple(sorted(sizes, reverse=True))
 
 
 def median_ms(fn, *args, runs: int) -> float:
@@ -194,9 +216,16 @@ def zeros(struct) -> jax.Array:
     return jnp.zeros(struct.shape, struct.dtype)
 
 
-def _time_block(fun, structs, runs: int) -> tuple[float, float]:
-    """``(forward_ms, forward_and_backward_ms)`` of ``fun`` alone on the default device."""
-    args = [zeros(s) for s in structs]
+def compile_all(lowered: Sequence[Any]) -> list[Any]:
+    """Compiles lowered programs, several at once: XLA compiles outside Python's lock."""
+    if len(lowered) <= 1:
+        return [x.compile() for x in lowered]
+    with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda x: x.compile(), lowered))
+
+
+def _block_programs(fun, structs):
+    """``(forward, forward_and_backward, their arguments)`` of ``fun`` alone, as jitted functions."""
     out_structs = jax.eval_shape(fun, *structs)
     floats = [jax.dtypes.issubdtype(o.dtype, np.inexact) for o in out_structs]
 
@@ -208,58 +237,88 @@ def _time_block(fun, structs, runs: int) -> tuple[float, float]:
         ]
         return vjp_fun(full)
 
+    args = [zeros(s) for s in structs]
     cotangents = [zeros(o) for f, o in zip(floats, out_structs) if f]
-    forward_ms = median_ms(jax.jit(fun), *args, runs=runs)
-    both_ms = median_ms(jax.jit(both), args, cotangents, runs=runs)
-    return forward_ms, both_ms
+    return jax.jit(fun), jax.jit(both), tuple(args), (args, cotangents)
 
 
 def cost_blocks(paths, calls, options, *, runs, say) -> list[BlockCosts]:
-    """Each block's cost under each option: traced once and timed once per distinct program."""
-    costed = [s.without_window() for s in options]
-    costed = list(dict.fromkeys([Store(), *costed]))
-    by_program: dict[tuple, dict[Strategy, BlockCost]] = {}
+    """Each block's cost under each option: traced once and timed once per distinct program.
+
+    Windows and byte caps change when and how much moves, not what a block
+    keeps or computes, so each option is costed as its strategy with window 1
+    and no cap. The programs of every distinct block are compiled together.
+    """
+    costed = list(dict.fromkeys([Store(), *(s.costed() for s in options)]))
     programs = [(str(call.forward), call.device_inputs) for call in calls]
-    distinct = list(dict.fromkeys(programs))
+    distinct: dict[tuple, Any] = {}
+    for program, call in zip(programs, calls):
+        distinct.setdefault(program, call)
+    say(
+        f"timing block programs: {len(distinct)} distinct, each under {len(costed)} strategies, "
+        "compiled together"
+    )
+    by_program = _cost_programs(list(distinct.values()), costed, runs, say)
     blocks = []
     for path, call, program in zip(paths, calls, programs):
-        fun = jex_core.jaxpr_as_fun(call.forward)
         invars, outvars = call.forward.jaxpr.invars, call.forward.jaxpr.outvars
-        structs = [struct_of(v.aval, rebind=True) for v in invars]
         input_bytes = sum(
             nbytes(v.aval, per_device=True)
             for k, v in enumerate(invars)
             if k not in call.device_inputs
         )
         output_bytes = sum(nbytes(v.aval, per_device=True) for v in outvars)
-        if program not in by_program:
-            say(f"timing block program {distinct.index(program) + 1}/{len(distinct)} ({path})")
-            by_program[program] = _cost_program(fun, structs, call.device_inputs, costed, runs)
-        blocks.append(BlockCosts(path, input_bytes, output_bytes, by_program[program]))
+        costs = by_program[list(distinct).index(program)]
+        blocks.append(BlockCosts(path, input_bytes, output_bytes, costs))
     return blocks
 
 
-def _cost_program(fun, structs, device_inputs, strategies, runs) -> dict[Strategy, BlockCost]:
-    store_forward_ms = None
-    measured = {}
-    for strategy in strategies:
-        wrapped = transform.wrap(fun, strategy, device_argnums=device_inputs)
-        device, kept_input, kept_output, host = _residual_bytes(wrapped, structs, device_inputs)
-        # Compute alone: the link's share is the planner's model (estimate_step_ms).
-        with without_host_placement():
-            forward_ms, both_ms = _time_block(wrapped, structs, runs)
-        if store_forward_ms is None:
-            store_forward_ms = forward_ms
-        measured[strategy] = (device, kept_input, kept_output, host, both_ms)
-    store_device = measured[Store()][0]
-    costs = {}
-    for strategy, (device, kept_input, kept_output, host, both_ms) in measured.items():
-        costs[strategy] = BlockCost(
-            device, kept_input, kept_output, host,
-            max(0, store_device - device) if strategy.recomputes else 0,
-            store_forward_ms, max(0.0, both_ms - store_forward_ms),
-        )  # fmt: skip
-    return costs
+def _cost_programs(calls, strategies, runs, say) -> list[dict[Strategy, BlockCost]]:
+    """Per distinct block call: its traced bytes and timed compute under each strategy."""
+    lowered, plans = [], []
+    for call in calls:
+        fun = jex_core.jaxpr_as_fun(call.forward)
+        structs = [struct_of(v.aval, rebind=True) for v in call.forward.jaxpr.invars]
+        for n, strategy in enumerate(strategies):
+            wrapped = transform.wrap(fun, strategy, device_argnums=call.device_inputs)
+            traced = _residual_bytes(wrapped, structs, call.device_inputs)
+            # Compute alone: the link's share is the planner's model of the step.
+            with without_host_placement():
+                forward, both, forward_args, both_args = _block_programs(wrapped, structs)
+                if n == 0:  # the forward pass is Store's, whatever the strategy keeps
+                    lowered.append(forward.trace(*forward_args).lower())
+                    plans.append((call, None, None, forward_args))
+                lowered.append(both.trace(*both_args).lower())
+                plans.append((call, strategy, traced, both_args))
+    executables = compile_all(lowered)
+    results: dict[int, dict[Strategy, BlockCost]] = {}
+    forward_ms: dict[int, float] = {}
+    measured: dict[int, dict[Strategy, tuple]] = {}
+    for executable, (call, strategy, traced, args) in zip(executables, plans):
+        ms = median_ms(executable, *args, runs=runs)
+        if strategy is None:
+            forward_ms[id(call)] = ms
+        else:
+            measured.setdefault(id(call), {})[strategy] = (*traced, ms)
+    for call in calls:
+        store_device = measured[id(call)][Store()][0]
+        results[id(call)] = {
+            strategy: BlockCost(
+                device,
+                kept_input,
+                kept_output,
+                host,
+                max(0, store_device - device) if strategy.recomputes else 0,
+                forward_ms[id(call)],
+                max(0.0, both_ms - forward_ms[id(call)]),
+                1.0,
+                sizes,
+            )  # fmt: skip
+            for strategy, (device, kept_input, kept_output, host, sizes, both_ms) in measured[
+                id(call)
+            ].items()
+        }
+    return [results[id(call)] for call in calls]
 
 
 def measure_link(nbytes: int = 2**30, runs: int = 3) -> dict[str, float]:
@@ -280,3 +339,62 @@ def measure_link(nbytes: int = 2**30, runs: int = 3) -> dict[str, float]:
     d2h = median_ms(lambda: jax.device_put(x, on_host), runs=runs)
     h2d = median_ms(lambda: jax.device_put(host, on_device), runs=runs)
     return {"d2h_gbps": x.nbytes / d2h / 1e6, "h2d_gbps": x.nbytes / h2d / 1e6}
+
+
+# The share of the link's time that hidden transfers may take: the rest is slack for
+# the compute's own memory traffic and for timing noise.
+HIDDEN_SHARE = 0.8
+
+
+def block_options(
+    blocks: Sequence[BlockCosts], options: Sequence[Strategy], link: tuple[float, float] | None
+) -> list[list[Option]]:
+    """Per block, its options with what each keeps and costs: the front's input.
+
+    Each option is costed as measured, with the transfers that the compute of
+    the blocks after it cannot hide. Where anything moves, each block also
+    gets hidden offloads: ``Offload`` with window ``w`` and a byte cap of what
+    the link moves, in :data:`HIDDEN_SHARE` of the time, while the next
+    ``w - 1`` blocks compute, forward and backward, so that the move costs
+    almost nothing; on top of the lean cut, and of recomputation.
+    """
+    choices = []
+    for i in range(len(blocks)):
+        strategies = list(dict.fromkeys(options))
+        if link is not None:
+            strategies += _hidden_offloads(blocks, i, options, link)
+        choices.append([_option(blocks, i, s, link) for s in dict.fromkeys(strategies)])
+    return choices
+
+
+def _hidden_offloads(blocks, i, options, link) -> list[Strategy]:
+    hidden = []
+    for base in options:
+        if not base.to_host:
+            continue
+        for window in (2, 3):
+            later = blocks[i + 1 : i + window]
+            if len(later) < window - 1:
+                continue
+            forward = sum(b.cost(Store()).forward_ms for b in later)
+            backward = sum(b.cost(Store()).backward_ms for b in later)
+            cap = int(HIDDEN_SHARE * min(link[0] * forward, link[1] * backward) * 1e6)
+            capped = base.with_cap(window, cap)
+            if capped is not None and blocks[i].cost(capped).host_bytes > 0:
+                hidden.append(capped)
+    return hidden
+
+
+def _option(blocks, i, strategy, link) -> Option:
+    cost = blocks[i].cost(strategy)
+    kept = cost.device_bytes + cost.input_bytes
+    ms = cost.forward_ms + cost.backward_ms
+    if cost.host_bytes:
+        if link is None:
+            raise ValueError(f"{strategy} moves bytes, but the planner has no link bandwidth.")
+        later = blocks[i + 1 : i + strategy.window]
+        forward = sum(b.cost(Store()).forward_ms for b in later)
+        backward = sum(b.cost(Store()).backward_ms for b in later)
+        ms += max(0.0, cost.host_bytes / (link[0] * 1e6) - forward)
+        ms += max(0.0, cost.host_bytes / (link[1] * 1e6) - backward)
+    return Option(strategy, int(kept), float(ms), int(cost.host_bytes))

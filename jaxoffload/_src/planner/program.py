@@ -16,7 +16,7 @@ from jaxoffload._src.planner.plan import Plan
 from jaxoffload._src.residuals import OffloadedCall
 from jaxoffload._src.strategies import Lean
 
-__all__ = ["compile_step", "compiled_bytes", "device_bytes", "discover", "program"]
+__all__ = ["compile_step", "compiled_bytes", "device_bytes", "discover", "lower_step", "program"]
 
 
 def discover(model, step, args, blocks) -> tuple[list[str], list[OffloadedCall]]:
@@ -60,10 +60,15 @@ def program(model, step, args, plan, donate_argnums=()):
     return functools.partial(step, plan.apply(model)), args, donate_argnums
 
 
+def lower_step(model, step, args, plan: Plan, donate_argnums):
+    """``step`` under ``plan``, traced and lowered: ready to compile."""
+    fun, arrays, donate = program(model, step, args, plan, donate_argnums)
+    return jax.jit(fun, donate_argnums=donate).trace(*arrays).lower()
+
+
 def compile_step(model, step, args, plan: Plan, donate_argnums):
     """``step`` under ``plan``, traced, lowered and compiled."""
-    fun, arrays, donate = program(model, step, args, plan, donate_argnums)
-    return jax.jit(fun, donate_argnums=donate).trace(*arrays).lower().compile()
+    return lower_step(model, step, args, plan, donate_argnums).compile()
 
 
 def device_bytes(executable) -> int:

@@ -25,96 +25,23 @@ from flax import nnx
 from jaxoffload._src import nnx as offload_nnx
 from jaxoffload._src.errors import NoPlanFits
 from jaxoffload._src.jaxprs import format_bytes
+from jaxoffload._src.planner.apply import check_model
 from jaxoffload._src.planner.costs import (
     BlockCost,
-    BlockCosts,
+    block_options,
+    compile_all,
     cost_blocks,
     estimate_peak_bytes,
     estimate_step_ms,
     measure_link,
     zeros,
 )
+from jaxoffload._src.planner.front import front
 from jaxoffload._src.planner.plan import Plan
-from jaxoffload._src.planner.program import compile_step, device_bytes, discover, program
+from jaxoffload._src.planner.program import device_bytes, discover, lower_step, program
 from jaxoffload._src.strategies import Lean, Offload, Remat, Store, Strategy, brief, check_strategy
 
 __all__ = ["Planner", "default_options", "plan"]
-
-
-# Timings closer than this are noise: a block's Store and Lean often differ by less.
-_NOISE = 0.02
-
-
-def _fastest_leanest(block: BlockCosts, options) -> Strategy:
-    """The option that keeps the fewest bytes among those as fast as the fastest, within noise."""
-
-    def ms(s):
-        return block.cost(s).forward_ms + block.cost(s).backward_ms
-
-    def kept(s):
-        c = block.cost(s)
-        return c.device_bytes + c.input_bytes + c.output_bytes + c.host_bytes
-
-    quickest = min(ms(s) for s in options)
-    return min((s for s in options if ms(s) <= quickest * (1 + _NOISE)), key=kept)
-
-
-def _search(blocks, options, budget, link) -> tuple[Strategy, ...] | None:
-    """The fastest choice, by the models, whose estimated peak fits ``budget``; ``None`` if none.
-
-    Greedy descent from two starts (each block at its fastest option, the
-    leanest among options equally fast within timing noise; and every block
-    lean): while the estimate is over budget, make the change that frees the
-    most estimated peak per millisecond added; then make any change that is
-    faster, by more than noise, and still fits. Every uniform choice is a
-    candidate too, so the result is never slower, by the models, than one
-    strategy for all blocks.
-    """
-    n = len(blocks)
-
-    def peak(choice):
-        return estimate_peak_bytes(blocks, choice)
-
-    def ms(choice):
-        return estimate_step_ms(blocks, choice, link)
-
-    def descend(choice):
-        choice = list(choice)
-        current = peak(choice)
-        while current > budget:
-            base_ms, best = ms(choice), None
-            for i in range(n):
-                for s in options:
-                    if s == choice[i]:
-                        continue
-                    trial = [*choice[:i], s, *choice[i + 1 :]]
-                    freed = current - peak(trial)
-                    if freed <= 0:
-                        continue
-                    rate = freed / max(ms(trial) - base_ms, 1e-6)
-                    if best is None or rate > best[0]:
-                        best = (rate, trial)
-            if best is None:
-                return None
-            choice = best[1]
-            current = peak(choice)
-        improved = True
-        while improved:
-            improved = False
-            for i in range(n):
-                for s in options:
-                    trial = [*choice[:i], s, *choice[i + 1 :]]
-                    if peak(trial) <= budget and ms(trial) < ms(choice) * (1 - _NOISE):
-                        choice, improved = trial, True
-        return tuple(choice)
-
-    fastest = tuple(_fastest_leanest(b, options) for b in blocks)
-    candidates = [descend(fastest)]
-    if Lean() in options:
-        candidates.append(descend((Lean(),) * n))
-    candidates += [(s,) * n for s in options]
-    fitting = [c for c in candidates if c is not None and peak(c) <= budget]
-    return min(fitting, key=ms) if fitting else None
 
 
 def default_options() -> tuple[Strategy, ...]:
@@ -140,16 +67,21 @@ def plan(
     runs: int = 5,
     max_rounds: int = 3,
     progress: bool | Callable[[str], None] = True,
-) -> Plan | list[Plan]:
+) -> Plan | list[Plan | NoPlanFits]:
     """A strategy per plannable block that fits ``budget`` at the least step time.
 
-    The costs come from the device. Each distinct block is timed alone under
-    each option, and its residuals are read from traces; the host link is
-    measured once. A model of the step's peak over time
-    (:func:`estimate_peak_bytes`), calibrated against the compiled plain
-    step, picks the plan; the plan's compiled program is then checked
-    against the budget, and a plan over it is replanned under a tighter
-    model budget.
+    The costs come from the device. Each distinct block is compiled and timed
+    alone under each option, its residuals are read from traces, and the host
+    link is measured once; where anything moves, each block also gets hidden
+    offloads (``Offload(window=w, max_bytes=cap)``, a cap of what the link
+    moves while the next blocks compute). For every memory target, the
+    fastest choice of one option per block is the front
+    (:func:`~jaxoffload._src.planner.front.front`). The compiled step is the
+    oracle: a model of its bytes, calibrated on the plans compiled so far,
+    proposes the fastest candidates that should fit, and they are compiled,
+    several at once, until none faster is left that the model says fits.
+    Every plan returned was compiled and fits; its ``estimated_bytes`` is
+    what the model predicted before compiling it.
 
     Args:
       model: an unbound linen Module whose blocks are
@@ -176,15 +108,19 @@ def plan(
       donate_argnums: the arguments (after ``model``) that the training loop
         donates, as in its ``jax.jit``: the compiled checks do the same.
       runs: timed runs per block and option.
-      max_rounds: compiled checks before giving up.
+      max_rounds: rounds of compiled checks per budget; each compiles up to
+        two candidates at once.
       progress: print progress to stderr, or a function that takes each line.
 
     Returns:
-      A :class:`Plan` whose compiled step fits ``budget``.
+      A :class:`Plan` whose compiled step fits ``budget``. For a sequence of
+      budgets, a list with one entry per budget: its :class:`Plan`, or, where
+      no plan fits, the :class:`NoPlanFits` that says what was reached (not
+      raised, so that the plans that fit are not lost).
 
     Raises:
-      NoPlanFits: if no plan's compiled step fits; the message gives the
-        least that was reached.
+      NoPlanFits: for a single budget, if no plan's compiled step fits; the
+        message gives the least that was reached.
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -203,8 +139,11 @@ def plan(
       >>> [path for path, _ in p.blocks]
       ['Dense_0', 'Dense_1']
     """
+    check_model(model, "jaxoffload.plan")
     say = _progress_printer(progress)
-    budgets = list(budget) if isinstance(budget, Sequence) else [budget]
+    # A string is a Sequence too, but one budget written wrong, not a list of them.
+    many = isinstance(budget, Sequence) and not isinstance(budget, str | bytes)
+    budgets = list(budget) if many else [budget]
     for b in budgets:
         _check_budget(b)
     # Batch-sharded arguments over an Explicit mesh: the blocks' traced types carry their
@@ -224,18 +163,35 @@ def plan(
             say=say,
             donate_argnums=donate_argnums,
         )
-        plans = [planner.plan_for(b, max_rounds=max_rounds) for b in budgets]
-    return plans if isinstance(budget, Sequence) else plans[0]
+        if not many:
+            return planner.plan_for(budgets[0], max_rounds=max_rounds)
+        return [_plan_or_why_not(planner, b, max_rounds) for b in budgets]
+
+
+def _plan_or_why_not(planner: Planner, budget, max_rounds: int) -> Plan | NoPlanFits:
+    """One budget of a list: its plan, or the :class:`NoPlanFits` that says what was reached."""
+    try:
+        return planner.plan_for(budget, max_rounds=max_rounds)
+    except NoPlanFits as error:
+        planner.say(str(error))
+        return error
 
 
 class Planner:
-    """What planning measures once per model and step: blocks, costs, link and calibration."""
+    """What planning measures once per model and step, and the plans it makes from it.
+
+    The blocks are found by tracing the step, costed alone under each option
+    (:mod:`jaxoffload._src.planner.costs`), and their options put on the front
+    (:func:`~jaxoffload._src.planner.front.front`): for every memory target,
+    the fastest choice. The compiled step is the oracle: a model of its bytes,
+    calibrated on the plans compiled so far, proposes the fastest point on the
+    front that should fit; that plan is compiled, and the model learns from
+    each compile, until a compiled plan fits and the next faster one does not.
+    """
 
     def __init__(self, model, step, args, options, *, runs, say, blocks=None, donate_argnums=()):
         self.model, self.step, self.args, self.say = model, step, args, say
         self.donate_argnums = donate_argnums
-        self.executables: dict[Plan, Any] = {}
-        self.measured_ms: dict[Plan, float] = {}
         options = (
             default_options() if options is None else tuple(check_strategy(s) for s in options)
         )
@@ -251,64 +207,72 @@ class Planner:
             self.link = (link["d2h_gbps"], link["h2d_gbps"])
             say(f"host link: {self.link[0]:.1f} GB/s out, {self.link[1]:.1f} GB/s back")
         self.blocks = cost_blocks(self.paths, calls, options, runs=runs, say=say)
+        self.choices = block_options(self.blocks, options, self.link)
+        self.front = front(self.choices)
         self.plain = Plan(tuple((p, Store()) for p in self.paths))
-        # What the compiled programs take: the same arrays under every plan.
         self.arrays = program(model, step, args, self.plain)[1]
-        self.lean_outside = dataclasses.replace(self.plain, outside=Lean())
-        say("compiling the plain step, and again with the code outside the blocks lean")
-        # Every compiled plan is a candidate for every budget.
-        self.checked = {p: self.compiled(p) for p in (self.plain, self.lean_outside)}
-        # What the step holds besides the blocks' residuals and work.
-        blocks_peak = estimate_peak_bytes(self.blocks, self.plain.strategies)
-        self.constant = {p.outside: self.checked[p] - blocks_peak for p in self.checked}
-        say(f"plain step: {format_bytes(self.checked[self.plain])}")
-        self._calibrate()
+        self.compiled: dict[Plan, int] = {}  # every plan compiled, for every budget
+        self.predicted: dict[Plan, int] = {}  # what the model said before compiling it
+        self.executables: dict[Plan, Any] = {}
+        self.measured_ms: dict[Plan, float] = {}
+        leanest = self._candidate(self.front[0])
+        say("compiling the plain step, and the leanest plan on the front")
+        self._compile([self.plain, leanest])
+        self.plain_ms = self.step_ms(self.plain)
+        say(
+            f"plain step: {format_bytes(self.compiled[self.plain])}, {self.plain_ms:.1f} ms; "
+            f"leanest: {format_bytes(self.compiled[leanest])}"
+        )
 
-    def _calibrate(self) -> None:
-        """Fits, per kind of strategy, the compiled bytes per traced byte, from uniform plans.
+    def _candidate(self, point) -> Plan:
+        """The plan of a point on the front; the code outside the blocks is lean unless all store."""
+        strategies = tuple(self.choices[b][k].strategy for b, k in enumerate(point.choice))
+        outside = Store() if all(s.is_identity for s in strategies) else Lean()
+        return Plan(tuple(zip(self.paths, strategies)), outside)
 
-        XLA's buffers are not the traces' residuals: it fuses some away and
-        keeps others longer. Each uniform plan (every block lean, every block
-        rematerialised, every block offloaded), compiled, is also a candidate.
+    def model_bytes(self, candidate: Plan) -> float:
+        """The model of the step's peak: what the blocks hold over time, not calibrated."""
+        return float(estimate_peak_bytes(self.blocks, candidate.strategies))
+
+    def predict(self, candidate: Plan) -> int:
+        """The compiled bytes that the model predicts, from the compiled plans nearest in the model.
+
+        Linear between the two compiled plans whose model bytes bracket the
+        candidate's; beyond them, through the nearest two.
         """
-        # One scale per class, not per value: a class's values keep residuals the same way.
-        scales = {Store: 1.0}
-        for kind in (Lean, Remat, Offload):
-            if kind not in {type(s) for s in self.options}:
-                continue
-            strategy = next(s for s in self.options if type(s) is kind)
-            uniform = Plan(tuple((p, strategy) for p in self.paths), Lean())
-            self.say(f"compiling every block {brief(strategy)}, to calibrate")
-            self.checked[uniform] = self.compiled(uniform)
-            traced = estimate_peak_bytes(self.blocks, uniform.strategies)
-            held = self.checked[uniform] - self.constant[Lean()]
-            scales[kind] = min(4.0, max(0.25, held / traced)) if traced > 0 else 1.0
-        self.say("compiled bytes per traced byte: " + ", ".join(
-            f"{k.__name__} {v:.2f}" for k, v in scales.items()
-        ))  # fmt: skip
-        self.blocks = [
-            dataclasses.replace(
-                b,
-                costs={
-                    s: dataclasses.replace(c, scale=scales[type(s)]) for s, c in b.costs.items()
-                },
-            )
-            for b in self.blocks
-        ]
+        points = sorted({(self.model_bytes(p), got) for p, got in self.compiled.items()})
+        x = self.model_bytes(candidate)
+        if len(points) == 1 or points[0][0] == points[-1][0]:
+            return int(points[0][1] - points[0][0] + x)
+        below = [p for p in points if p[0] <= x]
+        above = [p for p in points if p[0] > x]
+        if below and above:
+            (x0, y0), (x1, y1) = below[-1], above[0]
+        elif below:
+            (x0, y0), (x1, y1) = below[-2], below[-1]
+        else:
+            (x0, y0), (x1, y1) = above[0], above[1]
+        return int(y0 + (y1 - y0) * (x - x0) / (x1 - x0)) if x1 != x0 else int(y1)
 
-    def compiled(self, candidate: Plan) -> int:
-        executable = compile_step(self.model, self.step, self.args, candidate, self.donate_argnums)
-        self.executables[candidate] = executable
-        return device_bytes(executable)
+    def _compile(self, candidates: Sequence[Plan]) -> None:
+        todo = [c for c in dict.fromkeys(candidates) if c not in self.compiled]
+        for c in todo:
+            if self.compiled:
+                self.predicted[c] = self.predict(c)
+        lowered = [
+            lower_step(self.model, self.step, self.args, c, self.donate_argnums) for c in todo
+        ]
+        for c, executable in zip(todo, compile_all(lowered)):
+            self.executables[c] = executable
+            self.compiled[c] = device_bytes(executable)
 
     def step_ms(self, candidate: Plan, runs: int = 3) -> float:
         """The compiled candidate's step time, run on zeros; ``inf`` if it cannot run here."""
         if candidate not in self.measured_ms:
             limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
-            executable = self.executables.get(candidate)
-            if executable is None or (limit and self.checked[candidate] > 0.9 * limit):
+            if limit and self.compiled[candidate] > 0.9 * limit:
                 return math.inf
-            times = []
+            executable, times = self.executables[candidate], []
             try:
                 for _ in range(runs + 1):
                     # Donated arguments are used up: fresh zeros for every run.
@@ -322,67 +286,77 @@ class Planner:
             self.measured_ms[candidate] = statistics.median(times[1:]) * 1e3
         return self.measured_ms[candidate]
 
-    def ms(self, choice) -> float:
-        return estimate_step_ms(self.blocks, choice, self.link)
+    def ms(self, candidate: Plan) -> float:
+        """The blocks' time in the candidate's step, by the model."""
+        return estimate_step_ms(self.blocks, candidate.strategies, self.link)
 
-    def plan_for(self, budget, *, max_rounds: int) -> Plan:
-        say, blocks = self.say, self.blocks
-        plain_bytes = self.checked[self.plain]
+    def estimated_ms(self, candidate: Plan) -> float:
+        """The step's time by the model: the plain step's, with each block's change added."""
+        return self.plain_ms + self.ms(candidate) - self.ms(self.plain)
+
+    def plan_for(self, budget, *, max_rounds: int = 3) -> Plan:
+        """The fastest plan, by the model, whose compiled step fits ``budget`` (bytes or a share).
+
+        Each round compiles the two fastest candidates that the model says
+        fit and that are faster than the best compiled fit so far, together;
+        the model learns from them. Rounds end when no such candidate is left.
+        """
+        plain_bytes = self.compiled[self.plain]
         budget_bytes = int(budget * plain_bytes) if isinstance(budget, float) else int(budget)
-        say(f"planning for {format_bytes(budget_bytes)}")
-        targets = {outside: budget_bytes - c for outside, c in self.constant.items()}
-        rounds = tries = 0
-        tighten = 1.0
-        while rounds < max_rounds and tries < 4 * max_rounds:
-            tries += 1
-            found = {o: _search(blocks, self.options, t, self.link) for o, t in targets.items()}
-            found = {o: c for o, c in found.items() if c is not None}
-            if not found:
+        self.say(f"planning for {format_bytes(budget_bytes)}")
+        front = {self._candidate(point) for point in self.front} | {self.plain}
+        # Fastest first; equal times by fewer bytes, so that the choice is the same every run.
+        candidates = sorted(front, key=lambda c: (round(self.ms(c), 3), self.model_bytes(c)))
+
+        def best_fit():
+            fits = [c for c in candidates if self.compiled.get(c, math.inf) <= budget_bytes]
+            return fits[0] if fits else None
+
+        for round_ in range(1, max_rounds + 1):
+            best = best_fit()
+            faster = candidates[: candidates.index(best)] if best else candidates
+            todo = [c for c in faster if c not in self.compiled]
+            todo = [c for c in todo if self.predict(c) <= budget_bytes][:2]
+            if not todo:
                 break
-            # A stored outside is taken at equal estimated time: its cost is not timed.
-            outside = min(found, key=lambda o: (self.ms(found[o]), o != Store()))
-            candidate = Plan(tuple(zip(self.paths, found[outside])), outside)
-            if candidate not in self.checked:
-                rounds += 1
-                say(f"round {rounds}: compiling {_summary(candidate.strategies)}")
-                self.checked[candidate] = self.compiled(candidate)
-            if self.checked[candidate] <= budget_bytes:
-                break
-            say(
-                f"{format_bytes(self.checked[candidate])} compiled: over the budget; planning tighter"
-            )
-            # Tighter each time the same plan comes back, so the search moves on.
-            over = (self.checked[candidate] - budget_bytes + budget_bytes // 100) * tighten
-            tighten *= 2
-            targets = {o: t - over for o, t in targets.items()}
-        fitting = [p for p, got in self.checked.items() if got <= budget_bytes]
-        if not fitting:
+            summary = " and ".join(_summary(c.strategies) for c in todo)
+            self.say(f"round {round_}: compiling {summary}")
+            self._compile(todo)
+        best = best_fit()
+        if best is None:
+            least = min(self.compiled.values())
             raise NoPlanFits(
-                f"no plan of {[brief(s) for s in self.options]} fits {format_bytes(budget_bytes)} "
-                f"(the plain step takes {format_bytes(plain_bytes)}; the least compiled was "
-                f"{format_bytes(min(self.checked.values()))}). Try a smaller batch"
-                + (", or plan on a GPU, where blocks can offload." if self.link is None else ".")
+                f"no plan of {[brief(s) for s in self.options]} fits {format_bytes(budget_bytes)}: "
+                f"the least compiled was {format_bytes(least)}, {least / plain_bytes:.0%} of the "
+                f"plain step's {format_bytes(plain_bytes)}."
+                + _where_it_stops(self.link, least / plain_bytes)
             )
-        # The compiled candidates that fit are run: the measured step decides.
-        say(f"timing the {len(fitting)} compiled plans that fit")
-        best = min(fitting, key=lambda p: (self.step_ms(p), self.ms(p.strategies)))
-        say(
+        return self._chosen(best, budget_bytes)
+
+    def _chosen(self, best: Plan, budget_bytes: int) -> Plan:
+        measured = self.step_ms(best)
+        self.say(
             f"chose {_summary(best.strategies)}, outside {brief(best.outside)}: compiled "
-            f"{format_bytes(self.checked[best])}, step {self.step_ms(best):.1f} ms"
+            f"{format_bytes(self.compiled[best])} (estimated "
+            f"{format_bytes(self.predicted.get(best, self.compiled[best]))}), step {measured:.1f} ms"
         )
         return dataclasses.replace(
             best,
             budget_bytes=budget_bytes,
-            estimated_bytes=self.constant[best.outside]
-            + estimate_peak_bytes(blocks, best.strategies),
-            compiled_bytes=self.checked[best],
-            estimated_step_ms=self.ms(best.strategies),
-            measured_step_ms=self.step_ms(best),
-            notes=tuple(_note(b.cost(s)) for b, s in zip(blocks, best.strategies)),
+            estimated_bytes=self.predicted.get(best, self.compiled[best]),
+            compiled_bytes=self.compiled[best],
+            estimated_step_ms=self.estimated_ms(best),
+            measured_step_ms=measured,
+            notes=tuple(_note(b.cost(s)) for b, s in zip(self.blocks, best.strategies)),
         )
 
 
 def _check_budget(budget) -> None:
+    if isinstance(budget, str):
+        raise TypeError(
+            f"budget must be bytes (an int) or a share (a float), got the string {budget!r}; "
+            f"{_budget_hint(budget)}."
+        )
     if isinstance(budget, bool) or not isinstance(budget, int | float):
         raise TypeError(f"budget must be bytes (an int) or a share (a float), got {budget!r}.")
     if isinstance(budget, float) and not 0 < budget <= 1:
@@ -392,6 +366,31 @@ def _check_budget(budget) -> None:
         )
     if isinstance(budget, int) and budget <= 0:
         raise ValueError(f"budget must be positive, got {budget} bytes.")
+
+
+# Units that a budget written as a string may end with, as Python writes them.
+_UNITS = {"%": "/ 100", "gib": "* 2**30", "mib": "* 2**20", "gb": "* 10**9", "mb": "* 10**6"}
+
+
+def _budget_hint(text: str) -> str:
+    """What to write instead of a budget given as a string: ``'0.5'``, ``'50%'``, ``'8 GiB'``."""
+    number = text.strip()
+    unit = next((u for u in _UNITS if number.lower().endswith(u)), None)
+    number = number[: -len(unit)].strip() if unit else number
+    try:
+        value = float(number)
+    except ValueError:
+        return (
+            "write bytes as an int (budget=8 * 2**30 for 8 GiB) or a share as a float (budget=0.5)"
+        )
+    if unit == "%":
+        return f"write budget={value / 100!r}, a share of the plain step's memory"
+    if unit:
+        scaled = f"{number} {_UNITS[unit]}"
+        return f"write budget={scaled if value.is_integer() else f'int({scaled})'}, in bytes"
+    if number.isdigit() or value > 1:
+        return f"write budget={int(value)}, in bytes"
+    return f"write budget={value!r}, a share of the plain step's memory"
 
 
 def _check_blocks(paths, calls, *, nnx_model: bool) -> None:
@@ -415,6 +414,16 @@ def _check_blocks(paths, calls, *, nnx_model: bool) -> None:
             "blocks; a plannable block must not contain or sit beside other jaxoffload-wrapped "
             "Modules."
         )
+
+
+def _where_it_stops(link, share: float) -> str:
+    """What the least share reached means, and what might go lower."""
+    if link is None and jax.default_backend() == "cpu":
+        return (
+            " On CPU, compiled memory barely moves with the strategy (XLA:CPU keeps what it "
+            "keeps, and nothing can move to a host): plan on a GPU."
+        )
+    return " A smaller batch, or a smaller image, is the next step down."
 
 
 def _note(cost: BlockCost) -> str:
