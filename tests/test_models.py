@@ -45,7 +45,8 @@ def test_plain_models_import_nothing_from_jaxoffload():
     import ast
     import pathlib
 
-    for module in (models.flax_resnet, models.flax_vgg, models.flax_nnx_resnet):
+    plain = (models.flax_resnet, models.flax_vgg, models.flax_nnx_resnet, models.flax_mobilenet)
+    for module in (*plain, models.flax_convnext, models.flax_unet):
         tree = ast.parse(pathlib.Path(module.__file__).read_text())
         imported = [
             alias.name if isinstance(node, ast.Import) else node.module

@@ -121,7 +121,10 @@ class Workload:
       strategy: a key of :data:`STRATEGIES` or :data:`PLANNED_STRATEGIES`.
       blocks: how many blocks, from the input end, use ``strategy``; the rest
         use ``"none"``. ``None`` means all of them. Reference models only.
-      num_classes: classifier outputs.
+      num_classes: classifier outputs (per pixel, for a segmentation model);
+        ``None`` means the model's own default
+        (:func:`jaxoffload.bench.models.default_num_classes`: 1000, 2 for
+        ``flax-unet``).
       window: the ``Offload`` window of offloading blocks, or one per stage of
         a reference ResNet.
       plan: one strategy name per block, overriding ``strategy`` and
@@ -139,7 +142,7 @@ class Workload:
     dtype: str
     strategy: str
     blocks: int | None = None
-    num_classes: int = 1000
+    num_classes: int | None = None
     window: int | tuple[int, ...] = 1
     plan: tuple[str, ...] | None = None
     budget: float | None = None
@@ -147,6 +150,8 @@ class Workload:
 
     def __post_init__(self):
         self._check_names_and_sizes()
+        if self.num_classes is None:
+            object.__setattr__(self, "num_classes", models.default_num_classes(self.model))
         if isinstance(self.window, list):  # read back from JSON
             object.__setattr__(self, "window", tuple(self.window))
         if isinstance(self.plan, list):
@@ -363,14 +368,31 @@ _OPTIMIZER = optax.sgd(1e-3, momentum=0.9)
 
 
 def _batch(workload: Workload):
-    """The workload's images and labels, the same for every strategy and API."""
+    """The workload's images and labels, the same for every strategy and API.
+
+    The labels follow the model's task (:func:`jaxoffload.bench.models.task`):
+    one per image for ``"classify"``, a ``(batch, height, width)`` map for
+    ``"segment"``.
+    """
     key = jax.random.key(0)
     shape = (workload.batch, workload.image_size, workload.image_size, 3)
     x = jax.random.normal(key, shape, jnp.dtype(workload.dtype))
-    return x, jax.random.randint(key, (workload.batch,), 0, workload.num_classes)
+    labels = shape[:1] if models.task(workload.model) == "classify" else shape[:3]
+    return x, jax.random.randint(key, labels, 0, workload.num_classes)
 
 
 def _loss(logits, labels):
+    """The mean softmax cross entropy: over images, or over every pixel of a segmentation.
+
+    The logits have one axis more than the labels, their last: ``(batch,
+    classes)`` against ``(batch,)``, or ``(batch, height, width, classes)``
+    against ``(batch, height, width)``.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"the logits {logits.shape} do not match the labels {labels.shape}: a model's task "
+            "(jaxoffload.bench.models.task) sets the labels' shape, one per image or per pixel."
+        )
     loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
     return loss.mean()
 

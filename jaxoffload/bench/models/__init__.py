@@ -1,10 +1,16 @@
 """CNNs for the benchmarks: plain-Flax models (``flax-*``) and the reference models.
 
-The plain-Flax models (:mod:`.flax_resnet`, :mod:`.flax_vgg`) are written as a
-user writes them and import nothing from jaxoffload: :func:`create` wraps
-their blocks, unmodified, with :func:`jaxoffload.linen.wrap`. The reference
-models (:mod:`.resnet`, :mod:`.vgg`) were built by hand with
-:mod:`jaxoffload.bench.layers`, and take one strategy per block.
+The plain-Flax models (:mod:`.flax_resnet`, :mod:`.flax_vgg`,
+:mod:`.flax_mobilenet`, :mod:`.flax_convnext`, :mod:`.flax_unet`, and the NNX
+:mod:`.flax_nnx_resnet`) are written as a user writes them and import nothing
+from jaxoffload: :func:`create` wraps their blocks, unmodified, with
+:func:`jaxoffload.linen.wrap`. The reference models (:mod:`.resnet`,
+:mod:`.vgg`) were built by hand with :mod:`jaxoffload.bench.layers`, and take
+one strategy per block.
+
+Each model has a task (:func:`task`): ``"classify"`` gives one logit vector per
+image, to train against one label per image; ``"segment"`` (``flax-unet``)
+gives one per pixel, to train against a ``(batch, height, width)`` label map.
 """
 
 from __future__ import annotations
@@ -18,7 +24,14 @@ import jax.numpy as jnp
 
 from jaxoffload import Lean, Store, Strategy
 from jaxoffload import linen as offload_linen
-from jaxoffload.bench.models import flax_nnx_resnet, flax_resnet, flax_vgg
+from jaxoffload.bench.models import (
+    flax_convnext,
+    flax_mobilenet,
+    flax_nnx_resnet,
+    flax_resnet,
+    flax_unet,
+    flax_vgg,
+)
 from jaxoffload.bench.models.common import check_strategies as check_strategies
 from jaxoffload.bench.models.common import uses_lean_layers as uses_lean_layers
 from jaxoffload.bench.models.common import wrap_block as wrap_block
@@ -45,6 +58,9 @@ _PLAIN = {
     "flax-vgg11": (flax_vgg.VGG11, flax_vgg.VGGStage),
     "flax-vgg16": (flax_vgg.VGG16, flax_vgg.VGGStage),
     "flax-vgg19": (flax_vgg.VGG19, flax_vgg.VGGStage),
+    "flax-mobilenetv2": (flax_mobilenet.MobileNetV2, flax_mobilenet.InvertedResidual),
+    "flax-convnext-tiny": (flax_convnext.ConvNeXtTiny, flax_convnext.ConvNeXtBlock),
+    "flax-unet": (flax_unet.UNet, flax_unet.DoubleConv),
 }
 # Plain Flax NNX models, whose block instances are wrapped in place.
 _NNX = {
@@ -52,7 +68,28 @@ _NNX = {
     "flax-nnx-resnet50": (flax_nnx_resnet.ResNet50, flax_nnx_resnet.BottleneckResNetBlock),
 }
 # The attribute through which each plain model takes its block class.
-_BLOCK_ATTRIBUTE = {flax_resnet.ResNet: "block_cls", flax_vgg.VGG: "stage_cls"}
+_BLOCK_ATTRIBUTE = {
+    flax_resnet.ResNet: "block_cls",
+    flax_vgg.VGG: "stage_cls",
+    flax_mobilenet.MobileNetV2: "block_cls",
+    flax_convnext.ConvNeXt: "block_cls",
+    flax_unet.UNet: "block_cls",
+}
+# How many blocks a plain model of each class has, read from its attributes.
+_BLOCK_COUNT = {
+    flax_resnet.ResNet: lambda model: sum(model.stage_sizes),
+    flax_vgg.VGG: lambda model: sum(model.stage_sizes),
+    flax_mobilenet.MobileNetV2: lambda model: sum(n for _, _, n, _ in model.stages),
+    flax_convnext.ConvNeXt: lambda model: sum(model.stage_sizes),
+    # A double conv at each level down, one at the bottom, one at each level up.
+    flax_unet.UNet: lambda model: 2 * model.depth + 1,
+}
+# What each model is trained for, when not "classify" (see `task`).
+_TASKS = {"flax-unet": "segment"}
+# The number of classes a model is built with by default, when not ImageNet's 1000: the
+# U-Net paper's two (cell and background), which also keep its per-pixel logits small.
+_NUM_CLASSES = {"flax-unet": 2}
+TASKS = ("classify", "segment")
 
 
 def _outside_blocks(strategy: Strategy) -> Strategy | None:
@@ -75,6 +112,7 @@ MODEL_NAMES = tuple(
 
 __all__ = [
     "MODEL_NAMES",
+    "TASKS",
     "VGG",
     "VGG11",
     "VGG13",
@@ -86,6 +124,7 @@ __all__ = [
     "ResNet",
     "create",
     "create_nnx",
+    "default_num_classes",
     "wrap_nnx_blocks",
     "is_nnx",
     "is_plain",
@@ -93,6 +132,7 @@ __all__ = [
     "num_blocks",
     "plain_model",
     "plannable_model",
+    "task",
     "wrap_block",
 ]
 
@@ -109,11 +149,40 @@ def is_nnx(name: str) -> bool:
     return name in _NNX
 
 
+def task(name: str) -> str:
+    """What the named model is trained for: one of ``TASKS``.
+
+    ``"classify"``: logits ``(batch, num_classes)``, one label per image.
+    ``"segment"``: logits ``(batch, height, width, num_classes)``, one label per pixel.
+
+    Example:
+      >>> task("flax-resnet18"), task("flax-unet")
+      ('classify', 'segment')
+    """
+    _check_name(name)
+    return _TASKS.get(name, "classify")
+
+
+def default_num_classes(name: str) -> int:
+    """The classes the named model is built with unless told: 1000 (ImageNet's), 2 for ``flax-unet``.
+
+    Example:
+      >>> default_num_classes("flax-resnet18"), default_num_classes("flax-unet")
+      (1000, 2)
+    """
+    _check_name(name)
+    return _NUM_CLASSES.get(name, 1000)
+
+
 def num_blocks(name: str) -> int:
     """How many blocks (each taking one strategy) the named model has."""
     _check_name(name)
-    if name in _PLAIN or name in _NNX:
-        return sum({**_PLAIN, **_NNX}[name][0].keywords["stage_sizes"])
+    if name in _PLAIN:
+        model, block = _PLAIN[name]
+        base = model.func if isinstance(model, functools.partial) else model
+        return _BLOCK_COUNT[base](model(**{_BLOCK_ATTRIBUTE[base]: block}))
+    if name in _NNX:
+        return sum(_NNX[name][0].keywords["stage_sizes"])
     if name in RESNETS:
         return sum(RESNETS[name][0])
     return num_conv_blocks(_VGGS[name.removesuffix("_bn")])
@@ -124,7 +193,7 @@ def create(
     *,
     strategy: Strategy | Sequence[Strategy] | None = None,
     dtype: Any = jnp.float32,
-    num_classes: int = 1000,
+    num_classes: int | None = None,
 ) -> nn.Module:
     """Builds a model by name, with one strategy for all blocks or one each.
 
@@ -136,7 +205,8 @@ def create(
         ``Offload`` the model itself is wrapped too (see ``_outside_blocks``),
         which reaches the code outside its blocks, such as a stem.
       dtype: the compute dtype; parameters are float32.
-      num_classes: classifier outputs.
+      num_classes: classifier outputs (per pixel, for a ``"segment"`` model);
+        ``None`` means :func:`default_num_classes`.
 
     Returns:
       A Flax module called as ``model.apply(variables, x, train)``.
@@ -151,6 +221,7 @@ def create(
     if name in _NNX:
         raise ValueError(f"{name} is an NNX model: build it with create_nnx.")
     n = num_blocks(name)
+    num_classes = default_num_classes(name) if num_classes is None else num_classes
     strategy = Store() if strategy is None else strategy
     strategies = check_strategies(
         (strategy,) * n if not isinstance(strategy, Sequence) else strategy, n
@@ -182,7 +253,9 @@ def plain_model(model: Any, block: Any, strategy: Strategy, **kwargs: Any) -> nn
     is wrapped too (see ``_outside_blocks``).
 
     Args:
-      model: :class:`.flax_resnet.ResNet` or :class:`.flax_vgg.VGG`, or a
+      model: a plain-Flax model class (:class:`.flax_resnet.ResNet`,
+        :class:`.flax_vgg.VGG`, :class:`.flax_mobilenet.MobileNetV2`,
+        :class:`.flax_convnext.ConvNeXt`, :class:`.flax_unet.UNet`), or a
         ``functools.partial`` of one.
       block: the block class to wrap.
       strategy: the blocks' strategy.
@@ -249,10 +322,13 @@ def nnx_block_class(name: str) -> type:
     return _NNX[name][1]
 
 
-def plannable_model(name: str, *, dtype: Any = jnp.float32, num_classes: int = 1000) -> nn.Module:
+def plannable_model(
+    name: str, *, dtype: Any = jnp.float32, num_classes: int | None = None
+) -> nn.Module:
     """A plain-Flax model whose block class is :func:`jaxoffload.linen.plannable`, for :func:`jaxoffload.plan`.
 
     Unplanned, it is the plain model; ``plan.apply(model)`` gives it a plan.
+    ``num_classes=None`` means :func:`default_num_classes`.
 
     Example:
       >>> model = plannable_model("flax-resnet18", num_classes=10)
@@ -269,7 +345,7 @@ def plannable_model(name: str, *, dtype: Any = jnp.float32, num_classes: int = 1
     base = model.func if isinstance(model, functools.partial) else model
     return model(
         **{_BLOCK_ATTRIBUTE[base]: offload_linen.plannable(block)},
-        num_classes=num_classes,
+        num_classes=default_num_classes(name) if num_classes is None else num_classes,
         dtype=dtype,
     )
 
