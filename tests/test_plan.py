@@ -263,3 +263,62 @@ def test_hidden_offloads_move_only_what_the_next_blocks_compute_hides():
     assert first["Offload()"].ms > 3.0  # uncapped, window 1: its transfers show
     # The last block has no block after it to hide behind.
     assert not [o for o in choices[-1] if o.strategy.max_bytes is not None]
+
+
+class _FakePlanner(planner.Planner):
+    """A planner over stand-in candidates: n plans, fastest first, with given compiled bytes."""
+
+    def __init__(self, compiled_bytes, predicted_bytes):
+        self.say = lambda line: None
+        self.link, self.options = None, (Store(), Lean(), Remat())
+        self.paths = ("Block_0",)
+        n = len(compiled_bytes)
+        self.plans = [Plan((("Block_0", Lean(max_recompute=k / n)),), Lean()) for k in range(n)]
+        self.truth = dict(zip(self.plans, compiled_bytes))
+        self.guess = dict(zip(self.plans, predicted_bytes))
+        self.front = list(range(n))
+        self.plain = self.plans[0]
+        self.compiled = {self.plain: compiled_bytes[0], self.plans[-1]: compiled_bytes[-1]}
+        self.predicted, self.compiles = {}, 0
+
+    def _candidate(self, point):
+        return self.plans[point]
+
+    def ms(self, candidate):
+        return float(self.plans.index(candidate))  # fastest first
+
+    def model_bytes(self, candidate):
+        return -self.ms(candidate)
+
+    def predict(self, candidate):
+        return self.guess[candidate]
+
+    def _compile(self, candidates):
+        for c in candidates:
+            self.compiles += 1
+            self.compiled[c] = self.truth[c]
+
+    def _chosen(self, best, budget_bytes):
+        return best
+
+
+@pytest.mark.parametrize(
+    "compiled, budget, expected",
+    [
+        # Monotone bytes, a model that says nothing fits: the bisection still finds index 3.
+        ([100, 90, 80, 70, 60, 50, 40, 30], 70, 3),
+        # Not monotone (a faster plan holds less than a slower one): the fastest fit wins.
+        ([100, 90, 65, 75, 60, 50, 40, 30], 70, 2),
+        # Only the leanest fits.
+        ([100, 90, 80, 70, 60, 50, 40, 30], 30, 7),
+    ],
+)
+def test_the_search_bisects_the_candidates_with_the_compiled_step_as_oracle(
+    compiled, budget, expected
+):
+    pessimistic = [b + 1000 for b in compiled]
+    made = _FakePlanner(compiled, pessimistic)
+    assert made.plan_for(budget, max_rounds=3) == made.plans[expected]
+    assert made.compiles <= 6
+    with pytest.raises(jaxoffload.NoPlanFits, match="the least compiled was"):
+        _FakePlanner(compiled, pessimistic).plan_for(29, max_rounds=3)

@@ -443,8 +443,12 @@ def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[
             return _training(workload, model, abstract=None)[0](state, batch)
 
     start = time.perf_counter()
+
+    def say(line: str) -> None:  # the seconds since planning began, to see where time goes
+        print(f"[plan] {time.perf_counter() - start:6.1f} s  {line}", file=sys.stderr, flush=True)
+
     shared = Planner(
-        model, step, (state, batch), None, blocks=blocks, runs=5, say=_say, donate_argnums=(0,)
+        model, step, (state, batch), None, blocks=blocks, runs=5, say=say, donate_argnums=(0,)
     )
     results = []
     for b in budgets_bytes:
@@ -456,10 +460,6 @@ def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[
         results[-1]["planning_s"] = time.perf_counter() - start
         print(results[-1].get("no_plan") or Plan.from_dict(results[-1]["planned"]), file=sys.stderr)
     return results
-
-
-def _say(line: str) -> None:
-    print(f"[plan] {line}", file=sys.stderr, flush=True)
 
 
 def requested_host_bytes(workload: Workload) -> int:

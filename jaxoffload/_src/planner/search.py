@@ -297,9 +297,12 @@ class Planner:
     def plan_for(self, budget, *, max_rounds: int = 3) -> Plan:
         """The fastest plan, by the model, whose compiled step fits ``budget`` (bytes or a share).
 
-        Each round compiles the two fastest candidates that the model says
-        fit and that are faster than the best compiled fit so far, together;
-        the model learns from them. Rounds end when no such candidate is left.
+        The candidates are the front's plans, fastest first. Between the
+        fastest compiled one that fits and the slowest faster one that does
+        not, each round compiles two together: the fastest that the model of
+        compiled bytes says fits, and the middle one, a bisection that does not
+        trust the model. A round finds the answer when no candidate is left
+        between the two.
         """
         plain_bytes = self.compiled[self.plain]
         budget_bytes = int(budget * plain_bytes) if isinstance(budget, float) else int(budget)
@@ -308,22 +311,33 @@ class Planner:
         # Fastest first; equal times by fewer bytes, so that the choice is the same every run.
         candidates = sorted(front, key=lambda c: (round(self.ms(c), 3), self.model_bytes(c)))
 
-        def best_fit():
-            fits = [c for c in candidates if self.compiled.get(c, math.inf) <= budget_bytes]
-            return fits[0] if fits else None
+        def bounds():
+            """``(over, fit)``: the slowest faster candidate known not to fit, and the fastest that does."""
+            fits = [
+                n
+                for n, c in enumerate(candidates)
+                if self.compiled.get(c, math.inf) <= budget_bytes
+            ]
+            fit = fits[0] if fits else len(candidates)
+            over = [
+                n for n, c in enumerate(candidates[:fit]) if self.compiled.get(c, -1) > budget_bytes
+            ]
+            return (over[-1] if over else -1), fit
 
         for round_ in range(1, max_rounds + 1):
-            best = best_fit()
-            faster = candidates[: candidates.index(best)] if best else candidates
-            todo = [c for c in faster if c not in self.compiled]
-            todo = [c for c in todo if self.predict(c) <= budget_bytes][:2]
+            over, fit = bounds()
+            between = list(range(over + 1, min(fit, len(candidates))))
+            todo = [n for n in between if candidates[n] not in self.compiled]
             if not todo:
                 break
-            summary = " and ".join(_summary(c.strategies) for c in todo)
+            predicted = [n for n in todo if self.predict(candidates[n]) <= budget_bytes]
+            probes = {predicted[0] if predicted else todo[-1], todo[len(todo) // 2]}
+            batch = [candidates[n] for n in sorted(probes)]
+            summary = " and ".join(_summary(c.strategies) for c in batch)
             self.say(f"round {round_}: compiling {summary}")
-            self._compile(todo)
-        best = best_fit()
-        if best is None:
+            self._compile(batch)
+        over, fit = bounds()
+        if fit == len(candidates):
             least = min(self.compiled.values())
             raise NoPlanFits(
                 f"no plan of {[brief(s) for s in self.options]} fits {format_bytes(budget_bytes)}: "
@@ -331,7 +345,7 @@ class Planner:
                 f"plain step's {format_bytes(plain_bytes)}."
                 + _where_it_stops(self.link, least / plain_bytes)
             )
-        return self._chosen(best, budget_bytes)
+        return self._chosen(candidates[fit], budget_bytes)
 
     def _chosen(self, best: Plan, budget_bytes: int) -> Plan:
         measured = self.step_ms(best)
