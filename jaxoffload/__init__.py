@@ -8,6 +8,7 @@ __version__ = "0.2.0"
 
 from jaxoffload import linen as linen
 from jaxoffload import nnx as nnx
+from jaxoffload import strategies as strategies
 from jaxoffload._src.calls import offloaded_calls as offloaded_calls
 from jaxoffload._src.calls import residuals_per_call as residuals_per_call
 from jaxoffload._src.calls import saved_residuals as saved_residuals

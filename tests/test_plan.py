@@ -322,3 +322,30 @@ def test_the_search_bisects_the_candidates_with_the_compiled_step_as_oracle(
     assert made.compiles <= 6
     with pytest.raises(jaxoffload.NoPlanFits, match="the least compiled was"):
         _FakePlanner(compiled, pessimistic).plan_for(29, max_rounds=3)
+
+
+_PLAN_IN_A_FRESH_PROCESS = """
+import sys
+sys.path[:0] = [{tests!r}, {root!r}]
+import jaxoffload
+from test_plan import ARGS, PLANNABLE, step
+plan = jaxoffload.plan(PLANNABLE, step, *ARGS, budget=1.0, progress=False)
+print(plan.to_json().replace(chr(10), ' '))
+"""
+
+
+def test_plans_are_the_same_in_two_fresh_processes():
+    """At a budget that several plans fit, timing noise must not flip the choice."""
+    import pathlib
+    import subprocess
+    import sys
+
+    tests = pathlib.Path(__file__).parent
+    code = _PLAN_IN_A_FRESH_PROCESS.format(tests=str(tests), root=str(tests.parent))
+    plans = []
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+        )
+        plans.append(Plan.from_json(done.stdout.strip().splitlines()[-1]))
+    assert plans[0] == plans[1]

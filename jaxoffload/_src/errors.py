@@ -12,4 +12,15 @@ class OffloadDroppedError(RuntimeError):
 
 
 class NoPlanFits(ValueError):
-    """No plan of the options fits the budget; the message gives the least reached."""
+    """No plan of the options fits the budget; the message gives the least reached.
+
+    Attributes:
+      least_bytes: the fewest device bytes that a compiled plan reached.
+      plain_bytes: the plain step's, for a share.
+    """
+
+    def __init__(
+        self, message: str, *, least_bytes: int | None = None, plain_bytes: int | None = None
+    ):
+        super().__init__(message)
+        self.least_bytes, self.plain_bytes = least_bytes, plain_bytes

@@ -456,7 +456,10 @@ def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[
             planned = shared.plan_for(int(b), max_rounds=3)
             results.append({"planned": planned.to_dict()})
         except NoPlanFits as e:
-            results.append({"no_plan": str(e)})
+            share = e.least_bytes / e.plain_bytes if e.least_bytes and e.plain_bytes else None
+            results.append(
+                {"no_plan": str(e), "least_share": share, "platform": jax.default_backend()}
+            )
         results[-1]["planning_s"] = time.perf_counter() - start
         print(results[-1].get("no_plan") or Plan.from_dict(results[-1]["planned"]), file=sys.stderr)
     return results
@@ -987,6 +990,10 @@ def _plan_and_measure(
         )
     except OutOfMemory:
         return _failure_record(w, {"out_of_memory": True})
+    except NoPlan as e:
+        # An answer, not a failure: the least that any plan reached, and why.
+        no_plan = {"no_plan": e.message, "least_share": e.least_share, "platform": e.platform}
+        return {**_failure_record(w, no_plan), "planning_s": budget_plans.planning_s(w)}
     except RuntimeError as e:
         # One broken strategy must not cost the others' measurements.
         return _failure_record(w, {"error": str(e)})
@@ -1013,6 +1020,14 @@ def _failure_record(workload: Workload, failure: dict[str, Any]) -> dict[str, An
         "framework": "jax",
         **failure,
     }
+
+
+class NoPlan(RuntimeError):
+    """No plan fits a ``"plan"`` workload's budget: the planner's message and the least share."""
+
+    def __init__(self, message: str, least_share: float | None, platform: str | None):
+        super().__init__(message)
+        self.message, self.least_share, self.platform = message, least_share, platform
 
 
 class _BudgetPlans:
@@ -1043,7 +1058,7 @@ class _BudgetPlans:
             self.results.update(zip(self.budgets, results))
         result = self.results[workload.budget]
         if "no_plan" in result:
-            raise RuntimeError(result["no_plan"])
+            raise NoPlan(result["no_plan"], result.get("least_share"), result.get("platform"))
         return dataclasses.replace(workload, planned=result["planned"])
 
     def planning_s(self, workload: Workload) -> float:

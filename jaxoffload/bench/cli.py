@@ -482,10 +482,19 @@ def _write_json(path: pathlib.Path, value: Any) -> None:
     os.replace(partial, path)
 
 
+def _least(r: dict[str, Any]) -> str:
+    """The least share of the plain step that any plan reached: ``"least 0.97 on CPU"``."""
+    share = r.get("least_share")
+    where = " on CPU" if r.get("platform") == "cpu" else ""
+    return f"least {share:.2f}{where}" if share is not None else "no plan"
+
+
 def _outcome(r: dict[str, Any]) -> str:
     """What a measured record came to, in a few words."""
     if r.get("out_of_memory"):
         return "out of memory"
+    if "no_plan" in r:
+        return f"no plan fits: {_least(r)}"
     if "error" in r:
         return f"failed: {r['error'].strip().splitlines()[-1]}"
     return f"{r['step_time_ms']:.1f} ms a step"
@@ -576,6 +585,9 @@ def _table(records: list[dict[str, Any]]):
     for c in columns:
         table.add_column(c, justify="left" if c == "strategy" else "right")
     for r in records:
+        if "no_plan" in r:
+            table.add_row(_name(r), *[_least(r)] + [""] * (len(columns) - 2))
+            continue
         if r.get("out_of_memory") or "error" in r:
             failure = "out of memory" if r.get("out_of_memory") else "failed"
             table.add_row(_name(r), *[failure] + [""] * (len(columns) - 2))

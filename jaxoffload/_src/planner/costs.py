@@ -58,6 +58,7 @@ class BlockCost:
       backward_ms: its backward pass, recomputation included, transfers not.
       scale: what the compiled step holds per byte that the traces give.
       host_sizes: the sizes of the residuals in host memory, largest first.
+      spread: how far its timed runs fell apart, over their median.
     """
 
     device_bytes: int
@@ -69,6 +70,7 @@ class BlockCost:
     backward_ms: float
     scale: float = 1.0
     host_sizes: tuple[int, ...] = ()
+    spread: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +196,23 @@ def _residual_bytes(fun, structs, device_inputs) -> tuple[int, int, int, int, tu
     return device, kept_input, kept_output, host, tuple(sorted(sizes, reverse=True))
 
 
+def _timed(executable, args, runs: int) -> tuple[float, float]:
+    """``(median ms, spread)`` of ``executable(*args)``.
+
+    The spread is the range of the runs but the slowest and the fastest, over
+    the median: how far apart timings of the same program fall, one outlier
+    aside.
+    """
+    jax.block_until_ready(executable(*args))  # warm up
+    times = []
+    for _ in range(max(runs, 4)):
+        start = time.perf_counter()
+        jax.block_until_ready(executable(*args))
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return statistics.median(times) * 1e3, (times[-2] - times[1]) / statistics.median(times)
+
+
 def median_ms(fn, *args, runs: int) -> float:
     """The median time of ``fn(*args)`` in milliseconds, over ``runs`` runs after one to warm up."""
     jax.block_until_ready(fn(*args))  # compile and warm up
@@ -295,11 +314,11 @@ def _cost_programs(calls, strategies, runs, say) -> list[dict[Strategy, BlockCos
     forward_ms: dict[int, float] = {}
     measured: dict[int, dict[Strategy, tuple]] = {}
     for executable, (call, strategy, traced, args) in zip(executables, plans):
-        ms = median_ms(executable, *args, runs=runs)
+        ms, spread = _timed(executable, args, runs)
         if strategy is None:
             forward_ms[id(call)] = ms
         else:
-            measured.setdefault(id(call), {})[strategy] = (*traced, ms)
+            measured.setdefault(id(call), {})[strategy] = (*traced, ms, spread)
     for call in calls:
         store_device = measured[id(call)][Store()][0]
         results[id(call)] = {
@@ -313,10 +332,17 @@ def _cost_programs(calls, strategies, runs, say) -> list[dict[Strategy, BlockCos
                 max(0.0, both_ms - forward_ms[id(call)]),
                 1.0,
                 sizes,
+                spread,
             )  # fmt: skip
-            for strategy, (device, kept_input, kept_output, host, sizes, both_ms) in measured[
-                id(call)
-            ].items()
+            for strategy, (
+                device,
+                kept_input,
+                kept_output,
+                host,
+                sizes,
+                both_ms,
+                spread,
+            ) in measured[id(call)].items()
         }
     return [results[id(call)] for call in calls]
 
@@ -363,8 +389,23 @@ def block_options(
         strategies = list(dict.fromkeys(options))
         if link is not None:
             strategies += _hidden_offloads(blocks, i, options, link)
-        choices.append([_option(blocks, i, s, link) for s in dict.fromkeys(strategies)])
+        options_i = [_option(blocks, i, s, link) for s in dict.fromkeys(strategies)]
+        noise = max(blocks[i].cost(o.strategy).spread for o in options_i)
+        choices.append(_ties_as_equal(options_i, max(TIE, noise)))
     return choices
+
+
+# Options of one block within this share of its fastest, or within the spread of its
+# timed runs if that is larger, are taken as equally fast, so that timing noise cannot flip
+# a plan between them: the one that keeps less is chosen.
+TIE = 0.03
+
+
+def _ties_as_equal(options: list[Option], margin: float) -> list[Option]:
+    fastest = min(o.ms for o in options)
+    return [
+        dataclasses.replace(o, ms=fastest) if o.ms <= fastest * (1 + margin) else o for o in options
+    ]
 
 
 def _hidden_offloads(blocks, i, options, link) -> list[Strategy]:

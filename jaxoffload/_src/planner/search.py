@@ -32,7 +32,6 @@ from jaxoffload._src.planner.costs import (
     compile_all,
     cost_blocks,
     estimate_peak_bytes,
-    estimate_step_ms,
     measure_link,
     zeros,
 )
@@ -287,8 +286,14 @@ class Planner:
         return self.measured_ms[candidate]
 
     def ms(self, candidate: Plan) -> float:
-        """The blocks' time in the candidate's step, by the model."""
-        return estimate_step_ms(self.blocks, candidate.strategies, self.link)
+        """The blocks' time in the candidate's step, by the model: each option's, ties made equal."""
+        total = 0.0
+        for block, options, s in zip(self.blocks, self.choices, candidate.strategies):
+            cost = block.cost(s)  # a strategy not among the options: as measured
+            total += next(
+                (o.ms for o in options if o.strategy == s), cost.forward_ms + cost.backward_ms
+            )
+        return total
 
     def estimated_ms(self, candidate: Plan) -> float:
         """The step's time by the model: the plain step's, with each block's change added."""
@@ -307,7 +312,9 @@ class Planner:
         plain_bytes = self.compiled[self.plain]
         budget_bytes = int(budget * plain_bytes) if isinstance(budget, float) else int(budget)
         self.say(f"planning for {format_bytes(budget_bytes)}")
-        front = {self._candidate(point) for point in self.front} | {self.plain}
+        front = {self._candidate(point) for point in self.front}
+        if Store() in self.options:
+            front.add(self.plain)
         # Fastest first; equal times by fewer bytes, so that the choice is the same every run.
         candidates = sorted(front, key=lambda c: (round(self.ms(c), 3), self.model_bytes(c)))
 
@@ -343,7 +350,9 @@ class Planner:
                 f"no plan of {[brief(s) for s in self.options]} fits {format_bytes(budget_bytes)}: "
                 f"the least compiled was {format_bytes(least)}, {least / plain_bytes:.0%} of the "
                 f"plain step's {format_bytes(plain_bytes)}."
-                + _where_it_stops(self.link, least / plain_bytes)
+                + _where_it_stops(self.link, least / plain_bytes),
+                least_bytes=least,
+                plain_bytes=plain_bytes,
             )
         return self._chosen(candidates[fit], budget_bytes)
 
