@@ -512,3 +512,16 @@ def test_saved_residuals_answers_for_every_strategy(strategy):
         assert sorted(r.where for r in residuals) == ["input", "input"]  # nothing but its inputs
     if strategy == Remat(jax.checkpoint_policies.dots_saveable):
         assert len(residuals) == 4  # the inputs, and the two products' outputs
+
+
+def test_a_cap_that_moves_nothing_says_so_and_why():
+    f = offload(lambda w, x: jnp.sin(jnp.tanh(x @ w) @ w), device_argnums=0, max_bytes=64)
+    with pytest.warns(
+        jaxoffload.OffloadWarning, match=r"none of its 4 residuals.*over max_bytes=64"
+    ):
+        jax.make_jaxpr(jax.grad(lambda w, x: f(w, x).sum()))(jnp.ones((8, 8)), jnp.ones((4, 8)))
+    moved = saved_residuals(
+        offload(lambda w, x: jnp.sin(x @ w), max_bytes=200), jnp.ones((8, 8)), jnp.ones((4, 8))
+    )
+    # The largest residual that fits goes first: the 256-byte w does not, the 128-byte ones do.
+    assert [r.nbytes for r in moved if r.placement == "pinned_host"] == [128]

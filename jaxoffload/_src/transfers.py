@@ -88,11 +88,12 @@ def say_if_nothing_moves(fun, selection) -> None:
     if selection.to_host:
         _warn_once_on_one_memory(jax.default_backend())
         return
+    # Each residual's placement reason, as saved_residuals gives it: what kept it here.
+    why = sorted({r.reason.split("; ")[-1] for r in selection.residuals})
     warnings.warn(
         f"offload({getattr(fun, '__name__', fun)}): none of its {len(selection.residuals)} "
-        "residuals moves to the host (each is under min_bytes, a scalar, or an argument that "
-        "stays on the device: in device_argnums, or a Module's variable); it behaves like the "
-        "plain function. saved_residuals() lists them.",
+        f"residuals moves to the host ({'; '.join(why)}); it behaves like the plain function. "
+        "saved_residuals() lists them.",
         OffloadWarning,
         stacklevel=3,
     )
