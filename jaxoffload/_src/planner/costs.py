@@ -56,7 +56,6 @@ class BlockCost:
       recompute_bytes: what its backward pass recomputes and holds at once.
       forward_ms: its forward pass, alone on the device.
       backward_ms: its backward pass, recomputation included, transfers not.
-      scale: what the compiled step holds per byte that the traces give.
       host_sizes: the sizes of the residuals in host memory, largest first.
       spread: how far its timed runs fell apart, over their median.
     """
@@ -68,7 +67,6 @@ class BlockCost:
     recompute_bytes: int
     forward_ms: float
     backward_ms: float
-    scale: float = 1.0
     host_sizes: tuple[int, ...] = ()
     spread: float = 0.0
 
@@ -112,10 +110,10 @@ def estimate_peak_bytes(blocks: Sequence[BlockCosts], choice: Sequence[Strategy]
     c = [b.cost(s) for b, s in zip(blocks, choice)]
     w = [s.window for s in choice]
     n = len(c)
-    kept, host = [], [x.host_bytes * x.scale for x in c]
+    kept, host = [], [x.host_bytes for x in c]
     for k in range(n):
         boundary = c[k].input_bytes > 0 or (k > 0 and c[k - 1].output_bytes > 0)
-        kept.append(c[k].scale * (c[k].device_bytes + (blocks[k].input_bytes if boundary else 0)))
+        kept.append(c[k].device_bytes + (blocks[k].input_bytes if boundary else 0))
 
     def in_flight(i):  # host bytes of earlier blocks whose transfers overlap block i
         return sum(host[j] for j in range(max(0, i - max(w) + 1), i) if j + w[j] > i)
@@ -123,14 +121,14 @@ def estimate_peak_bytes(blocks: Sequence[BlockCosts], choice: Sequence[Strategy]
     peak = live = 0.0
     for i in range(n):
         edges = blocks[i].input_bytes + blocks[i].output_bytes
-        running = edges + c[i].scale * c[i].device_bytes + host[i]
+        running = edges + c[i].device_bytes + host[i]
         peak = max(peak, live + in_flight(i) + running)
         live += kept[i]
     live += c[-1].output_bytes if n else 0
     for i in reversed(range(n)):
         live -= kept[i]
         edges = blocks[i].input_bytes + blocks[i].output_bytes
-        work = kept[i] + host[i] + c[i].scale * c[i].recompute_bytes + edges
+        work = kept[i] + host[i] + c[i].recompute_bytes + edges
         peak = max(peak, live + in_flight(i) + work)
     return int(peak)
 
@@ -159,16 +157,23 @@ def estimate_step_ms(
         raise ValueError("a plan that moves bytes needs the link's bandwidth.")
     out_ms = [m / (link[0] * 1e6) for m in moved]
     back_ms = [m / (link[1] * 1e6) for m in moved]
-    n = len(c)
-    exposed_out = sum(
-        max(0.0, out_ms[i] - sum(c[j].forward_ms for j in range(i + 1, min(n, i + w[i]))))
-        for i in range(n)
-    )
-    exposed_back = sum(
-        max(0.0, back_ms[i] - sum(c[j].backward_ms for j in range(i + 1, min(n, i + w[i]))))
-        for i in range(n)
-    )
+    exposed_out = exposed_back = 0.0
+    for i, x in enumerate(c):
+        later = c[i + 1 : i + w[i]]
+        out, back = _exposed_ms(x.host_bytes, link, later)
+        exposed_out, exposed_back = exposed_out + out, exposed_back + back
     return max(forward + exposed_out, sum(out_ms)) + max(backward + exposed_back, sum(back_ms))
+
+
+def _exposed_ms(moved: int, link: tuple[float, float], later: Sequence[BlockCost]):
+    """``(out, back)``: the ms of a block's copies that the compute of the blocks after it
+    within its window (``later``) cannot hide, forward and backward."""
+    forward = sum(x.forward_ms for x in later)
+    backward = sum(x.backward_ms for x in later)
+    return (
+        max(0.0, moved / (link[0] * 1e6) - forward),
+        max(0.0, moved / (link[1] * 1e6) - backward),
+    )
 
 
 def _residual_bytes(fun, structs, device_inputs) -> tuple[int, int, int, int, tuple[int, ...]]:
@@ -330,7 +335,6 @@ def _cost_programs(calls, strategies, runs, say) -> list[dict[Strategy, BlockCos
                 max(0, store_device - device) if strategy.recomputes else 0,
                 forward_ms[id(call)],
                 max(0.0, both_ms - forward_ms[id(call)]),
-                1.0,
                 sizes,
                 spread,
             )  # fmt: skip
@@ -433,9 +437,7 @@ def _option(blocks, i, strategy, link) -> Option:
     if cost.host_bytes:
         if link is None:
             raise ValueError(f"{strategy} moves bytes, but the planner has no link bandwidth.")
-        later = blocks[i + 1 : i + strategy.window]
-        forward = sum(b.cost(Store()).forward_ms for b in later)
-        backward = sum(b.cost(Store()).backward_ms for b in later)
-        ms += max(0.0, cost.host_bytes / (link[0] * 1e6) - forward)
-        ms += max(0.0, cost.host_bytes / (link[1] * 1e6) - backward)
+        # The blocks after it, as plain ones: their own choices are not known yet.
+        later = [b.cost(Store()) for b in blocks[i + 1 : i + strategy.window]]
+        ms += sum(_exposed_ms(cost.host_bytes, link, later))
     return Option(strategy, int(kept), float(ms), int(cost.host_bytes))
