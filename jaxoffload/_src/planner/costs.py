@@ -201,21 +201,41 @@ def _residual_bytes(fun, structs, device_inputs) -> tuple[int, int, int, int, tu
     return device, kept_input, kept_output, host, tuple(sorted(sizes, reverse=True))
 
 
-def _timed(executable, args, runs: int) -> tuple[float, float]:
-    """``(median ms, spread)`` of ``executable(*args)``.
+# Each program of a block is timed until its runs add up to this, at the least: a
+# program of a millisecond or less needs many runs before its fastest ones agree.
+MIN_TIMED_S = 0.05
 
-    The spread is the range of the runs but the slowest and the fastest, over
-    the median: how far apart timings of the same program fall, one outlier
-    aside.
+
+def _timed_together(
+    programs: Sequence[tuple[Any, Sequence[Any]]], runs: int
+) -> list[tuple[float, float]]:
+    """``(ms, spread)`` of each ``executable(*args)``, timed in turns.
+
+    The programs run one after another, round after round, so that a change
+    in the machine's load falls on all of them alike, not on whichever was
+    timed then. A program's time is the lower quartile of its runs, what it
+    takes when nothing else gets in the way; its spread is the gap between the
+    quartiles over that.
     """
-    jax.block_until_ready(executable(*args))  # warm up
-    times = []
-    for _ in range(max(runs, 4)):
+    once = []
+    for executable, args in programs:
+        jax.block_until_ready(executable(*args))  # warm up
         start = time.perf_counter()
         jax.block_until_ready(executable(*args))
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return statistics.median(times) * 1e3, (times[-2] - times[1]) / statistics.median(times)
+        once.append(time.perf_counter() - start)
+    rounds = max(runs, 4, min(100, math.ceil(MIN_TIMED_S / max(min(once), 1e-6))))
+    times: list[list[float]] = [[] for _ in programs]
+    for r in range(rounds):
+        for k in np.roll(np.arange(len(programs)), r):  # no program always first
+            executable, args = programs[k]
+            start = time.perf_counter()
+            jax.block_until_ready(executable(*args))
+            times[k].append(time.perf_counter() - start)
+    results = []
+    for runs_k in times:
+        low, high = np.percentile(runs_k, [25, 75])
+        results.append((float(low) * 1e3, float((high - low) / low)))
+    return results
 
 
 def median_ms(fn, *args, runs: int) -> float:
@@ -318,8 +338,13 @@ def _cost_programs(calls, strategies, runs, say) -> list[dict[Strategy, BlockCos
     results: dict[int, dict[Strategy, BlockCost]] = {}
     forward_ms: dict[int, float] = {}
     measured: dict[int, dict[Strategy, tuple]] = {}
-    for executable, (call, strategy, traced, args) in zip(executables, plans):
-        ms, spread = _timed(executable, args, runs)
+    timed: list[tuple[float, float]] = [(0.0, 0.0)] * len(plans)
+    for call in calls:  # a block's programs are timed in turns, one block at a time
+        mine = [n for n, plan in enumerate(plans) if plan[0] is call]
+        together = _timed_together([(executables[n], plans[n][3]) for n in mine], runs)
+        for n, result in zip(mine, together):
+            timed[n] = result
+    for (ms, spread), (call, strategy, traced, _) in zip(timed, plans):
         if strategy is None:
             forward_ms[id(call)] = ms
         else:
