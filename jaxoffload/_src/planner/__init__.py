@@ -1,8 +1,8 @@
 """Planning: a strategy per block that fits a memory budget at the least step time.
 
 ``plan.py`` is the value, ``apply.py`` puts it on a model, ``program.py`` compiles a
-step under it, ``costs.py`` says what blocks cost and models the step, and
-``search.py`` searches.
+step under it, ``timing.py`` times programs on the device, ``costs.py`` says what
+blocks cost and models the step, and ``search.py`` searches.
 """
 
 from jaxoffload._src.errors import NoPlanFits as NoPlanFits
@@ -10,11 +10,11 @@ from jaxoffload._src.planner.costs import BlockCost as BlockCost
 from jaxoffload._src.planner.costs import BlockCosts as BlockCosts
 from jaxoffload._src.planner.costs import estimate_peak_bytes as estimate_peak_bytes
 from jaxoffload._src.planner.costs import estimate_step_ms as estimate_step_ms
-from jaxoffload._src.planner.costs import measure_link as measure_link
-from jaxoffload._src.planner.costs import median_ms as median_ms
-from jaxoffload._src.planner.costs import zeros as zeros
 from jaxoffload._src.planner.plan import Plan as Plan
 from jaxoffload._src.planner.program import compiled_bytes as compiled_bytes
 from jaxoffload._src.planner.search import Planner as Planner
 from jaxoffload._src.planner.search import default_options as default_options
 from jaxoffload._src.planner.search import plan as plan
+from jaxoffload._src.planner.timing import measure_link as measure_link
+from jaxoffload._src.planner.timing import median_ms as median_ms
+from jaxoffload._src.planner.timing import zeros as zeros

@@ -1,30 +1,25 @@
 """What each block costs under each strategy, measured on the device, and a model of the step.
 
-Each distinct block program is timed alone under each strategy, its residuals
-are read from traces, and the host link is measured once. The models of the
+Each distinct block program is timed alone under each strategy
+(:mod:`jaxoffload._src.planner.timing`), and its residuals are read from traces. The models of the
 step's peak (:func:`estimate_peak_bytes`) and time (:func:`estimate_step_ms`)
 combine them.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import math
-import os
-import statistics
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
 from jaxoffload._src import transform
-from jaxoffload._src.jaxprs import nbytes, struct_of
+from jaxoffload._src.jaxprs import eqn_flops, nbytes, struct_of
 from jaxoffload._src.planner.front import Option
+from jaxoffload._src.planner.timing import compile_all, timed_together, zeros
 from jaxoffload._src.residuals import trace_vjp
 from jaxoffload._src.strategies import Store, Strategy
 from jaxoffload._src.transfers import without_host_placement
@@ -33,13 +28,10 @@ __all__ = [
     "BlockCost",
     "BlockCosts",
     "block_options",
-    "compile_all",
     "cost_blocks",
     "estimate_peak_bytes",
     "estimate_step_ms",
-    "measure_link",
-    "median_ms",
-    "zeros",
+    "rescaled",
 ]
 
 
@@ -79,6 +71,7 @@ class BlockCosts:
     input_bytes: int
     output_bytes: int
     costs: dict[Strategy, BlockCost]
+    size: float = 0.0  # what its times scale with (see rescaled)
 
     def cost(self, strategy: Strategy) -> BlockCost:
         """The cost under ``strategy``: as measured, with what a byte cap leaves on the device."""
@@ -201,73 +194,6 @@ def _residual_bytes(fun, structs, device_inputs) -> tuple[int, int, int, int, tu
     return device, kept_input, kept_output, host, tuple(sorted(sizes, reverse=True))
 
 
-# Each program of a block is timed until its runs add up to this, at the least: a
-# program of a millisecond or less needs many runs before its fastest ones agree.
-MIN_TIMED_S = 0.05
-
-
-def _timed_together(
-    programs: Sequence[tuple[Any, Sequence[Any]]], runs: int
-) -> list[tuple[float, float]]:
-    """``(ms, spread)`` of each ``executable(*args)``, timed in turns.
-
-    The programs run one after another, round after round, so that a change
-    in the machine's load falls on all of them alike, not on whichever was
-    timed then. A program's time is the lower quartile of its runs, what it
-    takes when nothing else gets in the way; its spread is the gap between the
-    quartiles over that.
-    """
-    once = []
-    for executable, args in programs:
-        jax.block_until_ready(executable(*args))  # warm up
-        start = time.perf_counter()
-        jax.block_until_ready(executable(*args))
-        once.append(time.perf_counter() - start)
-    rounds = max(runs, 4, min(100, math.ceil(MIN_TIMED_S / max(min(once), 1e-6))))
-    times: list[list[float]] = [[] for _ in programs]
-    for r in range(rounds):
-        for k in np.roll(np.arange(len(programs)), r):  # no program always first
-            executable, args = programs[k]
-            start = time.perf_counter()
-            jax.block_until_ready(executable(*args))
-            times[k].append(time.perf_counter() - start)
-    results = []
-    for runs_k in times:
-        low, high = np.percentile(runs_k, [25, 75])
-        results.append((float(low) * 1e3, float((high - low) / low)))
-    return results
-
-
-def median_ms(fn, *args, runs: int) -> float:
-    """The median time of ``fn(*args)`` in milliseconds, over ``runs`` runs after one to warm up."""
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
-def zeros(struct) -> jax.Array:
-    """Zeros of ``struct``'s shape, dtype and sharding (distinct keys for a PRNG key array)."""
-    if jax.dtypes.issubdtype(struct.dtype, jax.dtypes.prng_key):
-        keys = jax.random.split(jax.random.key(0), math.prod(struct.shape))
-        return keys.reshape(struct.shape)
-    sharding = getattr(struct, "sharding", None)
-    if isinstance(sharding, jax.sharding.Sharding):
-        return jnp.zeros(struct.shape, struct.dtype, device=sharding)
-    return jnp.zeros(struct.shape, struct.dtype)
-
-
-def compile_all(lowered: Sequence[Any]) -> list[Any]:
-    """Compiles lowered programs, several at once: XLA compiles outside Python's lock."""
-    if len(lowered) <= 1:
-        return [x.compile() for x in lowered]
-    with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
-        return list(pool.map(lambda x: x.compile(), lowered))
-
-
 def _block_programs(fun, structs):
     """``(forward, forward_and_backward, their arguments)`` of ``fun`` alone, as jitted functions."""
     out_structs = jax.eval_shape(fun, *structs)
@@ -294,17 +220,58 @@ def cost_blocks(paths, calls, options, *, runs, say) -> list[BlockCosts]:
     and no cap. The programs of every distinct block are compiled together.
     """
     costed = list(dict.fromkeys([Store(), *(s.costed() for s in options)]))
-    programs = [(str(call.forward), call.device_inputs) for call in calls]
-    distinct: dict[tuple, Any] = {}
-    for program, call in zip(programs, calls):
-        distinct.setdefault(program, call)
+    distinct = _distinct(calls)
     say(
         f"timing block programs: {len(distinct)} distinct, each under {len(costed)} strategies, "
         "compiled together"
     )
-    by_program = _cost_programs(list(distinct.values()), costed, runs, say)
+    times = _time_programs(list(distinct.values()), costed, runs)
+    return _costs_of(paths, calls, dict(zip(distinct, times)))
+
+
+def rescaled(measured: Sequence[BlockCosts], calls) -> list[BlockCosts]:
+    """``measured``'s blocks at another size (batch or image): bytes traced anew, times scaled.
+
+    A block's times scale with its forward pass's FLOPs (with its input's bytes
+    where it has none), so that costs measured once serve every size.
+    """
+    if len(measured) != len(calls):
+        raise ValueError(f"{len(measured)} blocks were measured, but the step calls {len(calls)}.")
+    times = {}
+    for block, call in zip(measured, calls):
+        scale = _size(call) / block.size if block.size else 1.0
+        times[_program(call)] = {
+            s: (c.forward_ms * scale, c.backward_ms * scale, c.spread)
+            for s, c in block.costs.items()
+        }
+    return _costs_of([b.path for b in measured], calls, times)
+
+
+def _program(call) -> tuple:
+    return str(call.forward), call.device_inputs
+
+
+def _distinct(calls) -> dict[tuple, Any]:
+    """The first call of each distinct block program, by program."""
+    distinct: dict[tuple, Any] = {}
+    for call in calls:
+        distinct.setdefault(_program(call), call)
+    return distinct
+
+
+def _size(call) -> float:
+    """What a block's time scales with: its forward FLOPs, or its input bytes without them."""
+    flops = sum(eqn_flops(e) for e in call.forward.jaxpr.eqns)
+    return float(flops or sum(nbytes(v.aval) for v in call.forward.jaxpr.invars))
+
+
+def _costs_of(paths, calls, times) -> list[BlockCosts]:
+    """Each block with its traced bytes, and ``times[program][strategy]``: ``(forward, backward, spread)``."""
+    traced = {
+        program: _traced_costs(call, times[program]) for program, call in _distinct(calls).items()
+    }
     blocks = []
-    for path, call, program in zip(paths, calls, programs):
+    for path, call in zip(paths, calls):
         invars, outvars = call.forward.jaxpr.invars, call.forward.jaxpr.outvars
         input_bytes = sum(
             nbytes(v.aval, per_device=True)
@@ -312,88 +279,70 @@ def cost_blocks(paths, calls, options, *, runs, say) -> list[BlockCosts]:
             if k not in call.device_inputs
         )
         output_bytes = sum(nbytes(v.aval, per_device=True) for v in outvars)
-        costs = by_program[list(distinct).index(program)]
-        blocks.append(BlockCosts(path, input_bytes, output_bytes, costs))
+        costs = traced[_program(call)]
+        blocks.append(BlockCosts(path, input_bytes, output_bytes, costs, _size(call)))
     return blocks
 
 
-def _cost_programs(calls, strategies, runs, say) -> list[dict[Strategy, BlockCost]]:
-    """Per distinct block call: its traced bytes and timed compute under each strategy."""
-    lowered, plans = [], []
-    for call in calls:
-        fun = jex_core.jaxpr_as_fun(call.forward)
-        structs = [struct_of(v.aval, rebind=True) for v in call.forward.jaxpr.invars]
-        for n, strategy in enumerate(strategies):
-            wrapped = transform.wrap(fun, strategy, device_argnums=call.device_inputs)
-            traced = _residual_bytes(wrapped, structs, call.device_inputs)
-            # Compute alone: the link's share is the planner's model of the step.
-            with without_host_placement():
-                forward, both, forward_args, both_args = _block_programs(wrapped, structs)
-                if n == 0:  # the forward pass is Store's, whatever the strategy keeps
-                    lowered.append(forward.trace(*forward_args).lower())
-                    plans.append((call, None, None, forward_args))
-                lowered.append(both.trace(*both_args).lower())
-                plans.append((call, strategy, traced, both_args))
-    executables = compile_all(lowered)
-    results: dict[int, dict[Strategy, BlockCost]] = {}
-    forward_ms: dict[int, float] = {}
-    measured: dict[int, dict[Strategy, tuple]] = {}
-    timed: list[tuple[float, float]] = [(0.0, 0.0)] * len(plans)
-    for call in calls:  # a block's programs are timed in turns, one block at a time
-        mine = [n for n, plan in enumerate(plans) if plan[0] is call]
-        together = _timed_together([(executables[n], plans[n][3]) for n in mine], runs)
-        for n, result in zip(mine, together):
-            timed[n] = result
-    for (ms, spread), (call, strategy, traced, _) in zip(timed, plans):
-        if strategy is None:
-            forward_ms[id(call)] = ms
-        else:
-            measured.setdefault(id(call), {})[strategy] = (*traced, ms, spread)
-    for call in calls:
-        store_device = measured[id(call)][Store()][0]
-        results[id(call)] = {
-            strategy: BlockCost(
-                device,
-                kept_input,
-                kept_output,
-                host,
-                max(0, store_device - device) if strategy.recomputes else 0,
-                forward_ms[id(call)],
-                max(0.0, both_ms - forward_ms[id(call)]),
-                sizes,
-                spread,
-            )  # fmt: skip
-            for strategy, (
-                device,
-                kept_input,
-                kept_output,
-                host,
-                sizes,
-                both_ms,
-                spread,
-            ) in measured[id(call)].items()
-        }
-    return [results[id(call)] for call in calls]
+def _traced_costs(call, times) -> dict[Strategy, BlockCost]:
+    """One block's cost under each strategy of ``times``: its residuals traced, its times given."""
+    fun = jex_core.jaxpr_as_fun(call.forward)
+    structs = [struct_of(v.aval, rebind=True) for v in call.forward.jaxpr.invars]
+    traced = {
+        s: _residual_bytes(
+            transform.wrap(fun, s, device_argnums=call.device_inputs), structs, call.device_inputs
+        )
+        for s in times
+    }
+    store_device = traced[Store()][0]
+    return {
+        s: BlockCost(
+            device,
+            kept_input,
+            kept_output,
+            host,
+            max(0, store_device - device) if s.recomputes else 0,
+            *times[s][:2],
+            sizes,
+            times[s][2],
+        )  # fmt: skip
+        for s, (device, kept_input, kept_output, host, sizes) in traced.items()
+    }
 
 
-def measure_link(nbytes: int = 2**30, runs: int = 3) -> dict[str, float]:
-    """The host link's bandwidth: ``jax.device_put`` between device and pinned host memory.
+def _time_programs(calls, strategies, runs) -> list[dict[Strategy, tuple[float, float, float]]]:
+    """Per distinct block call and strategy: ``(forward ms, backward ms, spread)``, on the device.
 
-    Args:
-      nbytes: size of the array moved each way.
-      runs: timed moves each way; the median counts.
-
-    Returns:
-      ``{"d2h_gbps": ..., "h2d_gbps": ...}``, in 10⁹ bytes per second.
+    Compute alone: the link's share is the planner's model of the step. The
+    forward pass is Store's, whatever the strategy keeps; the backward pass
+    is the forward and backward together, less it.
     """
-    device = jax.devices()[0]
-    on_host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-    on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
-    x = jax.device_put(jnp.ones(nbytes // 4, jnp.float32), on_device)
-    host = jax.device_put(x, on_host).block_until_ready()
-    d2h = median_ms(lambda: jax.device_put(x, on_host), runs=runs)
-    h2d = median_ms(lambda: jax.device_put(host, on_device), runs=runs)
-    return {"d2h_gbps": x.nbytes / d2h / 1e6, "h2d_gbps": x.nbytes / h2d / 1e6}
+    lowered, programs = [], []
+    with without_host_placement():
+        for call in calls:
+            fun = jex_core.jaxpr_as_fun(call.forward)
+            structs = [struct_of(v.aval, rebind=True) for v in call.forward.jaxpr.invars]
+            for n, strategy in enumerate(strategies):
+                wrapped = transform.wrap(fun, strategy, device_argnums=call.device_inputs)
+                forward, both, forward_args, both_args = _block_programs(wrapped, structs)
+                if n == 0:
+                    lowered.append(forward.trace(*forward_args).lower())
+                    programs.append((call, None, forward_args))
+                lowered.append(both.trace(*both_args).lower())
+                programs.append((call, strategy, both_args))
+    executables = compile_all(lowered)
+    results = []
+    for call in calls:  # a block's programs are timed in turns, one block at a time
+        mine = [n for n, program in enumerate(programs) if program[0] is call]
+        timed = timed_together([(executables[n], programs[n][2]) for n in mine], runs)
+        (forward_ms, _), *rest = timed
+        results.append(
+            {
+                programs[n][1]: (forward_ms, max(0.0, ms - forward_ms), spread)
+                for n, (ms, spread) in zip(mine[1:], rest)
+            }
+        )
+    return results
 
 
 # The share of the link's time that hidden transfers may take: the rest is slack for

@@ -26,18 +26,11 @@ from jaxoffload._src import nnx as offload_nnx
 from jaxoffload._src.errors import NoPlanFits
 from jaxoffload._src.jaxprs import format_bytes
 from jaxoffload._src.planner.apply import check_model
-from jaxoffload._src.planner.costs import (
-    BlockCost,
-    block_options,
-    compile_all,
-    cost_blocks,
-    estimate_peak_bytes,
-    measure_link,
-    zeros,
-)
+from jaxoffload._src.planner.costs import BlockCost, block_options, cost_blocks, estimate_peak_bytes
 from jaxoffload._src.planner.front import front
 from jaxoffload._src.planner.plan import Plan
 from jaxoffload._src.planner.program import device_bytes, discover, lower_step, program
+from jaxoffload._src.planner.timing import compile_all, measure_link, zeros
 from jaxoffload._src.strategies import Lean, Offload, Remat, Store, Strategy, brief, check_strategy
 
 __all__ = ["Planner", "default_options", "plan"]

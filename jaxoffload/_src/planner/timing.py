@@ -1,0 +1,108 @@
+"""Timing on the device: programs in turns, a function's median, the host link; and zeros.
+
+Every figure the planner measures comes through here, so that each is taken the
+same way: after a run to warm up, with ``jax.block_until_ready``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["compile_all", "measure_link", "median_ms", "timed_together", "zeros"]
+
+
+# Each program of a block is timed until its runs add up to this, at the least: a
+# program of a millisecond or less needs many runs before its fastest ones agree.
+MIN_TIMED_S = 0.05
+
+
+def timed_together(
+    programs: Sequence[tuple[Any, Sequence[Any]]], runs: int
+) -> list[tuple[float, float]]:
+    """``(ms, spread)`` of each ``executable(*args)``, timed in turns.
+
+    The programs run one after another, round after round, so that a change
+    in the machine's load falls on all of them alike, not on whichever was
+    timed then. A program's time is the lower quartile of its runs, what it
+    takes when nothing else gets in the way; its spread is the gap between the
+    quartiles over that.
+    """
+    once = []
+    for executable, args in programs:
+        jax.block_until_ready(executable(*args))  # warm up
+        start = time.perf_counter()
+        jax.block_until_ready(executable(*args))
+        once.append(time.perf_counter() - start)
+    rounds = max(runs, 4, min(100, math.ceil(MIN_TIMED_S / max(min(once), 1e-6))))
+    times: list[list[float]] = [[] for _ in programs]
+    for r in range(rounds):
+        for k in np.roll(np.arange(len(programs)), r):  # no program always first
+            executable, args = programs[k]
+            start = time.perf_counter()
+            jax.block_until_ready(executable(*args))
+            times[k].append(time.perf_counter() - start)
+    results = []
+    for runs_k in times:
+        low, high = np.percentile(runs_k, [25, 75])
+        results.append((float(low) * 1e3, float((high - low) / low)))
+    return results
+
+
+def median_ms(fn, *args, runs: int) -> float:
+    """The median time of ``fn(*args)`` in milliseconds, over ``runs`` runs after one to warm up."""
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def zeros(struct) -> jax.Array:
+    """Zeros of ``struct``'s shape, dtype and sharding (distinct keys for a PRNG key array)."""
+    if jax.dtypes.issubdtype(struct.dtype, jax.dtypes.prng_key):
+        keys = jax.random.split(jax.random.key(0), math.prod(struct.shape))
+        return keys.reshape(struct.shape)
+    sharding = getattr(struct, "sharding", None)
+    if isinstance(sharding, jax.sharding.Sharding):
+        return jnp.zeros(struct.shape, struct.dtype, device=sharding)
+    return jnp.zeros(struct.shape, struct.dtype)
+
+
+def compile_all(lowered: Sequence[Any]) -> list[Any]:
+    """Compiles lowered programs, several at once: XLA compiles outside Python's lock."""
+    if len(lowered) <= 1:
+        return [x.compile() for x in lowered]
+    with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda x: x.compile(), lowered))
+
+
+def measure_link(nbytes: int = 2**30, runs: int = 3) -> dict[str, float]:
+    """The host link's bandwidth: ``jax.device_put`` between device and pinned host memory.
+
+    Args:
+      nbytes: size of the array moved each way.
+      runs: timed moves each way; the median counts.
+
+    Returns:
+      ``{"d2h_gbps": ..., "h2d_gbps": ...}``, in 10⁹ bytes per second.
+    """
+    device = jax.devices()[0]
+    on_host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    x = jax.device_put(jnp.ones(nbytes // 4, jnp.float32), on_device)
+    host = jax.device_put(x, on_host).block_until_ready()
+    d2h = median_ms(lambda: jax.device_put(x, on_host), runs=runs)
+    h2d = median_ms(lambda: jax.device_put(host, on_device), runs=runs)
+    return {"d2h_gbps": x.nbytes / d2h / 1e6, "h2d_gbps": x.nbytes / h2d / 1e6}
