@@ -15,7 +15,9 @@ from jaxoffload._src.calls import saved_residuals as saved_residuals
 from jaxoffload._src.errors import NoPlanFits as NoPlanFits
 from jaxoffload._src.errors import OffloadDroppedError as OffloadDroppedError
 from jaxoffload._src.errors import OffloadWarning as OffloadWarning
+from jaxoffload._src.planner import Fit as Fit
 from jaxoffload._src.planner import Plan as Plan
+from jaxoffload._src.planner import largest_size as largest_size
 from jaxoffload._src.planner import plan as plan
 from jaxoffload._src.report import MemoryReport as MemoryReport
 from jaxoffload._src.report import memory_report as memory_report
@@ -30,6 +32,7 @@ from jaxoffload._src.transform import offload as offload
 from jaxoffload._src.transform import wrap as wrap
 
 __all__ = [
+    "Fit",
     "Lean",
     "MemoryReport",
     "NoPlanFits",
@@ -42,6 +45,7 @@ __all__ = [
     "Residual",
     "Store",
     "Strategy",
+    "largest_size",
     "linen",
     "memory_report",
     "nnx",

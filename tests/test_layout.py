@@ -233,8 +233,9 @@ def test_a_strategy_reaches_where_it_acts_through_imports_that_go_down():
 
 PUBLIC_SURFACE = {
     jaxoffload: [
-        "Lean", "MemoryReport", "NoPlanFits", "Offload", "OffloadDroppedError", "OffloadWarning",
-        "OffloadedCall", "Plan", "Remat", "Residual", "Store", "Strategy", "linen",
+        "Fit", "Lean", "MemoryReport", "NoPlanFits", "Offload", "OffloadDroppedError",
+        "OffloadWarning", "OffloadedCall", "Plan", "Remat", "Residual", "Store", "Strategy",
+        "largest_size", "linen",
         "memory_report", "nnx", "offload", "offloaded_calls", "plan", "residuals_per_call",
         "saved_residuals", "wrap",
     ],

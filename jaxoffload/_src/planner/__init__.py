@@ -2,7 +2,8 @@
 
 ``plan.py`` is the value, ``apply.py`` puts it on a model, ``program.py`` compiles a
 step under it, ``timing.py`` times programs on the device, ``costs.py`` says what
-blocks cost and models the step, and ``search.py`` searches.
+blocks cost and models the step, ``search.py`` searches, and ``fit.py``
+finds the largest size that fits.
 """
 
 from jaxoffload._src.errors import NoPlanFits as NoPlanFits
@@ -10,6 +11,8 @@ from jaxoffload._src.planner.costs import BlockCost as BlockCost
 from jaxoffload._src.planner.costs import BlockCosts as BlockCosts
 from jaxoffload._src.planner.costs import estimate_peak_bytes as estimate_peak_bytes
 from jaxoffload._src.planner.costs import estimate_step_ms as estimate_step_ms
+from jaxoffload._src.planner.fit import Fit as Fit
+from jaxoffload._src.planner.fit import largest_size as largest_size
 from jaxoffload._src.planner.plan import Plan as Plan
 from jaxoffload._src.planner.program import compiled_bytes as compiled_bytes
 from jaxoffload._src.planner.search import Planner as Planner

@@ -53,20 +53,22 @@ def compiled_bytes(
     return device_bytes(compile_step(model, step, args, plan, donate_argnums))
 
 
-def program(model, step, args, plan, donate_argnums=()):
-    """``step`` with ``model`` under ``plan``, as a function of arrays: ``(fun, arrays, donate)``."""
+def program(model, step, args, plan: Plan | None, donate_argnums=()):
+    """``step`` with ``model`` under ``plan`` (``None``: as given), as a function of arrays:
+    ``(fun, arrays, donate)``."""
+    under = model if plan is None else plan.apply(model)
     if isinstance(model, nnx.Module):
-        return offload_nnx.functional(step, plan.apply(model), args, donate_argnums)
-    return functools.partial(step, plan.apply(model)), args, donate_argnums
+        return offload_nnx.functional(step, under, args, donate_argnums)
+    return functools.partial(step, under), args, donate_argnums
 
 
-def lower_step(model, step, args, plan: Plan, donate_argnums):
-    """``step`` under ``plan``, traced and lowered: ready to compile."""
+def lower_step(model, step, args, plan: Plan | None, donate_argnums):
+    """``step`` under ``plan`` (``None``: the model as given), traced and lowered: ready to compile."""
     fun, arrays, donate = program(model, step, args, plan, donate_argnums)
     return jax.jit(fun, donate_argnums=donate).trace(*arrays).lower()
 
 
-def compile_step(model, step, args, plan: Plan, donate_argnums):
+def compile_step(model, step, args, plan: Plan | None, donate_argnums):
     """``step`` under ``plan``, traced, lowered and compiled."""
     return lower_step(model, step, args, plan, donate_argnums).compile()
 

@@ -26,14 +26,21 @@ from jaxoffload._src import nnx as offload_nnx
 from jaxoffload._src.errors import NoPlanFits
 from jaxoffload._src.jaxprs import format_bytes
 from jaxoffload._src.planner.apply import check_model
-from jaxoffload._src.planner.costs import BlockCost, block_options, cost_blocks, estimate_peak_bytes
+from jaxoffload._src.planner.budget import check_budget
+from jaxoffload._src.planner.costs import (
+    BlockCost,
+    block_options,
+    cost_blocks,
+    estimate_peak_bytes,
+    rescaled,
+)
 from jaxoffload._src.planner.front import front
 from jaxoffload._src.planner.plan import Plan
 from jaxoffload._src.planner.program import device_bytes, discover, lower_step, program
 from jaxoffload._src.planner.timing import compile_all, measure_link, zeros
 from jaxoffload._src.strategies import Lean, Offload, Remat, Store, Strategy, brief, check_strategy
 
-__all__ = ["Planner", "default_options", "plan"]
+__all__ = ["Planner", "default_options", "plan", "progress_printer"]
 
 
 def default_options() -> tuple[Strategy, ...]:
@@ -132,12 +139,12 @@ def plan(
       ['Dense_0', 'Dense_1']
     """
     check_model(model, "jaxoffload.plan")
-    say = _progress_printer(progress)
+    say = progress_printer(progress)
     # A string is a Sequence too, but one budget written wrong, not a list of them.
     many = isinstance(budget, Sequence) and not isinstance(budget, str | bytes)
     budgets = list(budget) if many else [budget]
     for b in budgets:
-        _check_budget(b)
+        check_budget(b)
     # Batch-sharded arguments over an Explicit mesh: the blocks' traced types carry their
     # sharding, so the blocks are timed and sized per device under that mesh.
     mesh = _explicit_mesh(args)
@@ -181,9 +188,30 @@ class Planner:
     each compile, until a compiled plan fits and the next faster one does not.
     """
 
-    def __init__(self, model, step, args, options, *, runs, say, blocks=None, donate_argnums=()):
+    def __init__(
+        self,
+        model,
+        step,
+        args,
+        options,
+        *,
+        runs,
+        say,
+        blocks=None,
+        donate_argnums=(),
+        measured: Planner | None = None,
+        run_limit: int | None = None,
+    ):
+        """``measured``: a Planner of the same model and step at another size, whose block
+        costs are rescaled to this one's (:func:`~jaxoffload._src.planner.costs.rescaled`)
+        rather than measured again. ``run_limit``: the most compiled bytes of a step that
+        is run here to be timed; by default, 90% of the device's memory."""
         self.model, self.step, self.args, self.say = model, step, args, say
         self.donate_argnums = donate_argnums
+        if run_limit is None:
+            limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+            run_limit = int(0.9 * limit) if limit else None
+        self.run_limit = run_limit
         options = (
             default_options() if options is None else tuple(check_strategy(s) for s in options)
         )
@@ -193,12 +221,16 @@ class Planner:
         say("tracing the step to find the plannable blocks")
         self.paths, calls = discover(model, step, args, blocks)
         _check_blocks(self.paths, calls, nnx_model=isinstance(model, nnx.Module))
-        self.link = None
-        if any(s.to_host for s in options):
-            link = measure_link()
-            self.link = (link["d2h_gbps"], link["h2d_gbps"])
-            say(f"host link: {self.link[0]:.1f} GB/s out, {self.link[1]:.1f} GB/s back")
-        self.blocks = cost_blocks(self.paths, calls, options, runs=runs, say=say)
+        if measured is not None:
+            self.link = measured.link
+            self.blocks = rescaled(measured.blocks, calls)
+        else:
+            self.link = None
+            if any(s.to_host for s in options):
+                link = measure_link()
+                self.link = (link["d2h_gbps"], link["h2d_gbps"])
+                say(f"host link: {self.link[0]:.1f} GB/s out, {self.link[1]:.1f} GB/s back")
+            self.blocks = cost_blocks(self.paths, calls, options, runs=runs, say=say)
         self.choices = block_options(self.blocks, options, self.link)
         self.front = front(self.choices)
         self.plain = Plan(tuple((p, Store()) for p in self.paths))
@@ -207,13 +239,19 @@ class Planner:
         self.predicted: dict[Plan, int] = {}  # what the model said before compiling it
         self.executables: dict[Plan, Any] = {}
         self.measured_ms: dict[Plan, float] = {}
-        leanest = self._candidate(self.front[0])
+        self.leanest = self._candidate(self.front[0])
         say("compiling the plain step, and the leanest plan on the front")
-        self._compile([self.plain, leanest])
-        self.plain_ms = self.step_ms(self.plain)
+        self._compile([self.plain, self.leanest])
+        # The step time that the model's estimates start from: the plain step's, or the
+        # leanest plan's where the plain step is too large to run here.
+        self.anchor = self.plain
+        if math.isinf(self.step_ms(self.plain)):
+            self.anchor = self.leanest
+        plain_ms = self.step_ms(self.plain)
         say(
-            f"plain step: {format_bytes(self.compiled[self.plain])}, {self.plain_ms:.1f} ms; "
-            f"leanest: {format_bytes(self.compiled[leanest])}"
+            f"plain step: {format_bytes(self.compiled[self.plain])}, "
+            + (f"{plain_ms:.1f} ms" if math.isfinite(plain_ms) else "too large to run here")
+            + f"; leanest: {format_bytes(self.compiled[self.leanest])}"
         )
 
     def _candidate(self, point) -> Plan:
@@ -261,22 +299,24 @@ class Planner:
     def step_ms(self, candidate: Plan, runs: int = 3) -> float:
         """The compiled candidate's step time, run on zeros; ``inf`` if it cannot run here."""
         if candidate not in self.measured_ms:
-            limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
-            if limit and self.compiled[candidate] > 0.9 * limit:
-                return math.inf
-            executable, times = self.executables[candidate], []
-            try:
-                for _ in range(runs + 1):
-                    # Donated arguments are used up: fresh zeros for every run.
-                    args = jax.block_until_ready(jax.tree.map(zeros, self.arrays))
-                    start = time.perf_counter()
-                    jax.block_until_ready(executable(*args))
-                    times.append(time.perf_counter() - start)
-                    del args
-            except jax.errors.JaxRuntimeError:  # out of memory here: not a candidate to time
-                return math.inf
-            self.measured_ms[candidate] = statistics.median(times[1:]) * 1e3
+            self.measured_ms[candidate] = self._run(candidate, runs)
         return self.measured_ms[candidate]
+
+    def _run(self, candidate: Plan, runs: int) -> float:
+        if self.run_limit is not None and self.compiled[candidate] > self.run_limit:
+            return math.inf
+        executable, times = self.executables[candidate], []
+        try:
+            for _ in range(runs + 1):
+                # Donated arguments are used up: fresh zeros for every run.
+                args = jax.block_until_ready(jax.tree.map(zeros, self.arrays))
+                start = time.perf_counter()
+                jax.block_until_ready(executable(*args))
+                times.append(time.perf_counter() - start)
+                del args
+        except jax.errors.JaxRuntimeError:  # out of memory here: not a candidate to time
+            return math.inf
+        return statistics.median(times[1:]) * 1e3
 
     def ms(self, candidate: Plan) -> float:
         """The blocks' time in the candidate's step, by the model: each option's, ties made equal."""
@@ -289,8 +329,8 @@ class Planner:
         return total
 
     def estimated_ms(self, candidate: Plan) -> float:
-        """The step's time by the model: the plain step's, with each block's change added."""
-        return self.plain_ms + self.ms(candidate) - self.ms(self.plain)
+        """The step's time by the model: the anchor's measured, with each block's change added."""
+        return self.step_ms(self.anchor) + self.ms(candidate) - self.ms(self.anchor)
 
     def plan_for(self, budget, *, max_rounds: int = 3) -> Plan:
         """The fastest plan, by the model, whose compiled step fits ``budget`` (bytes or a share).
@@ -367,48 +407,6 @@ class Planner:
         )
 
 
-def _check_budget(budget) -> None:
-    if isinstance(budget, str):
-        raise TypeError(
-            f"budget must be bytes (an int) or a share (a float), got the string {budget!r}; "
-            f"{_budget_hint(budget)}."
-        )
-    if isinstance(budget, bool) or not isinstance(budget, int | float):
-        raise TypeError(f"budget must be bytes (an int) or a share (a float), got {budget!r}.")
-    if isinstance(budget, float) and not 0 < budget <= 1:
-        raise ValueError(
-            f"a budget given as a float is a share of the plain step's memory, in (0, 1]; got "
-            f"{budget}. Give bytes as an int."
-        )
-    if isinstance(budget, int) and budget <= 0:
-        raise ValueError(f"budget must be positive, got {budget} bytes.")
-
-
-# Units that a budget written as a string may end with, as Python writes them.
-_UNITS = {"%": "/ 100", "gib": "* 2**30", "mib": "* 2**20", "gb": "* 10**9", "mb": "* 10**6"}
-
-
-def _budget_hint(text: str) -> str:
-    """What to write instead of a budget given as a string: ``'0.5'``, ``'50%'``, ``'8 GiB'``."""
-    number = text.strip()
-    unit = next((u for u in _UNITS if number.lower().endswith(u)), None)
-    number = number[: -len(unit)].strip() if unit else number
-    try:
-        value = float(number)
-    except ValueError:
-        return (
-            "write bytes as an int (budget=8 * 2**30 for 8 GiB) or a share as a float (budget=0.5)"
-        )
-    if unit == "%":
-        return f"write budget={value / 100!r}, a share of the plain step's memory"
-    if unit:
-        scaled = f"{number} {_UNITS[unit]}"
-        return f"write budget={scaled if value.is_integer() else f'int({scaled})'}, in bytes"
-    if number.isdigit() or value > 1:
-        return f"write budget={int(value)}, in bytes"
-    return f"write budget={value!r}, a share of the plain step's memory"
-
-
 def _check_blocks(paths, calls, *, nnx_model: bool) -> None:
     if not paths:
         raise ValueError(
@@ -457,14 +455,15 @@ def _summary(choice) -> str:
     return ", ".join(f"{k} x{v}" for k, v in counts.items())
 
 
-def _progress_printer(progress) -> Callable[[str], None]:
+def progress_printer(progress, label: str = "plan") -> Callable[[str], None]:
+    """``progress`` as a function of a line: itself, nothing, or a timed print to stderr."""
     if callable(progress):
         return progress
     if not progress:
         return lambda line: None
     start = time.perf_counter()
     return lambda line: print(
-        f"[plan {time.perf_counter() - start:6.1f} s] {line}", file=sys.stderr, flush=True
+        f"[{label} {time.perf_counter() - start:6.1f} s] {line}", file=sys.stderr, flush=True
     )
 
 

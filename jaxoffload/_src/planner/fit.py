@@ -1,0 +1,338 @@
+"""The largest batch or image size whose training step fits a device budget.
+
+Each probed size's step is compiled, allocating nothing, and its device bytes
+(``memory_analysis()``: arguments and temporaries) are compared with the
+budget. A CNN's step holds bytes nearly affine in the batch, and in the
+pixels, so two compiles predict the answer and a few more bracket it. No size
+is taken to fit because its neighbours do: compiled bytes need not be
+monotone in the size, so the answer is a size that was compiled and fitted,
+and one real step there confirms it by the runtime peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from jaxoffload._src.errors import NoPlanFits
+from jaxoffload._src.jaxprs import format_bytes
+from jaxoffload._src.planner.apply import check_model
+from jaxoffload._src.planner.plan import Plan
+from jaxoffload._src.planner.program import compile_step, device_bytes, program
+from jaxoffload._src.planner.search import Planner, progress_printer
+from jaxoffload._src.planner.timing import zeros
+
+__all__ = ["Fit", "largest_fitting", "largest_size"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """The largest size found, and the step there.
+
+    Attributes:
+      size: the largest size whose step fits (0 if not even the smallest does).
+      budget_bytes: the budget, in device bytes.
+      compiled_bytes: the step's compiled device bytes at ``size``.
+      peak_bytes: the process's runtime peak after the confirming step, an
+        upper bound of that step's (``None`` where the device reports none,
+        as a CPU does).
+      confirmed: whether that peak is within the budget.
+      step_ms: the median step time at ``size``.
+      plan: with ``plan=True``, the plan at ``size``.
+      probes: ``(size, compiled bytes)`` of every size compiled, in order.
+      stopped: why the search stopped before resolving the size, if it did.
+    """
+
+    size: int
+    budget_bytes: int
+    compiled_bytes: int | None
+    peak_bytes: int | None
+    confirmed: bool
+    step_ms: float | None
+    plan: Plan | None
+    probes: tuple[tuple[int, int], ...]
+    stopped: str | None = None
+
+    @property
+    def per_second(self) -> float | None:
+        """Sizes per second at ``size``: images per second, when the size is the batch."""
+        return None if not self.step_ms else self.size / self.step_ms * 1e3
+
+
+def largest_size(
+    model: Any,
+    step: Callable[..., Any],
+    args_at: Callable[[int], Sequence[Any]],
+    *,
+    budget: int,
+    plan: bool = False,
+    start: int = 8,
+    limit: int = 4096,
+    multiple_of: int = 1,
+    tolerance: float = 0.02,
+    time_limit_s: float = 600.0,
+    blocks: Any = None,
+    options: Any = None,
+    donate_argnums: int | Sequence[int] = (),
+    runs: int = 5,
+    progress: bool | Callable[[str], None] = True,
+) -> Fit:
+    """The largest size (a batch, an image's side) whose training step fits ``budget``.
+
+    The search compiles the step at a few sizes, resolves the largest that
+    fits to within ``tolerance``, then runs one real step there to read the
+    runtime peak, and times the step. If that step runs out of memory, or its
+    peak is over the budget, the size steps down by ``tolerance`` and is
+    checked again, at most three times.
+
+    Args:
+      model: the model, as ``step`` takes it: as given (wrapped, decorated,
+        under ``nn.remat``), or, with ``plan=True``, with plannable blocks as
+        :func:`jaxoffload.plan` takes it.
+      step: the training step as ``step(model, *args)``, not jitted.
+      args_at: the step's other arguments at a size, ``args_at(size)``. It is
+        evaluated abstractly (``jax.eval_shape``), so it may build arrays
+        (``jnp.zeros``, ``model.init``) without allocating them; the real
+        steps run on zeros of their shapes.
+      budget: device bytes: the compiled step's arguments and temporaries,
+        and the runtime peak of the confirming step.
+      plan: plan the model at each size (:func:`jaxoffload.plan`), with the
+        block costs measured once, at ``start``, and rescaled to each size:
+        the answer is the largest size that some plan fits, at that plan's
+        speed. Each size is checked with the leanest plan on its front, and
+        the plain step.
+      start: the first size compiled: one that fits, ideally near the answer.
+        With ``plan=True``, the block costs are measured there, so it must
+        run on this device.
+      limit: the largest size considered.
+      multiple_of: every size probed is a multiple of this (a U-Net's side
+        divides by 16).
+      tolerance: the search stops when the largest size known to fit and the
+        smallest known not to are this share apart, or a ``multiple_of``.
+      time_limit_s: once this long has passed, the search compiles nothing
+        more and answers with the largest size known to fit; ``stopped``
+        says so. A compile already under way finishes first.
+      blocks, options, runs: as in :func:`jaxoffload.plan`, with ``plan=True``.
+      donate_argnums: the arguments (after ``model``) that the training loop
+        donates, as in its ``jax.jit``.
+      progress: print progress to stderr, or a function that takes each line.
+
+    Returns:
+      A :class:`Fit`: the size, its compiled bytes, runtime peak and step
+      time, and every size probed.
+    """
+    check_model(model, "jaxoffload.largest_size")
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
+        raise TypeError(f"budget must be a positive number of bytes (an int), got {budget!r}.")
+    if not (isinstance(multiple_of, int) and multiple_of >= 1):
+        raise ValueError(f"multiple_of must be a positive int, got {multiple_of!r}.")
+    if not 1 <= start <= limit:
+        raise ValueError(f"start must be in [1, limit={limit}], got {start}.")
+    if not 0 < tolerance < 1:
+        raise ValueError(f"tolerance must be in (0, 1), got {tolerance}.")
+    say = progress_printer(progress, "fit")
+    began = time.perf_counter()
+    steps = _Steps(model, step, args_at, budget, plan, dict(
+        blocks=blocks, options=options, runs=runs, donate_argnums=donate_argnums, say=say
+    ))  # fmt: skip
+
+    def bytes_at(size: int) -> int:
+        got = steps.compiled_bytes(size)
+        say(
+            f"size {size}: {format_bytes(got)} "
+            + ("fits" if got <= budget else "over")
+            + f" {format_bytes(budget)} ({time.perf_counter() - began:.0f} s)"
+        )
+        return got
+
+    def out_of_time() -> bool:
+        return time.perf_counter() - began > time_limit_s
+
+    say(f"searching the largest size that fits {format_bytes(budget)}")
+    size, stopped = largest_fitting(
+        bytes_at, budget, start=start, limit=limit, multiple_of=multiple_of,
+        tolerance=tolerance, out_of_time=out_of_time,
+    )  # fmt: skip
+    if stopped:
+        say(stopped)
+    for _ in range(3):
+        if size < 1:
+            break
+        confirmed = steps.confirm(size)
+        if confirmed is not None:
+            peak, step_ms = confirmed
+            ok = peak is None or peak <= budget
+            say(
+                f"size {size}: step {step_ms:.1f} ms, runtime peak "
+                + ("not reported by this device" if peak is None else format_bytes(peak))
+            )
+            if ok or steps.peak_before > budget:
+                return steps.fit(size, peak, ok, step_ms, stopped)
+        size = _step_down(size, multiple_of, tolerance, steps, budget)
+    return Fit(
+        0 if size < 1 else size, budget, None, None, False, None, None, steps.probes, stopped
+    )
+
+
+def _step_down(size, multiple_of, tolerance, steps, budget) -> int:
+    """The next size below ``size``, by ``tolerance``, that compiles within the budget."""
+    while size >= 1:
+        size -= max(multiple_of, _round_down(int(size * tolerance), multiple_of))
+        if size >= 1 and steps.compiled_bytes(size) <= budget:
+            return size
+    return 0
+
+
+def _round_down(size: int, multiple_of: int) -> int:
+    return size // multiple_of * multiple_of
+
+
+class _Steps:
+    """The step at each size: its compiled bytes, and one real run to confirm it."""
+
+    def __init__(self, model, step, args_at, budget, plan, planning):
+        self.model, self.step, self.args_at, self.budget = model, step, args_at, budget
+        self.plan, self.planning = plan, planning
+        self.planners: dict[int, Planner] = {}
+        self.executables: dict[int, Any] = {}
+        self.bytes: dict[int, int] = {}
+        self.probes: list[tuple[int, int]] = []
+        self.chosen: Plan | None = None
+        self.peak_before = _peak_bytes() or 0
+
+    def args(self, size: int) -> tuple:
+        return tuple(jax.eval_shape(lambda: tuple(self.args_at(size))))
+
+    def compiled_bytes(self, size: int) -> int:
+        if size not in self.bytes:
+            if self.plan:  # the least of the plain step and the leanest plan, both compiled
+                got = min(self._planner(size).compiled.values())
+            else:
+                executable = compile_step(
+                    self.model, self.step, self.args(size), None, self.planning["donate_argnums"]
+                )
+                self.executables[size] = executable
+                got = device_bytes(executable)
+            self.bytes[size] = got
+            self.probes.append((size, got))
+        return self.bytes[size]
+
+    def _planner(self, size: int) -> Planner:
+        if size not in self.planners:
+            measured = next(iter(self.planners.values()), None)
+            self.planners[size] = Planner(
+                self.model, self.step, self.args(size), self.planning["options"],
+                runs=self.planning["runs"], say=self.planning["say"],
+                blocks=self.planning["blocks"], donate_argnums=self.planning["donate_argnums"],
+                measured=measured, run_limit=self.budget,
+            )  # fmt: skip
+        return self.planners[size]
+
+    def confirm(self, size: int) -> tuple[int | None, float] | None:
+        """``(peak, step ms)`` of real steps at ``size``; ``None`` if no plan fits or memory ran out."""
+        if self.plan:
+            try:
+                self.chosen = self._planner(size).plan_for(self.budget)
+            except NoPlanFits:
+                return None
+            step_ms = self.chosen.measured_step_ms
+            if step_ms is None or math.isinf(step_ms):
+                return None
+            return _peak_bytes(), step_ms
+        fun, arrays, donate = program(
+            self.model, self.step, self.args(size), None, self.planning["donate_argnums"]
+        )
+        executable = self.executables[size]
+        times = []
+        try:
+            for _ in range(self.planning["runs"] + 1):
+                # Donated arguments are used up: fresh zeros for every run.
+                args = jax.block_until_ready(jax.tree.map(zeros, arrays))
+                start = time.perf_counter()
+                jax.block_until_ready(executable(*args))
+                times.append(time.perf_counter() - start)
+                del args
+        except jax.errors.JaxRuntimeError:  # out of memory: step down
+            return None
+        return _peak_bytes(), statistics.median(times[1:]) * 1e3
+
+    def fit(self, size, peak, confirmed, step_ms, stopped) -> Fit:
+        compiled = self.chosen.compiled_bytes if self.plan else self.bytes[size]
+        return Fit(
+            size, self.budget, compiled, peak, confirmed, step_ms,
+            self.chosen if self.plan else None, tuple(self.probes), stopped,
+        )  # fmt: skip
+
+
+def _peak_bytes() -> int | None:
+    return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+
+
+def largest_fitting(
+    bytes_at: Callable[[int], int],
+    budget: int,
+    *,
+    start: int,
+    limit: int,
+    multiple_of: int = 1,
+    tolerance: float = 0.02,
+    out_of_time: Callable[[], bool] = lambda: False,
+) -> tuple[int, str | None]:
+    """The largest multiple of ``multiple_of`` up to ``limit`` whose ``bytes_at`` is within ``budget``.
+
+    Two sizes, ``start`` and its double (or half), give a line through their
+    bytes; the search checks where it crosses the budget, then the size a
+    ``tolerance`` beyond it (which brackets an affine step's answer), then
+    bisects, until the largest size known to fit and the smallest known not
+    to are ``tolerance`` apart. The answer is always a size that was checked
+    and fitted (0 if none was).
+
+    Returns:
+      ``(size, stopped)``: ``stopped`` says why the search ended early, if
+      ``out_of_time()`` did, else ``None``.
+
+    Example:
+      >>> largest_fitting(lambda b: 100 + 10 * b, 1000, start=8, limit=4096)
+      (90, None)
+    """
+    # In units of multiple_of, so that every probe is a multiple of it.
+    top = limit // multiple_of
+    if top < 1:
+        return 0, None
+    seen: dict[int, int] = {}
+
+    def fits(unit: int) -> bool:
+        if unit not in seen:
+            seen[unit] = bytes_at(unit * multiple_of)
+        return seen[unit] <= budget
+
+    first = max(1, min(start // multiple_of, top))
+    second = min(top, first * 2) if fits(first) else max(1, first // 2)
+    if second != first:
+        fits(second)
+    (u0, y0), (u1, y1) = min(seen.items()), max(seen.items())
+    slope = (y1 - y0) / (u1 - u0) if u1 != u0 else 0
+    guess = top if slope <= 0 else int(u0 + (budget - y0) / slope)
+    good = max((u for u in seen if seen[u] <= budget), default=0)
+    bad = min((u for u in seen if seen[u] > budget), default=top + 1)
+    probe, near = max(1, min(top, guess)), True
+    while bad - good > max(1, int(good * tolerance)):
+        if out_of_time():
+            return good * multiple_of, (
+                f"stopped at the time limit: {good * multiple_of} fits, "
+                f"{'nothing above it was checked' if bad > top else f'{bad * multiple_of} does not'}"
+            )
+        if not good < probe < bad:
+            probe = (good + bad) // 2
+        fitted = fits(probe)
+        good, bad = (probe, bad) if fitted else (good, probe)
+        beyond = max(1, int(probe * tolerance))
+        probe = (probe + beyond if fitted else probe - beyond) if near else (good + bad) // 2
+        near = False
+    return good * multiple_of, None

@@ -1,0 +1,133 @@
+"""jaxoffload.largest_size: the size search against stand-in bytes, and on a model on CPU."""
+
+import jax.numpy as jnp
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxoffload
+from jaxoffload._src.planner import fit
+from jaxoffload._src.planner.fit import largest_fitting
+from tests.test_plan import PLANNABLE, VARIABLES, Net, step
+
+
+class Counted:
+    """A stand-in for compiled bytes that counts its calls."""
+
+    def __init__(self, bytes_at):
+        self.bytes_at, self.calls = bytes_at, []
+
+    def __call__(self, size):
+        self.calls.append(size)
+        return self.bytes_at(size)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    fixed=st.integers(0, 10**6),
+    per_item=st.integers(1, 10**4),
+    budget=st.integers(1, 10**8),
+    start=st.integers(1, 4096),
+)
+def test_an_affine_step_is_resolved_to_within_the_tolerance_in_few_compiles(
+    fixed, per_item, budget, start
+):
+    bytes_at = Counted(lambda b: fixed + per_item * b)
+    size, stopped = largest_fitting(bytes_at, budget, start=start, limit=4096, tolerance=0.02)
+    exact = min(4096, max(0, (budget - fixed) // per_item))
+    assert stopped is None
+    assert size <= exact and size >= exact * 0.98 - 1
+    assert size == 0 or bytes_at(size) <= budget
+    assert len(set(bytes_at.calls)) <= 8
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 2000), min_size=64, max_size=64), st.integers(1, 64))
+def test_the_answer_is_always_a_size_that_was_compiled_and_fits(noise, start):
+    """Bytes that are not monotone in the size: nothing is inferred from neighbours."""
+    bytes_at = Counted(lambda b: 100 * b + noise[b - 1])
+    size, _ = largest_fitting(bytes_at, 3000, start=start, limit=64)
+    assert size == 0 or (size in bytes_at.calls and bytes_at(size) <= 3000)
+
+
+def test_every_probe_is_a_multiple():
+    bytes_at = Counted(lambda side: 50 * side * side)
+    size, _ = largest_fitting(bytes_at, 10**6, start=64, limit=1024, multiple_of=16)
+    assert all(s % 16 == 0 for s in bytes_at.calls)
+    assert size == 128  # 50 * 144**2 is over the budget, 50 * 128**2 is not
+
+
+def test_nothing_fits():
+    assert largest_fitting(lambda b: 10 + b, 5, start=8, limit=64) == (0, None)
+
+
+def test_the_time_limit_stops_the_search_with_the_largest_known_fit():
+    calls = []
+    size, stopped = largest_fitting(
+        lambda b: calls.append(b) or 100 * b, 10**6, start=8, limit=4096,
+        out_of_time=lambda: len(calls) >= 2,
+    )  # fmt: skip
+    assert size == 16 and "time limit" in stopped
+
+
+def args_at(batch):
+    x = jnp.zeros((batch, 16, 16, 3))
+    return VARIABLES["params"], VARIABLES["batch_stats"], x, jnp.zeros((batch,), jnp.int32)
+
+
+def bytes_of(batch):
+    probe = fit._Steps(Net(), step, args_at, 1, False, {"donate_argnums": ()})
+    return probe.compiled_bytes(batch)
+
+
+BUDGET = (bytes_of(8) + bytes_of(16)) // 2
+
+
+def test_the_largest_batch_of_a_model_fits_and_the_next_does_not():
+    found = jaxoffload.largest_size(Net(), step, args_at, budget=BUDGET, start=4, progress=False)
+    probes = dict(found.probes)
+    assert 8 < found.size < 16 and probes[found.size] <= BUDGET
+    assert found.compiled_bytes == probes[found.size]
+    over = [s for s, b in probes.items() if b > BUDGET]
+    assert min(over) <= found.size * 1.02 + 1
+    assert found.confirmed and found.step_ms > 0 and found.per_second > 0
+
+
+def test_a_size_whose_step_runs_out_of_memory_steps_down(monkeypatch):
+    confirm = fit._Steps.confirm
+    failed = []
+
+    def out_of_memory_once(self, size):
+        if not failed:
+            failed.append(size)
+            return None
+        return confirm(self, size)
+
+    monkeypatch.setattr(fit._Steps, "confirm", out_of_memory_once)
+    found = jaxoffload.largest_size(Net(), step, args_at, budget=BUDGET, start=4, progress=False)
+    assert found.size < failed[0] and found.confirmed
+
+
+def test_with_a_plan_the_size_is_the_largest_that_some_plan_fits():
+    lines = []
+    found = jaxoffload.largest_size(
+        PLANNABLE, step, args_at, budget=BUDGET, plan=True, start=8, runs=1, progress=lines.append
+    )
+    assert found.plan is not None and found.plan.compiled_bytes <= BUDGET
+    assert found.compiled_bytes == found.plan.compiled_bytes
+    # The block costs were measured once, at the start, and rescaled to every other size.
+    assert sum("timing block programs" in line for line in lines) == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"budget": 0.5}, "bytes"),
+        ({"budget": 10**6, "multiple_of": 0}, "multiple_of"),
+        ({"budget": 10**6, "start": 10, "limit": 5}, "start"),
+        ({"budget": 10**6, "tolerance": 0}, "tolerance"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs, error):
+    with pytest.raises((TypeError, ValueError), match=error):
+        jaxoffload.largest_size(Net(), step, args_at, progress=False, **kwargs)
