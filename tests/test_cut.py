@@ -111,3 +111,24 @@ def test_effects_and_unknown_primitives_are_never_recomputed():
     assert "no recomputation rule for cholesky" in reasons and "has effects" in reasons
     with pytest.raises(ValueError, match="non-negative"):
         cut.cheapest_cut(jaxpr, jaxpr.outvars, max_recompute=-1)
+
+
+def test_a_repeated_program_is_solved_once_and_mapped_onto_each_trace(monkeypatch):
+    from jaxoffload._src.residuals import trace_vjp
+
+    def block(x, w):
+        return jnp.tanh(jnp.sin(x) @ w) * x
+
+    solved = []
+    solve = cut._cheapest_cut
+    monkeypatch.setattr(cut, "_cheapest_cut", lambda *args: solved.append(1) or solve(*args))
+    monkeypatch.setattr(cut, "_SOLVED", type(cut._SOLVED)())
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
+    cuts = []
+    for _ in range(2):  # two traces: the same program, new variables
+        traced = trace_vjp(block, x, w)
+        kept = cut.cheapest_cut(traced.jaxpr, traced.needed, traced.jaxpr.invars[1:])
+        mine = {*traced.jaxpr.invars, *(v for e in traced.jaxpr.eqns for v in e.outvars)}
+        assert kept.saved and set(kept.saved) <= mine
+        cuts.append([str(v.aval) for v in kept.saved])
+    assert len(solved) == 1 and cuts[0] == cuts[1]

@@ -138,12 +138,43 @@ def cheapest_cut(
     if not 0 <= max_recompute:
         raise ValueError(f"max_recompute must be non-negative, got {max_recompute}.")
     needed = [v for v in dict.fromkeys(needed) if isinstance(v, jex_core.Var)]
+    variables = list(
+        dict.fromkeys(
+            [*jaxpr.invars, *jaxpr.constvars]
+            + [v for e in jaxpr.eqns for v in e.outvars if not isinstance(v, jex_core.DropVar)]
+        )
+    )
+    position = {v: n for n, v in enumerate(variables)}
+    free = set(free)
+    key = (
+        str(jaxpr),
+        tuple(position[v] for v in needed),
+        tuple(sorted(position[v] for v in free if v in position)),
+        max_recompute,
+    )
+    if key not in _SOLVED:
+        cut = _cheapest_cut(jaxpr, needed, free, max_recompute)
+        saved = tuple(position[v] for v in cut.saved)
+        _SOLVED[key] = dataclasses.replace(cut, saved=saved)
+        if len(_SOLVED) > _SOLVED_MAX:
+            _SOLVED.popitem(last=False)
+    solved = _SOLVED[key]
+    return dataclasses.replace(solved, saved=tuple(variables[n] for n in solved.saved))
+
+
+# The blocks of a model repeat (a ResNet stage's blocks are one program, traced once per
+# block and once per plan): each distinct cut is solved once, keyed by the printed jaxpr,
+# and its kept values mapped onto each trace's variables by their positions.
+_SOLVED: collections.OrderedDict[tuple, Cut] = collections.OrderedDict()
+_SOLVED_MAX = 512
+
+
+def _cheapest_cut(jaxpr, needed, free, max_recompute) -> Cut:
     relevant = _ancestors(jaxpr, needed)
     prices = {i: _price(jaxpr.eqns[i]) for i in relevant}
     never = {i: p.never for i, p in prices.items() if p.never}
     forward_flops = sum(p.flops for i, p in enumerate(map(_price, jaxpr.eqns)) if not p.never)
     allowed_flops = max_recompute * forward_flops
-    free = set(free)
     # Each candidate rate (FLOPs per byte kept) prices matrix products so that
     # recomputing one pays off just above its own ratio of FLOPs to bytes.
     # Equal ratios are told apart by position, so that the allowance can take
