@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import bench_record
 
 import jaxoffload
 from jaxoffload.bench import benchmark, cli
@@ -77,11 +78,6 @@ def test_bench_writes_table_json_and_plot(tmp_path):
     assert "[1/2] none on flax-resnet18, batch 2: compile and 1 steps\n" in done.stderr
     assert re.search(r"^\[2/2\] offload-inputs: [\d.]+ ms a step \([\d.]+ s\)$", done.stderr, re.M)
     assert records[0]["steps"] == 1 and not (out / cli.REFERENCE).exists()
-
-
-def test_pareto_front():
-    assert cli.pareto_front([(3, 1), (1, 3), (2, 2), (3, 3)]) == [1, 2, 0]
-    assert cli.pareto_front([(1, 1), (1, 1)]) == [0, 1]
 
 
 def test_memory_cap_fraction():
@@ -356,16 +352,6 @@ def test_gradient_errors_are_flagged_against_the_same_arithmetic_control():
     assert cli.gradient_flags([{**records[1], "grad_rel_err": 0.0}, records[3]]) == []
 
 
-def _record(workload, **extra):
-    """The part of a record that the command reads, as the measuring process gives it."""
-    return {
-        **{k: getattr(workload, k) for k in ("model", "batch", "image_size", "dtype", "window")},
-        "strategy": workload.strategy, "grad_rel_err": 0.0, "step_time_ms": 1.0,
-        "compiled_temp_bytes": 1, "compiled_host_temp_bytes": 0, "peak_bytes_in_use": None,
-        "images_per_s": 2.0, "device": "cpu", **extra,
-    }  # fmt: skip
-
-
 def _never(*args, **kwargs):
     raise AssertionError("measured before --out was checked")
 
@@ -402,7 +388,7 @@ def test_an_interrupted_run_keeps_its_records_and_resumes_with_the_rest(
         measured.append(workload.strategy)
         if workload.strategy == "none":
             pathlib.Path(reference).write_bytes(b"its gradient")  # as measure() does
-        return _record(workload, run=len(measured))
+        return bench_record(workload, run=len(measured))
 
     monkeypatch.setattr(benchmark, "measure_in_subprocess", fake)
     monkeypatch.setattr(benchmark, "probe_device", lambda env=None: {"platform": "cpu"})
@@ -448,7 +434,7 @@ def test_progress_off_a_terminal_is_a_plain_line_per_step(monkeypatch, tmp_path,
     def fake(workload, *, steps, reference, env, **options):
         if workload.strategy == "remat":
             raise RuntimeError("the measuring process failed (exit code 1):\nboom")
-        return _record(workload)
+        return bench_record(workload)
 
     monkeypatch.setattr(benchmark, "measure_in_subprocess", fake)
     monkeypatch.setattr(benchmark, "probe_device", lambda env=None: {"platform": "cpu"})

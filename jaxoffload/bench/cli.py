@@ -19,6 +19,7 @@ from typing import Any
 
 from jaxoffload import __version__
 from jaxoffload.bench import benchmark, models
+from jaxoffload.bench.envelope import UNIFORM_STRATEGIES, envelope_step, pareto_front
 
 # "plan" comes from --budget, not from --strategies.
 STRATEGIES = (*benchmark.STRATEGIES, *(s for s in benchmark.PLANNED_STRATEGIES if s != "plan"))
@@ -349,7 +350,31 @@ def _say_notes(records: list[dict[str, Any]], console: Any) -> None:
             choices = ", ".join(
                 f"{c} x{r['plan_choices'].count(c)}" for c in dict.fromkeys(r["plan_choices"])
             )
-            console.print(f"{_name(r)}: {choices}; outside the blocks {r['plan_outside']}")
+            console.print(
+                f"{_name(r)}: {choices}; outside the blocks {r['plan_outside']}"
+                + _against_envelope(r, records)
+            )
+
+
+def _against_envelope(plan: dict[str, Any], records: list[dict[str, Any]]) -> str:
+    """A measured plan's step over the uniform envelope at its budget, and its peak against it.
+
+    The budget is the planner's, ``budget_bytes``. Both figures read runtime peaks, the
+    plan's and the uniform strategies': without them (CPU), nothing is said.
+    """
+    peak = plan.get("peak_bytes_in_use")
+    if not peak or "step_time_ms" not in plan:
+        return ""
+    budget = plan["budget_bytes"]
+    uniform = _uniform_points(records, "peak_bytes_in_use")
+    envelope = envelope_step(list(uniform.values()), budget)
+    if envelope is None:
+        versus = f"no uniform strategy of this run ({', '.join(uniform)}) fits its budget"
+    else:
+        ratio = plan["step_time_ms"] / envelope
+        versus = f"{ratio:.2f}× the envelope of {', '.join(uniform)} at its budget"
+    within = "within" if peak <= budget else "over"
+    return f"; {versus}; peak {_gib(peak)} GiB, {within} its budget of {_gib(budget)} GiB"
 
 
 def _writable_folder(text: str) -> pathlib.Path:
@@ -639,27 +664,15 @@ def gradient_flags(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-def pareto_front(points: list[tuple[float, float]]) -> list[int]:
-    """Indices of the points no other point beats on both coordinates (lower is better).
-
-    Example:
-      >>> pareto_front([(1, 5), (2, 2), (3, 3), (4, 1)])
-      [0, 1, 3]
-    """
-    front = []
-    for i, (x, y) in enumerate(points):
-        dominated = any(
-            (u <= x and v <= y) and (u, v) != (x, y) for j, (u, v) in enumerate(points) if j != i
-        )
-        if not dominated:
-            front.append(i)
-    return sorted(front, key=lambda i: points[i])
-
-
 def plot_records(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.Path | None:
-    """Plots memory against step time, one point per record, with the Pareto front.
+    """Plots memory against step time, one point per record, with the Pareto front and the envelope.
 
-    Records of other frameworks (``framework`` other than ``"jax"``, such as
+    The envelope is the least step the uniform strategies reach at each memory
+    (:func:`~jaxoffload.bench.envelope.envelope_step`), drawn up from the leanest
+    of them. Plans are stars; where memory is the runtime peak, each plan's budget
+    (``budget_bytes``) is a dotted line of its colour, so that a plan reads against
+    its budget and against the envelope where the line crosses it. Records of other
+    frameworks (``framework`` other than ``"jax"``, such as
     ``jaxoffload/bench/torch_reference.py``'s) are drawn as squares and named
     with their framework. Returns ``path``, or ``None`` if matplotlib is missing
     or no record has a step time.
@@ -674,18 +687,29 @@ def plot_records(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.P
     done = [r for r in records if "step_time_ms" in r]
     if not done:
         return None
-    # Without a runtime peak (CPU), the compiled temp is the memory reading.
+    # Without a runtime peak (CPU), the compiled temp is the memory reading; the
+    # budgets, in the planner's bytes, are then not on the axis.
     key = (
         "peak_bytes_in_use" if all(r["peak_bytes_in_use"] for r in done) else "compiled_temp_bytes"
     )
     points = [(r["step_time_ms"], r[key] / 2**30) for r in done]
+    plans = [r for r in done if r["strategy"] == "plan"] if key == "peak_bytes_in_use" else []
+    top = 1.05 * max([y for _, y in points] + [r["budget_bytes"] / 2**30 for r in plans])
     fig, ax = plt.subplots(figsize=(8, 4.2), constrained_layout=True)
+    budget_colors = []
     for r, (x, y) in zip(done, points):
         jax_record = r.get("framework", "jax") == "jax"
         label = _name(r) if jax_record else f"{r['framework']} {r['strategy']}"
-        ax.scatter(x, y, s=45, marker="o" if jax_record else "s", label=label, zorder=3)
+        marker = "s" if not jax_record else "*" if r["strategy"] == "plan" else "o"
+        dot = ax.scatter(x, y, s=90 if marker == "*" else 45, marker=marker, label=label, zorder=3)
+        if r in plans:
+            budget_colors.append((r["budget_bytes"] / 2**30, dot.get_facecolor()[0]))
+    for n, (budget, color) in enumerate(budget_colors):  # one legend entry for them all
+        ax.axhline(budget, color=color, ls=":", lw=1, label=None if n else "a plan's budget")
     front = pareto_front(points)
     ax.plot(*zip(*[points[i] for i in front]), "k--", lw=1, label="Pareto front")
+    uniform = _uniform_points(done, key).values()
+    _plot_envelope(ax, [(m / 2**30, step) for m, step in uniform], top)
     first = done[0]
     _set_time_axis(ax, [x for x, _ in points])
     ax.set(
@@ -695,12 +719,38 @@ def plot_records(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.P
         title=f"{first['model']} b{first['batch']} {first['image_size']}² {first['dtype']}, "
         f"{first['device']}",
     )
-    ax.set_ylim(0, max(y for _, y in points) * 1.05)
+    ax.set_ylim(0, top)
     # Outside the axes, so that it never hides a point.
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _uniform_points(records: list[dict[str, Any]], key: str) -> dict[str, tuple[float, float]]:
+    """``(memory at key, step)`` of each measured strategy of :data:`UNIFORM_STRATEGIES`."""
+    return {
+        r["strategy"]: (r[key], r["step_time_ms"])
+        for r in records
+        if r["strategy"] in UNIFORM_STRATEGIES and "step_time_ms" in r and r.get(key)
+    }
+
+
+def _plot_envelope(ax: Any, uniform: list[tuple[float, float]], top: float) -> None:
+    """The envelope of the ``uniform`` points, from the leanest up to memory ``top``.
+
+    It is sampled, not drawn as the hull's polyline: on a logarithmic time axis a
+    segment of the hull is a curve. The points' own memories are among the samples,
+    so that each corner of the hull is drawn where it is.
+    """
+    import numpy as np
+
+    if not uniform:
+        return
+    leanest = min(m for m, _ in uniform)
+    memories = sorted({*np.linspace(leanest, top, 200).tolist(), *(m for m, _ in uniform)})
+    steps = [envelope_step(uniform, m) for m in memories]
+    ax.plot(steps, memories, color="0.45", lw=1.5, zorder=2, label="uniform envelope")
 
 
 def _set_time_axis(ax: Any, times: list[float]) -> None:
