@@ -65,6 +65,7 @@ def plan(
     donate_argnums: int | Sequence[int] = (),
     runs: int = 5,
     max_rounds: int = 3,
+    per_round: int = 4,
     progress: bool | Callable[[str], None] = True,
 ) -> Plan | list[Plan | NoPlanFits]:
     """A strategy per plannable block that fits ``budget`` at the least step time.
@@ -107,8 +108,9 @@ def plan(
       donate_argnums: the arguments (after ``model``) that the training loop
         donates, as in its ``jax.jit``: the compiled checks do the same.
       runs: timed runs per block and option.
-      max_rounds: rounds of compiled checks per budget; each compiles up to
-        two candidates at once.
+      max_rounds: rounds of compiled checks per budget.
+      per_round: the candidates that one round compiles at once, each on a
+        thread of its own.
       progress: print progress to stderr, or a function that takes each line.
 
     Returns:
@@ -145,6 +147,9 @@ def plan(
     budgets = list(budget) if many else [budget]
     for b in budgets:
         check_budget(b)
+    for name, value in (("max_rounds", max_rounds), ("per_round", per_round)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}.")
     # Batch-sharded arguments over an Explicit mesh: the blocks' traced types carry their
     # sharding, so the blocks are timed and sized per device under that mesh.
     mesh = _explicit_mesh(args)
@@ -163,14 +168,14 @@ def plan(
             donate_argnums=donate_argnums,
         )
         if not many:
-            return planner.plan_for(budgets[0], max_rounds=max_rounds)
-        return [_plan_or_why_not(planner, b, max_rounds) for b in budgets]
+            return planner.plan_for(budgets[0], max_rounds=max_rounds, per_round=per_round)
+        return [_plan_or_why_not(planner, b, max_rounds, per_round) for b in budgets]
 
 
-def _plan_or_why_not(planner: Planner, budget, max_rounds: int) -> Plan | NoPlanFits:
+def _plan_or_why_not(planner: Planner, budget, max_rounds, per_round) -> Plan | NoPlanFits:
     """One budget of a list: its plan, or the :class:`NoPlanFits` that says what was reached."""
     try:
-        return planner.plan_for(budget, max_rounds=max_rounds)
+        return planner.plan_for(budget, max_rounds=max_rounds, per_round=per_round)
     except NoPlanFits as error:
         planner.say(str(error))
         return error
@@ -332,15 +337,15 @@ class Planner:
         """The step's time by the model: the anchor's measured, with each block's change added."""
         return self.step_ms(self.anchor) + self.ms(candidate) - self.ms(self.anchor)
 
-    def plan_for(self, budget, *, max_rounds: int = 3) -> Plan:
+    def plan_for(self, budget, *, max_rounds: int = 3, per_round: int = 4) -> Plan:
         """The fastest plan, by the model, whose compiled step fits ``budget`` (bytes or a share).
 
         The candidates are the front's plans, fastest first. Between the
         fastest compiled one that fits and the slowest faster one that does
-        not, each round compiles two together: the fastest that the model of
-        compiled bytes says fits, and the middle one, a bisection that does not
-        trust the model. A round finds the answer when no candidate is left
-        between the two.
+        not, each round compiles up to ``per_round`` together: the fastest
+        that the model of compiled bytes says fits, and candidates evenly
+        spaced between the two, a search that does not trust the model. A
+        round finds the answer when no candidate is left between the two.
         """
         plain_bytes = self.compiled[self.plain]
         budget_bytes = int(budget * plain_bytes) if isinstance(budget, float) else int(budget)
@@ -371,7 +376,8 @@ class Planner:
             if not todo:
                 break
             predicted = [n for n in todo if self.predict(candidates[n]) <= budget_bytes]
-            probes = {predicted[0] if predicted else todo[-1], todo[len(todo) // 2]}
+            probes = {predicted[0] if predicted else todo[-1]}
+            probes |= {todo[k * len(todo) // per_round] for k in range(1, per_round)}
             batch = [candidates[n] for n in sorted(probes)]
             summary = " and ".join(_summary(c.strategies) for c in batch)
             self.say(f"round {round_}: compiling {summary}")
