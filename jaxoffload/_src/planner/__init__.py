@@ -1,9 +1,8 @@
 """Planning: a strategy per block that fits a memory budget at the least step time.
 
 ``plan.py`` is the value, ``apply.py`` puts it on a model, ``program.py`` compiles a
-step under it, ``timing.py`` times programs on the device, ``costs.py`` says what
-blocks cost and models the step, ``search.py`` searches, and ``fit.py``
-finds the largest size that fits.
+step under it, ``costs.py`` says what blocks cost and models the step, ``search.py``
+searches, and ``fit.py`` finds the largest size that fits.
 """
 
 from jaxoffload._src.errors import NoPlanFits as NoPlanFits
@@ -18,6 +17,6 @@ from jaxoffload._src.planner.program import compiled_bytes as compiled_bytes
 from jaxoffload._src.planner.search import Planner as Planner
 from jaxoffload._src.planner.search import default_options as default_options
 from jaxoffload._src.planner.search import plan as plan
-from jaxoffload._src.planner.timing import measure_link as measure_link
-from jaxoffload._src.planner.timing import median_ms as median_ms
-from jaxoffload._src.planner.timing import zeros as zeros
+from jaxoffload._src.timing import measure_link as measure_link
+from jaxoffload._src.timing import median_ms as median_ms
+from jaxoffload._src.timing import zeros as zeros

@@ -13,15 +13,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.extend import core as jex_core
 
 from jaxoffload._src import transform
 from jaxoffload._src.jaxprs import eqn_flops, nbytes, struct_of
 from jaxoffload._src.planner.front import Option
-from jaxoffload._src.planner.timing import compile_all, timed_together, zeros
 from jaxoffload._src.residuals import trace_vjp
 from jaxoffload._src.strategies import Store, Strategy
+from jaxoffload._src.timing import compile_all, timed_together, vjp_programs
 from jaxoffload._src.transfers import without_host_placement
 
 __all__ = [
@@ -194,24 +193,6 @@ def _residual_bytes(fun, structs, device_inputs) -> tuple[int, int, int, int, tu
     return device, kept_input, kept_output, host, tuple(sorted(sizes, reverse=True))
 
 
-def _block_programs(fun, structs):
-    """``(forward, forward_and_backward, their arguments)`` of ``fun`` alone, as jitted functions."""
-    out_structs = jax.eval_shape(fun, *structs)
-    floats = [jax.dtypes.issubdtype(o.dtype, np.inexact) for o in out_structs]
-
-    def both(args, cotangents):
-        out, vjp_fun = jax.vjp(fun, *args)
-        it = iter(cotangents)
-        full = [
-            next(it) if f else np.zeros(o.shape, jax.dtypes.float0) for f, o in zip(floats, out)
-        ]
-        return vjp_fun(full)
-
-    args = [zeros(s) for s in structs]
-    cotangents = [zeros(o) for f, o in zip(floats, out_structs) if f]
-    return jax.jit(fun), jax.jit(both), tuple(args), (args, cotangents)
-
-
 def cost_blocks(paths, calls, options, *, runs, say) -> list[BlockCosts]:
     """Each block's cost under each option: traced once and timed once per distinct program.
 
@@ -324,7 +305,7 @@ def _time_programs(calls, strategies, runs) -> list[dict[Strategy, tuple[float, 
             structs = [struct_of(v.aval, rebind=True) for v in call.forward.jaxpr.invars]
             for n, strategy in enumerate(strategies):
                 wrapped = transform.wrap(fun, strategy, device_argnums=call.device_inputs)
-                forward, both, forward_args, both_args = _block_programs(wrapped, structs)
+                forward, both, forward_args, both_args = vjp_programs(wrapped, structs)
                 if n == 0:
                     lowered.append(forward.trace(*forward_args).lower())
                     programs.append((call, None, forward_args))

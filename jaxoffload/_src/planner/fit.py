@@ -26,7 +26,7 @@ from jaxoffload._src.planner.apply import check_model
 from jaxoffload._src.planner.plan import Plan
 from jaxoffload._src.planner.program import compile_step, device_bytes, program
 from jaxoffload._src.planner.search import Planner, progress_printer
-from jaxoffload._src.planner.timing import zeros
+from jaxoffload._src.timing import zeros
 
 __all__ = ["Fit", "largest_fitting", "largest_size"]
 

@@ -37,8 +37,8 @@ from jaxoffload._src.planner.costs import (
 from jaxoffload._src.planner.front import front
 from jaxoffload._src.planner.plan import Plan
 from jaxoffload._src.planner.program import device_bytes, discover, lower_step, program
-from jaxoffload._src.planner.timing import compile_all, measure_link, zeros
 from jaxoffload._src.strategies import Lean, Offload, Remat, Store, Strategy, brief, check_strategy
+from jaxoffload._src.timing import compile_all, measure_link, zeros
 
 __all__ = ["Planner", "default_options", "plan", "progress_printer"]
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["compile_all", "measure_link", "median_ms", "timed_together", "zeros"]
+__all__ = ["compile_all", "measure_link", "median_ms", "timed_together", "vjp_programs", "zeros"]
 
 
 # Each program of a block is timed until its runs add up to this, at the least: a
@@ -106,3 +106,24 @@ def measure_link(nbytes: int = 2**30, runs: int = 3) -> dict[str, float]:
     d2h = median_ms(lambda: jax.device_put(x, on_host), runs=runs)
     h2d = median_ms(lambda: jax.device_put(host, on_device), runs=runs)
     return {"d2h_gbps": x.nbytes / d2h / 1e6, "h2d_gbps": x.nbytes / h2d / 1e6}
+
+
+def vjp_programs(fun, structs):
+    """``(forward, forward_and_backward, their arguments)`` of ``fun`` alone, as jitted functions.
+
+    The arguments are zeros of ``structs``, and the cotangents zeros of the outputs.
+    """
+    out_structs = jax.eval_shape(fun, *structs)
+    floats = [jax.dtypes.issubdtype(o.dtype, np.inexact) for o in out_structs]
+
+    def both(args, cotangents):
+        out, vjp_fun = jax.vjp(fun, *args)
+        it = iter(cotangents)
+        full = [
+            next(it) if f else np.zeros(o.shape, jax.dtypes.float0) for f, o in zip(floats, out)
+        ]
+        return vjp_fun(full)
+
+    args = [zeros(s) for s in structs]
+    cotangents = [zeros(o) for f, o in zip(floats, out_structs) if f]
+    return jax.jit(fun), jax.jit(both), tuple(args), (args, cotangents)
