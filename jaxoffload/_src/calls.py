@@ -55,6 +55,7 @@ def saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
             lambda args, kwargs: jax.vjp(lambda *a: fun(*a, **kwargs), *args), args, kwargs
         )
         return list(calls[0].residuals)
+    strategy = transform.resolved(strategy, traced)
     kept = select(traced.replay, traced.dynamic, traced.kwargs, strategy, traced.device_leaves)
     return list(kept.residuals)
 

@@ -52,6 +52,9 @@ class Strategy:
       recomputes: its backward pass recomputes what it does not keep, by a
         ``jax.checkpoint`` policy.
       required_names: the names, given with ``checkpoint_name``, that the function must mark.
+      max_slowdown: if set, each distinct call is timed on the device when it
+        is traced, under each of :meth:`fallbacks`, and takes the first within
+        this share of the last one's time.
     """
 
     is_identity: bool = False
@@ -61,6 +64,11 @@ class Strategy:
     cuts: bool = False
     recomputes: bool = False
     required_names: tuple[str, ...] = ()
+    max_slowdown: float | None = None
+
+    def fallbacks(self) -> tuple[Strategy, ...]:
+        """With ``max_slowdown``: what a call may take instead, leanest first, jax's own last."""
+        return ()
 
     def checkpointed(self, fun: Function) -> Function | None:
         """``fun`` under the ``jax.checkpoint`` whose policy picks its residuals, if any."""
@@ -129,21 +137,45 @@ class Lean(Strategy):
     block's inputs and outputs cost nothing to keep: the layers around it
     keep them anyway.
 
+    Where a block's lean cut is slower than jax's choice, ``max_slowdown``
+    makes it take jax's choice instead, measured: each distinct block is
+    compiled and timed alone, forward and backward, when it is first traced
+    (once per process), under this cut, under a cut that recomputes no
+    convolution or matrix product, and under :class:`Store`; it takes the
+    first of them within ``max_slowdown`` of Store's time.
+
     Attributes:
       max_recompute: the FLOPs of convolutions and matrix products that the
         backward pass may recompute, as a share of the block's forward pass's,
         from 0 (none) to 1 (as many as the forward pass has).
+      max_slowdown: the most that a block's lean cut may add to its time, as
+        a share of Store's, measured; ``None`` (the default) times nothing.
 
     Example:
       >>> Lean(), Lean(max_recompute=0.0)
-      (Lean(max_recompute=0.25), Lean(max_recompute=0.0))
+      (Lean(max_recompute=0.25, max_slowdown=None), Lean(max_recompute=0.0, max_slowdown=None))
     """
 
     max_recompute: float = 0.25
+    max_slowdown: float | None = None
     cuts = True
 
     def __post_init__(self):
         object.__setattr__(self, "max_recompute", _check_share("max_recompute", self.max_recompute))
+        slowdown = self.max_slowdown
+        if slowdown is not None and (
+            isinstance(slowdown, bool) or not isinstance(slowdown, int | float) or slowdown < 0
+        ):
+            raise ValueError(
+                f"max_slowdown is a share of Store's time, a non-negative number such as 0.03, "
+                f"or None to time nothing; got {slowdown!r}."
+            )
+
+    def fallbacks(self) -> tuple[Strategy, ...]:
+        if self.max_slowdown is None:
+            return ()
+        untimed = (Lean(self.max_recompute), Lean(0.0), Store())
+        return tuple(dict.fromkeys(untimed))
 
 
 @dataclasses.dataclass(frozen=True)

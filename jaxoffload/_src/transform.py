@@ -19,12 +19,20 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-from jaxoffload._src import context, jaxprs, targets, transfers
+from jaxoffload._src import context, jaxprs, measured, targets, transfers
 from jaxoffload._src.argnums import Argnums, check_argnums, holds_arrays, positional_names
 from jaxoffload._src.residuals import describe, select
 from jaxoffload._src.strategies import Offload, Strategy, check_strategy
 
-__all__ = ["TracedCall", "has_inner_calls", "offload", "trace_call", "wrap", "wrap_with"]
+__all__ = [
+    "TracedCall",
+    "has_inner_calls",
+    "offload",
+    "resolved",
+    "trace_call",
+    "wrap",
+    "wrap_with",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -291,11 +299,20 @@ def _wrapped_call(fun, strategy, argnums: Argnums, args: tuple, kwargs: dict, ch
     if has_inner_calls(traced):
         flat = _run_regions(traced, strategy)
         return jax.tree.unflatten(traced.out_tree, flat)
+    strategy = resolved(strategy, traced)
     remat = None if strategy.to_host else strategy.checkpointed(traced.replay)
     if remat is not None:
         # Nothing moves, and a checkpoint policy picks the residuals: jax.checkpoint itself.
         return remat(traced.dynamic, traced.kwargs)
     return _custom_call(traced, strategy, fun)
+
+
+def resolved(strategy: Strategy, traced: TracedCall) -> Strategy:
+    """The strategy that a traced call runs under: ``strategy``, or the fallback it measured."""
+    if strategy.max_slowdown is None:
+        return strategy
+    device = tuple(sorted(traced.device_leaves))
+    return measured.fastest_enough(strategy, traced.closed, device, wrap)
 
 
 def _check_names(names: tuple[str, ...], closed) -> None:

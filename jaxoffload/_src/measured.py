@@ -1,0 +1,63 @@
+"""A strategy's fallbacks, timed on the device: ``Lean(max_slowdown=...)``.
+
+A lean cut recomputes values in the backward pass that jax would keep. On a
+GPU most of that work fuses into loops that run anyway, but not all of it: a
+depthwise convolution, say, is cheap in FLOPs and slow in time. Where the cut
+costs more than ``max_slowdown``, a block takes a fallback instead, the first
+within it: a cut that recomputes no product, then jax's own choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.extend import core as jex_core
+
+from jaxoffload._src import timing
+from jaxoffload._src.jaxprs import struct_of
+from jaxoffload._src.strategies import Strategy
+
+__all__ = ["fastest_enough"]
+
+# What each distinct call took, by its program and strategy: each is timed once per process.
+_CHOSEN: dict[tuple, Strategy] = {}
+
+
+def fastest_enough(
+    strategy: Strategy, closed, device_argnums: tuple[int, ...], wrap: Callable[..., Any]
+) -> Strategy:
+    """The first of ``strategy.fallbacks()`` within ``max_slowdown`` of the last one's time.
+
+    Args:
+      strategy: a strategy with ``max_slowdown`` set.
+      closed: the call, as a closed jaxpr of its flat inputs.
+      device_argnums: the inputs that live on the device anyway.
+      wrap: :func:`jaxoffload._src.transform.wrap`, which lives above this
+        module: the programs timed are the wrapped call under each fallback.
+    """
+    key = (str(closed), device_argnums, strategy)
+    if key not in _CHOSEN:
+        candidates = strategy.fallbacks()
+        times = time_candidates(candidates, closed, device_argnums, wrap)
+        limit = (1 + strategy.max_slowdown) * times[-1]
+        _CHOSEN[key] = next(c for c, ms in zip(candidates, times) if ms <= limit)
+    return _CHOSEN[key]
+
+
+def time_candidates(candidates, closed, device_argnums, wrap) -> list[float]:
+    """The ms of the call's forward and backward passes under each candidate, timed in turns."""
+    fun = jex_core.jaxpr_as_fun(closed)
+    structs = [struct_of(v.aval) for v in closed.jaxpr.invars]
+    # Called while the user's step is traced: the zeros and runs here are concrete.
+    with jax.ensure_compile_time_eval():
+        lowered, args = [], []
+        for candidate in candidates:
+            wrapped = wrap(fun, candidate, device_argnums=device_argnums)
+            _, both, _, both_args = timing.vjp_programs(wrapped, structs)
+            lowered.append(both.trace(*both_args).lower())
+            args.append(both_args)
+        executables = timing.compile_all(lowered)
+        timed = timing.timed_together(list(zip(executables, args)), runs=5)
+    return [ms for ms, _ in timed]

@@ -1,0 +1,77 @@
+"""Lean(max_slowdown=...): a block whose lean cut is slower than jax's choice takes a fallback."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxoffload import Lean, Store, saved_residuals, wrap
+from jaxoffload._src import measured
+from tests.helpers import normal, rel_err
+
+
+def conv(x, w):
+    return jax.lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+
+
+def block(x, w, v):
+    # The 1x1 convolution is cheap beside the 3x3 one, and its output wide: a lean cut
+    # recomputes it rather than keep its tanh; one that recomputes no product keeps that.
+    return jnp.tanh(conv(conv(x, w), v)).sum(-1, keepdims=True) * x
+
+
+X, W, V = normal(0, (2, 8, 8, 4)), 0.3 * normal(1, (3, 3, 4, 4)), 0.3 * normal(2, (1, 1, 4, 8))
+
+
+def gradients(f):
+    return jax.jit(jax.grad(lambda *a: f(*a).sum(), argnums=(0, 1, 2)))(X, W, V)
+
+
+def kept(strategy):
+    """The bytes the wrapped block keeps: jax's residuals for Store, listed as its own call lists them."""
+    wrapped = wrap(block, strategy, device_argnums=(1, 2))
+    return sum(r.nbytes for r in saved_residuals(wrapped, X, W, V))
+
+
+@pytest.fixture(autouse=True)
+def nothing_timed_yet(monkeypatch):
+    monkeypatch.setattr(measured, "_CHOSEN", {})
+
+
+@pytest.mark.parametrize(
+    "times, chosen",
+    [
+        ([1.00, 1.00, 1.00], Lean()),  # the cut costs nothing: it stays
+        ([1.30, 1.02, 1.00], Lean(max_recompute=0.0)),  # its products are what cost
+        ([1.30, 1.20, 1.00], Store()),  # every cut costs: jax's choice
+    ],
+)
+def test_the_first_fallback_within_max_slowdown_is_taken(monkeypatch, times, chosen):
+    calls = []
+    monkeypatch.setattr(measured, "time_candidates", lambda c, *_: calls.append(c) or times)
+    strategy = Lean(max_slowdown=0.03)
+    assert strategy.fallbacks() == (Lean(), Lean(max_recompute=0.0), Store())
+    assert kept(strategy) == kept(chosen)
+    assert len({kept(Lean()), kept(Lean(max_recompute=0.0)), kept(Store())}) == 3
+    assert rel_err(gradients(wrap(block, strategy, device_argnums=(1, 2))), gradients(block)) < 1e-6
+    kept(strategy)  # traced again: not timed again
+    assert len(calls) == 1
+
+
+def test_the_candidates_are_timed_on_the_device_while_the_step_is_traced():
+    strategy = Lean(max_slowdown=10.0)  # any cut is within it: the lean one stays
+    grads = gradients(wrap(block, strategy, device_argnums=(1, 2)))
+    assert rel_err(grads, gradients(block)) < 1e-6
+    assert list(measured._CHOSEN.values()) == [Lean()]
+
+
+def test_without_max_slowdown_nothing_is_timed(monkeypatch):
+    monkeypatch.setattr(measured, "time_candidates", lambda *_: pytest.fail("timed"))
+    gradients(wrap(block, Lean(), device_argnums=(1, 2)))
+
+
+@pytest.mark.parametrize("bad", [-0.1, "3%", True])
+def test_a_bad_max_slowdown_is_refused(bad):
+    with pytest.raises(ValueError, match="max_slowdown"):
+        Lean(max_slowdown=bad)
