@@ -76,6 +76,7 @@ def largest_size(
     limit: int = 4096,
     multiple_of: int = 1,
     tolerance: float = 0.02,
+    exponent: float = 1.0,
     time_limit_s: float = 600.0,
     blocks: Any = None,
     options: Any = None,
@@ -115,6 +116,8 @@ def largest_size(
         divides by 16).
       tolerance: the search stops when the largest size known to fit and the
         smallest known not to are this share apart, or a ``multiple_of``.
+      exponent: the search's model: bytes grow about linearly in ``size **
+        exponent``, 1 for a batch, 2 for an image's side.
       time_limit_s: once this long has passed, the search compiles nothing
         more and answers with the largest size known to fit; ``stopped``
         says so. A compile already under way finishes first.
@@ -157,7 +160,7 @@ def largest_size(
     say(f"searching the largest size that fits {format_bytes(budget)}")
     size, stopped = largest_fitting(
         bytes_at, budget, start=start, limit=limit, multiple_of=multiple_of,
-        tolerance=tolerance, out_of_time=out_of_time,
+        tolerance=tolerance, exponent=exponent, out_of_time=out_of_time,
     )  # fmt: skip
     if stopped:
         say(stopped)
@@ -282,16 +285,19 @@ def largest_fitting(
     limit: int,
     multiple_of: int = 1,
     tolerance: float = 0.02,
+    exponent: float = 1.0,
     out_of_time: Callable[[], bool] = lambda: False,
 ) -> tuple[int, str | None]:
     """The largest multiple of ``multiple_of`` up to ``limit`` whose ``bytes_at`` is within ``budget``.
 
-    Two sizes, ``start`` and its double (or half), give a line through their
-    bytes; the search checks where it crosses the budget, then the size a
-    ``tolerance`` beyond it (which brackets an affine step's answer), then
-    bisects, until the largest size known to fit and the smallest known not
-    to are ``tolerance`` apart. The answer is always a size that was checked
-    and fitted (0 if none was).
+    Bytes are taken to grow about linearly in ``size ** exponent``. Each probe
+    is where the line through the two probes nearest the budget crosses it
+    (a secant), kept strictly between the largest size known to fit and the
+    smallest above it known not to, else halfway; after a probe that fits,
+    the next is a ``tolerance`` above it, which closes the bracket of a step
+    whose bytes are affine. The search ends when the two are ``tolerance``
+    apart. The answer is always a size that was checked and fitted (0 if
+    none was).
 
     Returns:
       ``(size, stopped)``: ``stopped`` says why the search ended early, if
@@ -301,38 +307,56 @@ def largest_fitting(
       >>> largest_fitting(lambda b: 100 + 10 * b, 1000, start=8, limit=4096)
       (90, None)
     """
-    # In units of multiple_of, so that every probe is a multiple of it.
-    top = limit // multiple_of
+    top = limit // multiple_of  # sizes in units of multiple_of
     if top < 1:
         return 0, None
     seen: dict[int, int] = {}
 
-    def fits(unit: int) -> bool:
+    def check(unit: int) -> None:
         if unit not in seen:
             seen[unit] = bytes_at(unit * multiple_of)
-        return seen[unit] <= budget
 
     first = max(1, min(start // multiple_of, top))
-    second = min(top, first * 2) if fits(first) else max(1, first // 2)
-    if second != first:
-        fits(second)
-    (u0, y0), (u1, y1) = min(seen.items()), max(seen.items())
-    slope = (y1 - y0) / (u1 - u0) if u1 != u0 else 0
-    guess = top if slope <= 0 else int(u0 + (budget - y0) / slope)
-    good = max((u for u in seen if seen[u] <= budget), default=0)
-    bad = min((u for u in seen if seen[u] > budget), default=top + 1)
-    probe, near = max(1, min(top, guess)), True
-    while bad - good > max(1, int(good * tolerance)):
+    check(first)
+    probe = min(top, 2 * first) if seen[first] <= budget else max(1, first // 2)
+    guessed = False  # whether the probe is the secant's
+    while True:
+        check(probe)
+        good = max((u for u in seen if seen[u] <= budget), default=0)
+        bad = min((u for u in seen if seen[u] > budget and u > good), default=top + 1)
+        if bad - good <= max(1, int(good * tolerance)):
+            return good * multiple_of, None
         if out_of_time():
+            above = "nothing above it was checked" if bad > top else f"{bad * multiple_of} does not"
             return good * multiple_of, (
-                f"stopped at the time limit: {good * multiple_of} fits, "
-                f"{'nothing above it was checked' if bad > top else f'{bad * multiple_of} does not'}"
+                f"stopped at the time limit: {good * multiple_of} fits, {above}"
             )
+        step = max(1, int(good * tolerance))
+        if guessed and probe == good:  # the guess fitted: a step above closes the bracket
+            probe, guessed = good + step, False
+        else:
+            guess = _secant(seen, good, bad, top, budget, exponent)
+            guessed = guess is not None and good < guess < bad
+            if guessed:
+                probe = guess
+            elif bad > top:  # nothing above is known not to fit, and no line says where
+                probe = min(top, max(1, 2 * good))
+            else:  # just above the largest fit, where the line puts the answer; else halfway
+                probe = good + step if guess is not None and guess <= good else (good + bad) // 2
         if not good < probe < bad:
-            probe = (good + bad) // 2
-        fitted = fits(probe)
-        good, bad = (probe, bad) if fitted else (good, probe)
-        beyond = max(1, int(probe * tolerance))
-        probe = (probe + beyond if fitted else probe - beyond) if near else (good + bad) // 2
-        near = False
-    return good * multiple_of, None
+            probe, guessed = (good + bad) // 2, False
+
+
+def _secant(seen, good, bad, top, budget, exponent) -> int | None:
+    """Where the line through the two probes nearest the budget crosses it (``None``: flat)."""
+    fitting = sorted(u for u in seen if seen[u] <= budget)
+    over = sorted(u for u in seen if seen[u] > budget)
+    pair = (
+        (good, bad) if good and bad <= top
+        else tuple(fitting[-2:]) if bad > top else tuple(over[:2])
+    )  # fmt: skip
+    if len(pair) < 2 or seen[pair[1]] == seen[pair[0]]:
+        return None
+    (x0, y0), (x1, y1) = ((u**exponent, seen[u]) for u in pair)
+    x = x0 + (budget - y0) * (x1 - x0) / (y1 - y0)
+    return max(1, min(top, int(x ** (1 / exponent)) if x > 0 else 1))

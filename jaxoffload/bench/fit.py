@@ -1,0 +1,123 @@
+"""The bench's size search: :func:`jaxoffload.largest_size` on a workload's training step.
+
+Run it in a fresh process: its confirming step reads the process's runtime peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import jaxoffload
+from jaxoffload.bench import benchmark, models
+
+__all__ = ["AXES", "largest"]
+
+# The sizes a search can grow, each with the multiple its sizes keep and the power of the
+# size that a step's bytes grow with: the batch, or the images' side. Sides are multiples
+# of 16, so that a U-Net's four halvings and doublings meet its skips.
+AXES = {"batch": (1, 1.0), "image_size": (16, 2.0)}
+
+# What the allocator holds beyond a step's compiled bytes: a few percent.
+ALLOCATOR_SLACK = 0.03
+
+
+def largest(
+    workload: benchmark.Workload,
+    axis: str,
+    *,
+    plan: bool = False,
+    budget_bytes: int | None = None,
+    time_limit_s: float = 300.0,
+    limit: int = 4096,
+) -> dict[str, Any]:
+    """The largest ``axis`` (``"batch"`` or ``"image_size"``) at which the workload's step fits.
+
+    Args:
+      workload: the model, dtype and strategy; its ``axis`` is where the search starts.
+      plan: plan the plain-Flax model at each size instead of taking the
+        workload's strategy (:func:`jaxoffload.largest_size` with ``plan=True``).
+      budget_bytes: device bytes; by default, this process's device memory
+        limit less :data:`ALLOCATOR_SLACK`.
+      time_limit_s, limit: as in :func:`jaxoffload.largest_size`.
+
+    Returns:
+      The record's fields, named for the axis: ``max_batch``,
+      ``max_batch_images_per_s``, ``max_batch_step_ms``, ... (or ``max_image_size``,
+      with ``max_image_size_ms_per_megapixel``).
+    """
+    if axis not in AXES:
+        raise ValueError(f"axis must be one of {sorted(AXES)}, got {axis!r}.")
+    if budget_bytes is None:
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" not in stats:
+            raise RuntimeError(
+                "a size search needs a device that reports its memory limit (a GPU), or a "
+                "budget in bytes."
+            )
+        budget_bytes = int(stats["bytes_limit"] * (1 - ALLOCATOR_SLACK))
+    model, step = _model_and_step(workload, plan)
+
+    def args_at(size):
+        _, state, batch, _ = benchmark._training(
+            dataclasses.replace(workload, **{axis: size}), model, abstract=True
+        )
+        return state, batch
+
+    began = time.perf_counter()
+    found = jaxoffload.largest_size(
+        model, step, args_at, budget=budget_bytes, plan=plan, start=getattr(workload, axis),
+        limit=limit, multiple_of=AXES[axis][0], exponent=AXES[axis][1],
+        time_limit_s=time_limit_s, donate_argnums=(0,),
+    )  # fmt: skip
+    return _fields(workload, axis, found, time.perf_counter() - began)
+
+
+def _model_and_step(workload: benchmark.Workload, plan: bool):
+    """The model as the library takes it, and ``step(model, state, batch)``."""
+    dtype = jnp.dtype(workload.dtype)
+    if models.is_nnx(workload.model):
+        raise NotImplementedError("the size search takes the linen models of the bench.")
+    if plan:
+        model = models.plannable_model(
+            workload.model, dtype=dtype, num_classes=workload.num_classes
+        )
+    else:
+        model = models.create(
+            workload.model,
+            strategy=workload.block_strategies,
+            dtype=dtype,
+            num_classes=workload.num_classes,
+        )
+
+    def step(model, state, batch):
+        return benchmark._training(workload, model, abstract=None)[0](state, batch)
+
+    return model, step
+
+
+def _fields(workload, axis, found: jaxoffload.Fit, search_s: float) -> dict[str, Any]:
+    name = f"max_{axis}"
+    batch = found.size if axis == "batch" else workload.batch
+    side = found.size if axis == "image_size" else workload.image_size
+    fields = {
+        name: found.size,
+        f"{name}_step_ms": found.step_ms,
+        f"{name}_images_per_s": batch / found.step_ms * 1e3 if found.step_ms else None,
+        f"{name}_peak_bytes": found.peak_bytes,
+        f"{name}_compiled_bytes": found.compiled_bytes,
+        f"{name}_confirmed": found.confirmed,
+        f"{name}_budget_bytes": found.budget_bytes,
+        f"{name}_probes": [list(p) for p in found.probes],
+        f"{name}_search_s": search_s,
+        f"{name}_stopped": found.stopped,
+    }
+    if axis == "image_size" and found.step_ms:
+        fields[f"{name}_ms_per_megapixel"] = found.step_ms / (batch * side * side / 1e6)
+    if found.plan is not None:
+        fields[f"{name}_plan"] = found.plan.to_dict()
+    return fields
