@@ -284,11 +284,11 @@ def train_step(workload: Workload, *, abstract: bool = False):
             dtype=dtype,
             num_classes=workload.num_classes,
         )
-    step, state, batch, loss_fn = _training(workload, model, abstract=abstract)
+    step, state, batch, loss_fn = training(workload, model, abstract=abstract)
     return jax.jit(step, donate_argnums=0), state, batch, loss_fn
 
 
-def _training(workload: Workload, model, *, abstract: bool | None):
+def training(workload: Workload, model, *, abstract: bool | None):
     """``(step, state, batch, loss_fn)`` of :func:`train_step` for ``model``, ``step`` not jitted.
 
     With ``abstract=None``, nothing is initialised: ``state`` and ``batch`` are ``None``.
@@ -320,7 +320,7 @@ def _training(workload: Workload, model, *, abstract: bool | None):
 
 
 def _nnx_training(workload: Workload, *, abstract: bool | None, model=None):
-    """:func:`_training` for a plain Flax NNX model: the state is its split, as pytrees.
+    """:func:`training` for a plain Flax NNX model: the state is its split, as pytrees.
 
     ``model`` gives the step its Modules' classes (under a plan, say): its
     variables are not used, the state's are.
@@ -437,10 +437,10 @@ def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[
         model = models.plannable_model(
             workload.model, dtype=dtype, num_classes=workload.num_classes
         )
-        _, state, batch, _ = _training(workload, model, abstract=True)
+        _, state, batch, _ = training(workload, model, abstract=True)
 
         def step(model, state, batch):
-            return _training(workload, model, abstract=None)[0](state, batch)
+            return training(workload, model, abstract=None)[0](state, batch)
 
     start = time.perf_counter()
 

@@ -63,7 +63,7 @@ def largest(
     model, step = _model_and_step(workload, plan)
 
     def args_at(size):
-        _, state, batch, _ = benchmark._training(
+        _, state, batch, _ = benchmark.training(
             dataclasses.replace(workload, **{axis: size}), model, abstract=True
         )
         return state, batch
@@ -95,7 +95,7 @@ def _model_and_step(workload: benchmark.Workload, plan: bool):
         )
 
     def step(model, state, batch):
-        return benchmark._training(workload, model, abstract=None)[0](state, batch)
+        return benchmark.training(workload, model, abstract=None)[0](state, batch)
 
     return model, step
 
