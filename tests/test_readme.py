@@ -64,6 +64,18 @@ def test_the_nnx_planning_example_plans_in_place():
     assert type(model.blocks[0]).__name__ == "NNXBlock"
 
 
+def test_the_fit_example_finds_a_batch_that_fits(tmp_path, monkeypatch):
+    namespace = {}
+    exec(_python(0), namespace)
+    monkeypatch.chdir(tmp_path)
+    exec(_python(4), namespace)
+    exec(_python(6), namespace)
+    fit = namespace["fit"]
+    probes = dict(fit.probes)
+    assert 0 < fit.size < 256 and probes[fit.size] <= 64 * 2**20 < max(probes.values())
+    assert fit.confirmed and fit.per_second > 0
+
+
 def test_the_nesting_and_function_examples_run():
     namespace = {"jaxoffload": jaxoffload, "jnp": jnp, **vars(flax_resnet)}
     exec(_python(1), namespace)
