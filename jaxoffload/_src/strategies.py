@@ -353,7 +353,7 @@ def strategy_to_dict(strategy: Strategy) -> dict[str, Any]:
       >>> strategy_to_dict(Offload(window=2))["window"]
       2
       >>> strategy_from_dict(strategy_to_dict(Lean(max_recompute=0.1)))
-      Lean(max_recompute=0.1)
+      Lean(max_recompute=0.1, max_slowdown=None)
     """
     strategy = check_strategy(strategy)
     fields = {f.name: getattr(strategy, f.name) for f in dataclasses.fields(strategy)}
