@@ -57,8 +57,9 @@ def jax_residuals(fun, *args, keep_arguments=()):
 
 def bench_record(workload, **extra):
     """The part of a bench record that the command reads, as the measuring process gives it."""
+    fields = ("model", "batch", "image_size", "dtype", "window", "micro_batch", "num_devices")
     return {
-        **{k: getattr(workload, k) for k in ("model", "batch", "image_size", "dtype", "window")},
+        **{k: getattr(workload, k) for k in fields},
         "strategy": workload.strategy, "grad_rel_err": 0.0, "step_time_ms": 1.0,
         "compiled_temp_bytes": 1, "compiled_host_temp_bytes": 0, "peak_bytes_in_use": None,
         "images_per_s": 2.0, "device": "cpu", **extra,

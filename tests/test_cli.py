@@ -38,8 +38,15 @@ REQUIRED = {
         (["--model", "vgg11", "--window", "1,2,2,2"], "vgg11 takes one window, not one per stage"),
         (["--strategies", "none,offload-hidden"], "needs a reference model"),
         (["--strategies", "none,jax-offload"], "names none"),
+        (["--strategies", "grad-accum", "--batch", "100", "--micro-batch", "24"],
+         "--batch 100 is not a multiple of --micro-batch 24: use 96 or 120"),
+        (["--strategies", "grad-accum"], "'grad-accum' needs --micro-batch M"),
+        (["--strategies", "none,lean", "--micro-batch", "4"],
+         "--micro-batch 4 has no effect on none, lean: only grad-accum takes it"),
+        (["--devices", "3"], "--batch 8 does not split over --devices 3: use 6 or 9"),
+        (["--devices", "4", "--budget", "0.5"], "--budget with --devices is not supported yet"),
     ],
-)
+)  # fmt: skip
 def test_bad_arguments_exit_with_a_message(argv, message, capsys):
     with pytest.raises(SystemExit) as exit:
         cli.main(["bench", *argv])
@@ -430,6 +437,49 @@ def test_an_interrupted_run_keeps_its_records_and_resumes_with_the_rest(
     ) in capsys.readouterr().err
 
 
+def test_grad_accum_and_devices_reach_the_workloads_the_notes_and_resume(
+    monkeypatch, tmp_path, capsys
+):
+    measured = []
+
+    def fake(workload, *, steps, reference, env, **options):
+        measured.append((workload.strategy, workload.micro_batch, workload.num_devices))
+        if workload.micro_batch is None:
+            return bench_record(workload)
+        note = "against none's step on a whole batch of 8, accumulated over two micro-batches of 4"
+        return bench_record(
+            workload, accumulation_steps=2, grad_rel_err=0.5, grad_rel_err_note=note
+        )
+
+    monkeypatch.setattr(benchmark, "measure_in_subprocess", fake)
+    probe = {"platform": "cpu", "device_count": 4}
+    monkeypatch.setattr(benchmark, "probe_device", lambda env=None: probe)
+    argv = ["bench", "--strategies", "grad-accum", "--micro-batch", "4", "--devices", "4"]
+    argv += ["--steps", "1", "--out", str(tmp_path)]
+    cli.main(argv)
+    # The reference is added without a micro-batch; both run on the four devices.
+    assert measured == [("none", None, 4), ("grad-accum", 4, 4)]
+    out, err = capsys.readouterr()
+    assert "flax-resnet18, batch 8, 32², float32, 4 devices" in out
+    assert (
+        "grad-accum (2 micro-batches of 4): grad err 5.0e-01 against none's step on a whole "
+        "batch of 8" in " ".join(err.split())
+    )
+    with pytest.raises(SystemExit):
+        cli.main([*argv, "--resume", "--micro-batch", "8"])
+    assert (
+        "holds 'grad-accum' measured with --micro-batch 4, and this command has --micro-batch 8"
+        in capsys.readouterr().err
+    )
+    probe = {"platform": "cpu", "device_count": 1}
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    assert (
+        "--devices 4: jax sees 1 cpu devices here; on CPU, "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=4 gives more"
+    ) in capsys.readouterr().err
+
+
 def test_progress_off_a_terminal_is_a_plain_line_per_step(monkeypatch, tmp_path, capsys):
     def fake(workload, *, steps, reference, env, **options):
         if workload.strategy == "remat":
@@ -467,7 +517,8 @@ def test_version_and_defaults_in_help(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    for shown in ["images per step (default: 8)", "(default: bench-out)", "(default: float32)"]:
+    shown_defaults = ["images per step, over all the --devices (default: 8)", "(default: float32)"]
+    for shown in [*shown_defaults, "(default: bench-out)"]:
         assert shown in help_text
     assert "--memory-cap GIB GPU only (an error on CPU)" in help_text
     assert "(default: None)" not in help_text and "(default: False)" not in help_text

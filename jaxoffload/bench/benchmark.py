@@ -26,6 +26,8 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.extend import core as jex_core
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxoffload
 from jaxoffload import (
@@ -39,6 +41,7 @@ from jaxoffload import (
     Strategy,
     offloaded_calls,
 )
+from jaxoffload._src.jaxprs import equations
 from jaxoffload._src.planner import Planner, measure_link, median_ms, zeros
 from jaxoffload._src.report import analyze, requested_host_transfers, with_twin
 from jaxoffload._src.strategies import brief
@@ -47,6 +50,7 @@ from jaxoffload.bench import models
 from jaxoffload.bench.hidden import plan_hidden_offload
 
 __all__ = [
+    "ACCUMULATED_STRATEGIES",
     "COMPUTE_TWIN",
     "PLANNED_STRATEGIES",
     "STRATEGIES",
@@ -95,6 +99,10 @@ PLANNED_STRATEGIES = {
     "plan": "the jaxoffload.plan of a budget (bench --budget)",
 }
 
+# Strategies whose step runs another's over micro-batches, accumulating their gradients
+# (see _value_and_grad): the name, and the strategy whose step each micro-batch runs.
+ACCUMULATED_STRATEGIES = {"grad-accum": "none"}
+
 # The share of a step's compute time that "offload-hidden" may add by recomputation.
 HIDDEN_RECOMPUTE_SHARE = 0.02
 
@@ -115,10 +123,11 @@ class Workload:
 
     Attributes:
       model: a name in ``jaxoffload.bench.models.MODEL_NAMES``.
-      batch: images per step.
+      batch: images per step, over all the devices.
       image_size: height and width of the square input.
       dtype: compute dtype, ``"float32"`` or ``"bfloat16"``.
-      strategy: a key of :data:`STRATEGIES` or :data:`PLANNED_STRATEGIES`.
+      strategy: a key of :data:`STRATEGIES`, :data:`PLANNED_STRATEGIES` or
+        :data:`ACCUMULATED_STRATEGIES`.
       blocks: how many blocks, from the input end, use ``strategy``; the rest
         use ``"none"``. ``None`` means all of them. Reference models only.
       num_classes: classifier outputs (per pixel, for a segmentation model);
@@ -134,6 +143,11 @@ class Workload:
       planned: for ``"plan"``, the :class:`jaxoffload.Plan` as
         :meth:`~jaxoffload.Plan.to_dict` writes it; set by
         :func:`plan_budgets_in_subprocess`.
+      micro_batch: for ``"grad-accum"``, the images of each micro-batch, over
+        all the devices; ``batch`` must be a multiple of it.
+      num_devices: data parallel over the first ``num_devices`` devices: the
+        batch split over a mesh axis ``data``, the parameters and the optimizer
+        state replicated.
     """
 
     model: str
@@ -147,9 +161,12 @@ class Workload:
     plan: tuple[str, ...] | None = None
     budget: float | None = None
     planned: dict[str, Any] | None = None
+    micro_batch: int | None = None
+    num_devices: int = 1
 
     def __post_init__(self):
         self._check_names_and_sizes()
+        self._check_splits()
         if self.num_classes is None:
             object.__setattr__(self, "num_classes", models.default_num_classes(self.model))
         if isinstance(self.window, list):  # read back from JSON
@@ -168,10 +185,10 @@ class Workload:
             raise ValueError(
                 f"Unknown model {self.model!r}; choose one of {', '.join(models.MODEL_NAMES)}."
             )
-        if self.strategy not in {**STRATEGIES, **PLANNED_STRATEGIES}:
+        names = [*STRATEGIES, *PLANNED_STRATEGIES, *ACCUMULATED_STRATEGIES]
+        if self.strategy not in names:
             raise ValueError(
-                f"Unknown strategy {self.strategy!r}; choose one of "
-                f"{', '.join([*STRATEGIES, *PLANNED_STRATEGIES])}."
+                f"Unknown strategy {self.strategy!r}; choose one of {', '.join(names)}."
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
@@ -179,6 +196,40 @@ class Workload:
             raise ValueError(f"batch must be at least 1, got {self.batch}.")
         if self.image_size < 32:
             raise ValueError(f"image_size must be at least 32, got {self.image_size}.")
+
+    def _check_splits(self) -> None:
+        """The batch splits over the devices, and into micro-batches that split over them too."""
+        accumulated = self.strategy in ACCUMULATED_STRATEGIES
+        if accumulated and self.micro_batch is None:
+            raise ValueError(
+                f"{self.strategy!r} needs --micro-batch M: the images of each micro-batch whose "
+                "gradients it accumulates, a divisor of --batch."
+            )
+        if not accumulated and self.micro_batch is not None:
+            raise ValueError(
+                f"micro_batch is for {', '.join(ACCUMULATED_STRATEGIES)}, not {self.strategy!r}."
+            )
+        for name, value in [("--devices", self.num_devices), ("--micro-batch", self.micro_batch)]:
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}.")
+        n = self.num_devices
+        if self.batch % n:
+            raise ValueError(
+                f"--batch {self.batch} does not split over --devices {n}: use "
+                f"{_multiples_near(self.batch, n)}."
+            )
+        if self.micro_batch is None:
+            return
+        if self.micro_batch % n:
+            raise ValueError(
+                f"--micro-batch {self.micro_batch} does not split over --devices {n}: use "
+                f"{_multiples_near(self.micro_batch, n)}."
+            )
+        if self.batch % self.micro_batch:
+            raise ValueError(
+                f"--batch {self.batch} is not a multiple of --micro-batch {self.micro_batch}: use "
+                f"{_multiples_near(self.batch, self.micro_batch)}."
+            )
 
     def _check_budget_plan(self) -> None:
         """A ``"plan"`` workload plans a plain-Flax model at a share of ``"none"``'s peak."""
@@ -224,7 +275,8 @@ class Workload:
             k = n if self.blocks is None else self.blocks
             if not 0 <= k <= n:
                 raise ValueError(f"blocks must be between 0 and {n}, got {k}.")
-            names = (self.strategy,) * k + ("none",) * (n - k)
+            strategy = ACCUMULATED_STRATEGIES.get(self.strategy, self.strategy)
+            names = (strategy,) * k + ("none",) * (n - k)
         return tuple(
             dataclasses.replace(STRATEGIES[s], window=w) if STRATEGIES[s].to_host
             else STRATEGIES[s]
@@ -253,6 +305,17 @@ class Workload:
         return sum(s.to_host for s in self.block_strategies)
 
 
+def _multiples_near(n: int, m: int) -> str:
+    """The positive multiples of ``m`` nearest to ``n``, either side, for an error message.
+
+    Example:
+      >>> _multiples_near(100, 24), _multiples_near(10, 24)
+      ('96 or 120', '24')
+    """
+    below = n // m * m
+    return f"{below} or {below + m}" if below else f"{m}"
+
+
 def train_step(workload: Workload, *, abstract: bool = False):
     """The jitted, state-donating training step of a workload, its state and batch.
 
@@ -264,7 +327,9 @@ def train_step(workload: Workload, *, abstract: bool = False):
     Returns:
       ``(step, state, batch, loss_fn)``: ``step(state, batch) -> (state, loss)``
       with ``state = (params, model_state, opt_state)``, and
-      ``loss_fn(params, model_state, batch) -> (loss, model_state)``.
+      ``loss_fn(params, model_state, batch) -> (loss, model_state)``, of one
+      micro-batch under ``"grad-accum"``. With ``num_devices`` > 1 the state
+      and batch are placed for data parallelism (:func:`_placed`).
     """
     dtype = jnp.dtype(workload.dtype)
     if models.is_nnx(workload.model):
@@ -311,11 +376,10 @@ def training(workload: Workload, model, *, abstract: bool | None):
         )
         return _loss(logits, labels), new_state
 
-    step = _sgd_step(loss_fn, tx)
+    step = _sgd_step(loss_fn, tx, workload.micro_batch)
     if abstract is None:
         return step, None, None, loss_fn
-    # Eager init dispatches hundreds of small ops: jit makes it one program.
-    state, batch = jax.eval_shape(init) if abstract else jax.jit(init)()
+    state, batch = _placed(init, workload, abstract=abstract)
     return step, state, batch, loss_fn
 
 
@@ -351,11 +415,35 @@ def _nnx_training(workload: Workload, *, abstract: bool | None, model=None):
         model = nnx.merge(graphdef, params, model_state, copy=True)
         return _loss(model(x), labels), nnx.split(model, nnx.Param, ...)[2]
 
-    step = _sgd_step(loss_fn, tx)
+    step = _sgd_step(loss_fn, tx, workload.micro_batch)
     if abstract is None:
         return step, None, None, loss_fn
-    state, batch = jax.eval_shape(init) if abstract else jax.jit(init)()
+    state, batch = _placed(init, workload, abstract=abstract)
     return step, state, batch, loss_fn
+
+
+def _placed(init, workload: Workload, *, abstract: bool):
+    """``init()``'s ``(state, batch)``, made on the devices that the step reads them on.
+
+    With ``num_devices`` > 1 (data parallel), they are made over a mesh of the
+    first devices, ``jax.make_mesh``'s, as in ``tests/test_sharding.py`` and
+    :mod:`jaxoffload.bench.distributed_example`: the batch split along its
+    axis ``data``, the state replicated. Each device makes its own part, so no
+    device ever holds the whole batch. With ``abstract``, they are
+    ``jax.ShapeDtypeStruct``s with those shardings, allocating nothing.
+    """
+    if workload.num_devices == 1:
+        # Eager init dispatches hundreds of small ops: jit makes it one program.
+        return jax.eval_shape(init) if abstract else jax.jit(init)()
+    mesh = jax.make_mesh((workload.num_devices,), ("data",))
+    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    if not abstract:
+        return jax.jit(init, out_shardings=(replicated, split))()
+    state, batch = jax.eval_shape(init)
+    return (
+        jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), state),
+        jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=split), batch),
+    )
 
 
 def _one(strategies):
@@ -397,18 +485,57 @@ def _loss(logits, labels):
     return loss.mean()
 
 
-def _sgd_step(loss_fn, tx):
-    """``step(state, batch)`` for ``state = (params, model_state, opt_state)``."""
+def _sgd_step(loss_fn, tx, micro_batch: int | None = None):
+    """``step(state, batch)`` for ``state = (params, model_state, opt_state)``: one update.
+
+    With ``micro_batch``, of the gradient accumulated over micro-batches
+    (:func:`_value_and_grad`).
+    """
+    value_and_grad = _value_and_grad(loss_fn, micro_batch)
 
     def step(state, batch):
         params, model_state, opt_state = state
-        (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, model_state, batch
-        )
+        (loss, model_state), grads = value_and_grad(params, model_state, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), model_state, opt_state), loss
 
     return step
+
+
+def _value_and_grad(loss_fn, micro_batch: int | None = None):
+    """``jax.value_and_grad(loss_fn, has_aux=True)``, or its mean over micro-batches.
+
+    Accumulated, the micro-batches run in one ``lax.scan``, so that the
+    compiled loop holds one micro-batch's activations, and their mean-loss
+    gradients are summed and divided by their count: the whole batch's
+    gradient, where the loss is a mean over images and nothing else couples
+    them. BatchNorm's batch statistics do: each micro-batch is normalised by
+    its own, and updates the running averages in turn (``model_state`` is the
+    loop's carry). Dropout draws each micro-batch's masks for its own shape.
+    The loss returned is the micro-batches' mean.
+    """
+    value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+    if micro_batch is None:
+        return value_and_grad
+
+    def accumulated(params, model_state, batch):
+        count = jax.tree.leaves(batch)[0].shape[0] // micro_batch
+        # Micro-batch i is images i, i + count, i + 2 count...: a batch split over devices
+        # splits so on each device, and each micro-batch stays split over all of them.
+        micro_batches = jax.tree.map(
+            lambda a: a.reshape(micro_batch, count, *a.shape[1:]).swapaxes(0, 1), batch
+        )
+
+        def add(carry, micro):
+            loss_sum, grads_sum, model_state = carry
+            (loss, model_state), grads = value_and_grad(params, model_state, micro)
+            return (loss_sum + loss, jax.tree.map(jnp.add, grads_sum, grads), model_state), None
+
+        zeros = jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params)
+        (loss, grads, model_state), _ = jax.lax.scan(add, (*zeros, model_state), micro_batches)
+        return (loss / count, model_state), jax.tree.map(lambda g: g / count, grads)
+
+    return accumulated
 
 
 def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[str, Any]]:
@@ -607,7 +734,9 @@ def measure(
         ``grad_rel_err`` compares this workload's gradient at the initial
         parameters with the one stored there; if not, this workload's gradient
         is stored there (measure the ``"none"`` strategy first). The gradient is
-        computed after the runtime peak is read.
+        computed after the runtime peak is read. A ``"grad-accum"`` workload
+        checks its gradient against the whole batch's itself
+        (:func:`_accumulation_check`), and reads no reference.
       time_forward: also time the forward pass alone (``forward_ms``), after
         the runtime peak is read.
       probe_link: also measure the host link (``d2h_gbps``, ``h2d_gbps``, see
@@ -617,6 +746,8 @@ def measure(
         runtime peak is read: the compute of its transfer bound.
 
     A planned strategy's workload must carry its plan (:func:`plan_in_subprocess`).
+    With ``num_devices`` > 1 the memory figures are per device: the compiled
+    program's are one device's, and the runtime peak is the largest device's.
     """
     if (
         workload.strategy in PLANNED_STRATEGIES
@@ -628,8 +759,11 @@ def measure(
             "timing runs would otherwise count in this process's peak."
         )
     step, state, batch, loss_fn = train_step(workload)
-    # Donation consumes the initial state; keep a host copy for the gradient check.
-    initial = jax.device_get(state[:2]) if reference else None
+    # Donation consumes the initial state: keep a host copy for the gradient check, and
+    # where it was (a sharded step's gradients are sharded as its parameters are).
+    initial = None
+    if reference is not None or workload.micro_batch is not None:
+        initial = jax.device_get(state[:2]), jax.tree.map(lambda a: a.sharding, state[:2])
     compiled, report = _compile_and_analyze(step, state, batch)
     twin = None
     if report.moved:
@@ -637,8 +771,10 @@ def measure(
         twin = compile_twin(workload)
         report = with_twin(report, twin[0])
     state, loss, times = _time_steps(compiled, state, batch, warmup=warmup, steps=steps)
-    device = jax.devices()[0]
-    peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
+    devices = jax.devices()[: workload.num_devices]
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+    peak = None if None in peaks else max(peaks)
+    device = devices[0]
     extra = {}
     if time_forward:
         extra["forward_ms"] = _forward_ms(loss_fn, state, batch, runs=steps)
@@ -648,16 +784,20 @@ def measure(
     del state
     if probe_link:
         extra.update(_probe_link(device))
-    grad_rel_err = (
-        None if reference is None else _compare_gradients(loss_fn, initial, batch, reference)
-    )
+    gradient = {"grad_rel_err": None}
+    if initial is not None:
+        initial = jax.device_put(*initial)
+        if workload.micro_batch is not None:
+            gradient = _accumulation_check(workload, loss_fn, initial)
+        else:
+            gradient["grad_rel_err"] = _compare_gradients(loss_fn, initial, batch, reference)
     return {
         **_workload_fields(workload),
         **_device_fields(device),
         **_compiled_fields(report),
         "peak_bytes_in_use": peak,
         **_step_fields(workload, times, loss),
-        "grad_rel_err": grad_rel_err,
+        **gradient,
         "date": datetime.date.today().isoformat(),
         **extra,
     }
@@ -749,7 +889,19 @@ def _workload_fields(workload: Workload) -> dict[str, Any]:
         "plan": workload.plan,
         **_plan_fields(workload),
         "offloaded_blocks": workload.offloaded_blocks,
+        "num_devices": workload.num_devices,
+        **_accumulation_fields(workload),
         "framework": "jax",
+    }
+
+
+def _accumulation_fields(workload: Workload) -> dict[str, Any]:
+    """An accumulating workload's micro-batch, and how many make its (global) batch."""
+    if workload.micro_batch is None:
+        return {}
+    return {
+        "micro_batch": workload.micro_batch,
+        "accumulation_steps": workload.batch // workload.micro_batch,
     }
 
 
@@ -854,11 +1006,69 @@ def _compute_ms(twin: dict[str, Any]) -> tuple[float, float]:
     return twin["forward_ms"], twin["step_time_ms"] - twin["forward_ms"]
 
 
-def _compare_gradients(loss_fn, initial, batch, reference: str) -> float:
+def _compare_gradients(
+    loss_fn, initial, batch, reference: str, micro_batch: int | None = None
+) -> float:
+    """:func:`gradient_error` of the gradient at ``initial``, over micro-batches if given."""
     params, model_state = initial
-    # Arguments, not constants: NNX writes BatchNorm statistics in place into its variables.
-    grads = jax.jit(jax.grad(lambda p, s: loss_fn(p, s, batch)[0]))(params, model_state)
+    # Arguments, not constants: NNX writes BatchNorm statistics in place into its variables,
+    # and a batch split over devices stays split.
+    _, grads = jax.jit(_value_and_grad(loss_fn, micro_batch))(params, model_state, batch)
     return gradient_error([np.asarray(g, np.float64) for g in jax.tree.leaves(grads)], reference)
+
+
+def _accumulation_check(workload: Workload, loss_fn, initial) -> dict[str, Any]:
+    """A ``"grad-accum"`` record's gradient error against the whole batch's, and why it is not 0.
+
+    The ``"none"`` run at the global batch may not fit at all (which is why one
+    accumulates), so the check is at a batch that plain Flax runs whole: at
+    most one micro-batch's images (but two per device at least). The gradient
+    of two micro-batches of half as many is compared with the whole batch's
+    as :func:`gradient_error` compares any run with its reference. It is the
+    same but for rounding where the loss is a mean over images and nothing
+    else couples them; BatchNorm's statistics and dropout's masks do.
+    """
+    n = workload.num_devices
+    half = n * max(1, workload.micro_batch // (2 * n))  # still split over the devices
+    check = dataclasses.replace(workload, batch=2 * half, micro_batch=half)
+    _, batch = _placed(lambda: ((), _batch(check)), check, abstract=False)
+    with tempfile.TemporaryDirectory() as folder:
+        whole = os.path.join(folder, "whole_batch_gradient.npz")
+        _compare_gradients(loss_fn, initial, batch, whole)  # stores it, as "none" does
+        error = _compare_gradients(loss_fn, initial, batch, whole, micro_batch=half)
+    params, model_state = initial
+    per_micro_batch = f"per micro-batch of {workload.micro_batch}"
+    statistics = _has_batch_statistics(model_state)
+    masks = _draws_random_numbers(loss_fn, params, model_state, batch)
+    differs = [what for what, yes in [("BatchNorm's batch statistics", statistics),
+                                      ("dropout's masks", masks)] if yes]  # fmt: skip
+    against = (
+        f"against none's step on a whole batch of {2 * half}, accumulated over two micro-batches "
+        f"of {half}"
+    )
+    return {
+        "batch_norm_statistics": per_micro_batch if statistics else None,
+        "dropout_masks": per_micro_batch if masks else None,
+        "grad_rel_err": error,
+        "grad_check_batch": 2 * half,
+        "grad_rel_err_note": (
+            f"{against}: not the same, since {' and '.join(differs)} are per micro-batch"
+            if differs
+            else f"{against}: the same but for rounding (a mean loss; no BatchNorm, no dropout)"
+        ),
+    }
+
+
+def _has_batch_statistics(model_state) -> bool:
+    """Whether a model keeps BatchNorm's statistics: linen's ``batch_stats``, NNX's ``BatchStat``."""
+    variables = jax.tree.leaves(model_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return "batch_stats" in model_state or any(isinstance(v, nnx.BatchStat) for v in variables)
+
+
+def _draws_random_numbers(loss_fn, params, model_state, batch) -> bool:
+    """Whether the loss draws random numbers (dropout's masks), which a micro-batch draws anew."""
+    jaxpr = jax.make_jaxpr(loss_fn)(params, model_state, batch)
+    return any(eqn.primitive.name == "random_bits" for eqn in equations(jaxpr))
 
 
 def gradient_error(grads: list[np.ndarray], reference: str) -> float:
@@ -923,7 +1133,8 @@ def measure_all(
     """Measures each workload in its own process, with gradients compared to the first.
 
     The first workload must use the ``"none"`` strategy: it is the reference
-    for every ``grad_rel_err``. A workload that runs out of memory gives a
+    for every ``grad_rel_err`` (but ``"grad-accum"``'s, which its process
+    checks at a smaller batch). A workload that runs out of memory gives a
     record with ``"out_of_memory": True``; one whose process fails otherwise
     gives a record with its ``"error"``. Records of strategies that move
     residuals to the host get the transfer bound (:func:`add_transfer_bounds`)
@@ -1256,7 +1467,7 @@ def _child(argv: list[str], env: dict[str, str] | None) -> Any:
 
 
 def probe_device(env: dict[str, str] | None = None) -> dict[str, Any]:
-    """The default device's platform, kind and memory limit, read in a fresh process.
+    """The default device's platform, kind, memory limit and device count, read in a fresh process.
 
     The parent of the measuring processes must not start a GPU client itself:
     the client would take its share of device memory away from every child.
@@ -1271,6 +1482,7 @@ def _probe() -> dict[str, Any]:
         "platform": device.platform,
         "device": device.device_kind,
         "bytes_limit": stats.get("bytes_limit"),
+        "device_count": jax.device_count(),
     }
 
 

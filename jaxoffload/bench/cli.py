@@ -22,7 +22,11 @@ from jaxoffload.bench import benchmark, models
 from jaxoffload.bench.envelope import UNIFORM_STRATEGIES, envelope_step, pareto_front
 
 # "plan" comes from --budget, not from --strategies.
-STRATEGIES = (*benchmark.STRATEGIES, *(s for s in benchmark.PLANNED_STRATEGIES if s != "plan"))
+STRATEGIES = (
+    *benchmark.STRATEGIES,
+    *(s for s in benchmark.PLANNED_STRATEGIES if s != "plan"),
+    *benchmark.ACCUMULATED_STRATEGIES,
+)
 DEFAULT_MODEL = "flax-resnet18"
 # What a plain-Flax model takes: one strategy for all its blocks, no checkpoint names.
 DEFAULT_STRATEGIES = "none,lean,remat,remat-dots,offload,offload-inputs"
@@ -38,6 +42,8 @@ _RUN_FLAGS = {
     "--dtype": "dtype",
     "--steps": "steps",
     "--window": "window",
+    "--micro-batch": "micro_batch",
+    "--devices": "num_devices",
     "--memory-cap": "memory_cap_gib",
 }
 
@@ -76,7 +82,9 @@ def _add_workload_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--model", default=DEFAULT_MODEL, help=f"one of: {', '.join(models.MODEL_NAMES)}"
     )
-    bench.add_argument("--batch", type=int, default=8, help="images per step")
+    bench.add_argument(
+        "--batch", type=int, default=8, help="images per step, over all the --devices"
+    )
     bench.add_argument("--image-size", type=int, default=32, help="height and width of the images")
     bench.add_argument(
         "--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype"
@@ -85,7 +93,7 @@ def _add_workload_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--strategies",
         default=DEFAULT_STRATEGIES,
-        help=f"comma-separated, from: {', '.join(STRATEGIES)}",
+        help=f"comma-separated, from: {', '.join(STRATEGIES)} (grad-accum needs --micro-batch)",
     )
     bench.add_argument(
         "--window",
@@ -94,6 +102,31 @@ def _add_workload_arguments(bench: argparse.ArgumentParser) -> None:
         help="the Offload window of offloading blocks, or one per stage of a reference "
         "ResNet, e.g. 1,2,2,2 ('offload-hidden' plans its own; a window with no offloading "
         "strategy is an error)",
+    )
+    bench.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        metavar="M",
+        help="grad-accum's micro-batch (an error without grad-accum): none's step over "
+        "--batch / M micro-batches of M images in one lax.scan, their gradients averaged, then "
+        "one SGD update, as users who run out of memory train. BatchNorm's batch statistics are "
+        "per micro-batch (each updates the running averages in turn), and so are dropout's "
+        "masks: only without them is the gradient the whole batch's. Its grad err is against "
+        "none's at a batch that none runs whole, as two micro-batches; the record says which "
+        "(grad_check_batch) and why they differ (grad_rel_err_note)",
+    )
+    bench.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        metavar="N",
+        help="data parallel over the first N devices: a 1-D mesh of axis 'data', the batch "
+        "split over it, the parameters and optimizer state replicated. --batch (and "
+        "--micro-batch) are over all N, and must divide by N. Memory readings are per device: "
+        "the compiled bytes are one device's, the peak the largest device's (on CPU, "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=N gives N devices); not yet with "
+        "--budget, offload-hidden or --max-batch",
     )
     bench.add_argument(
         "--budget",
@@ -124,7 +157,7 @@ def _add_run_arguments(bench: argparse.ArgumentParser) -> None:
         "--max-batch",
         action="store_true",
         help="also find, per strategy, the largest batch that trains: by compiling, then "
-        "one step to confirm (GPU only)",
+        "one step to confirm (GPU only; not grad-accum, whose micro-batch sets its memory)",
     )
     bench.add_argument(
         "--memory-cap",
@@ -207,6 +240,7 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
         earlier = {}
         (out / REFERENCE).unlink(missing_ok=True)  # its gradient is another run's
     device = benchmark.probe_device()
+    _check_device_count(args, device)
     env = _measuring_env(args, device)
     console = _stderr_console()
     if device["platform"] == "cpu" and set(benchmark.COMPUTE_TWIN) & set(strategies):
@@ -235,7 +269,7 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
 
 
 def _strategies(args: argparse.Namespace) -> list[str]:
-    """``--strategies`` as a list, checked with ``--steps`` and ``--window``."""
+    """``--strategies`` as a list, checked with ``--steps`` and the flags that depend on it."""
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown or not strategies:
@@ -250,25 +284,58 @@ def _strategies(args: argparse.Namespace) -> list[str]:
             f"--window {args.window} has no effect on {', '.join(strategies)}: only "
             f"{', '.join(windowed)} take it"
         )
+    accumulated = list(benchmark.ACCUMULATED_STRATEGIES)
+    if args.micro_batch is not None and not set(strategies) & set(accumulated):
+        raise BenchError(
+            f"--micro-batch {args.micro_batch} has no effect on {', '.join(strategies)}: only "
+            f"{', '.join(accumulated)} takes it"
+        )
+    # The planners time blocks on one device, without the mesh; the batch search steps by 1.
+    one_device = [
+        option
+        for option, given in [
+            ("--budget", bool(args.budget)),
+            ("offload-hidden", "offload-hidden" in strategies),
+            ("--max-batch", args.max_batch),
+        ]
+        if given and args.devices > 1
+    ]
+    if one_device:
+        raise BenchError(f"{' and '.join(one_device)} with --devices is not supported yet")
     return strategies
 
 
 def _workloads(args: argparse.Namespace, strategies: list[str]) -> list[benchmark.Workload]:
     """One workload per strategy, then one plan per ``--budget``."""
+
+    def workload(strategy: str, **fields: Any) -> benchmark.Workload:
+        return benchmark.Workload(
+            args.model, args.batch, args.image_size, args.dtype, strategy,
+            num_devices=args.devices, **fields,
+        )  # fmt: skip
+
     try:
         return [
-            benchmark.Workload(
-                args.model, args.batch, args.image_size, args.dtype, s, window=args.window
+            workload(
+                s,
+                window=args.window,
+                micro_batch=args.micro_batch if s in benchmark.ACCUMULATED_STRATEGIES else None,
             )
             for s in strategies
-        ] + [
-            benchmark.Workload(
-                args.model, args.batch, args.image_size, args.dtype, "plan", budget=b
-            )
-            for b in args.budget
-        ]
+        ] + [workload("plan", budget=b) for b in args.budget]
     except ValueError as e:
         raise BenchError(str(e)) from None
+
+
+def _check_device_count(args: argparse.Namespace, device: dict[str, Any]) -> None:
+    """``--devices`` is at most what the measuring processes' jax sees."""
+    count = device.get("device_count", 1)
+    if args.devices > count:
+        flag = f"XLA_FLAGS=--xla_force_host_platform_device_count={args.devices}"
+        more = f"; on CPU, {flag} gives more" if device["platform"] == "cpu" else ""
+        raise BenchError(
+            f"--devices {args.devices}: jax sees {count} {device['platform']} devices here{more}"
+        )
 
 
 def _measuring_env(args: argparse.Namespace, device: dict[str, Any]) -> dict[str, str]:
@@ -306,7 +373,7 @@ def _add_needed_strategies(
     ]:
         if needed not in strategies:
             console.print(f"note: adding the {needed!r} strategy: {why}.")
-            workloads.append(dataclasses.replace(workloads[0], strategy=needed))
+            workloads.append(dataclasses.replace(workloads[0], strategy=needed, micro_batch=None))
             strategies.append(needed)
 
 
@@ -335,6 +402,12 @@ def _say_notes(records: list[dict[str, Any]], console: Any) -> None:
             console.print(
                 f"[yellow]note:[/] {r['strategy']!r} offloads nothing here: no block's transfers "
                 f"fit behind the compute around it, so it ran as {r['plan'][0]!r}."
+            )
+    for r in records:
+        if r.get("grad_rel_err_note"):
+            console.print(
+                f"{_name(r)} ({r['accumulation_steps']} micro-batches of {r['micro_batch']}): grad "
+                f"err {r['grad_rel_err']:.1e} {r['grad_rel_err_note']}."
             )
     flagged = gradient_flags(records)
     if flagged:
@@ -414,6 +487,8 @@ def _earlier_records(path: pathlib.Path, args: argparse.Namespace) -> dict[str, 
         for flag, key in _RUN_FLAGS.items():
             if key == "window" and r["strategy"] in benchmark.PLANNED_STRATEGIES:
                 continue  # the planner chose it
+            if key == "micro_batch" and r["strategy"] not in benchmark.ACCUMULATED_STRATEGIES:
+                continue  # only accumulating strategies take it
             theirs = tuple(r.get(key)) if isinstance(r.get(key), list) else r.get(key)
             ours = getattr(args, flag[2:].replace("-", "_"))
             if theirs != ours:
@@ -446,10 +521,14 @@ def _measure(
             f"resuming {path}: kept {', '.join(kept) or 'nothing'}; measuring "
             f"{', '.join(map(_name, todo)) or 'nothing more'}."
         )
-    searched = {  # a plan is made for one batch
+    # A plan is made for one batch; an accumulating step's memory is its micro-batch's.
+    searched = {
         _name(w)
         for w in workloads
-        if args.max_batch and w.strategy != "plan" and "max_batch" not in kept.get(_name(w), {})
+        if args.max_batch
+        and w.strategy != "plan"
+        and w.micro_batch is None
+        and "max_batch" not in kept.get(_name(w), {})
     }
     first_plan = next((w for w in todo if w.strategy == "plan"), None)
     with _Progress(console, total=len(todo) + len(searched)) as progress:
@@ -598,8 +677,10 @@ def _table(records: list[dict[str, Any]]):
     from rich.table import Table
 
     first = records[0]
+    devices = first.get("num_devices", 1)
     table = Table(
         title=f"{first['model']}, batch {first['batch']}, {first['image_size']}², {first['dtype']}"
+        + (f", {devices} devices" if devices > 1 else "")
     )
     columns = ["strategy", "temp GiB", "host GiB", "peak GiB", "step ms", "images/s", "grad err"]
     flagged = gradient_flags(records)

@@ -1,0 +1,173 @@
+"""The bench's peers of a step too large for one device: grad-accum, and --devices.
+
+``grad-accum`` accumulates the plain model's gradients over micro-batches in one
+``lax.scan`` and makes one update; ``--devices N`` shards the batch over N devices. The
+named models are swapped for tiny ones of the same families, so that each compiles in a
+second or two: a ResNet with BatchNorm (linen and NNX), and a VGG without BatchNorm, with
+dropout or without.
+"""
+
+import jax
+import numpy as np
+import pytest
+from helpers import rel_err
+
+from jaxoffload._src.jaxprs import equations
+from jaxoffload.bench import benchmark, models
+from jaxoffload.bench.models import flax_nnx_resnet, flax_resnet, flax_vgg, plain_model
+
+TINY = dict(num_filters=4, stage_sizes=(1,))
+# The stand-ins: a name's model, with what makes accumulation differ from the whole batch.
+VGG = {"vgg11": 0.0, "flax-vgg11": 0.5}  # dropout rates
+
+
+def _tiny_linen(name, *, strategy, dtype, num_classes):
+    strategy = benchmark._one(strategy)
+    if name in VGG:
+        return plain_model(
+            flax_vgg.VGG, flax_vgg.VGGStage, strategy, **TINY, classifier_width=8,
+            dropout_rate=VGG[name], num_classes=num_classes, dtype=dtype,
+        )  # fmt: skip
+    return plain_model(
+        flax_resnet.ResNet, flax_resnet.ResNetBlock, strategy, **TINY, num_classes=num_classes,
+        dtype=dtype,
+    )  # fmt: skip
+
+
+def _tiny_nnx(name, *, strategy, dtype, num_classes, rngs):
+    model = flax_nnx_resnet.ResNet(
+        **TINY, block_cls=flax_nnx_resnet.ResNetBlock, num_classes=num_classes, dtype=dtype,
+        rngs=rngs,
+    )  # fmt: skip
+    return models.wrap_nnx_blocks(model, strategy)
+
+
+@pytest.fixture(autouse=True)
+def tiny(monkeypatch):
+    monkeypatch.setattr(models, "create", _tiny_linen)
+    monkeypatch.setattr(models, "create_nnx", _tiny_nnx)
+
+
+needs_four = pytest.mark.skipif(
+    jax.device_count() < 4,
+    reason="needs 4 devices: XLA_FLAGS=--xla_force_host_platform_device_count=4",
+)
+
+
+def _workload(model, strategy="none", **fields):
+    return benchmark.Workload(model, 8, 32, "float32", strategy, num_classes=10, **fields)
+
+
+def _first_update(workload):
+    """The step's update of the initial parameters, and how many convolutions its program has.
+
+    SGD with momentum starts from no momentum: its first update is the gradient times the
+    learning rate, so comparing updates compares the gradients too.
+    """
+    step, state, batch, _ = benchmark.train_step(workload)
+    jaxpr = step.trace(state, batch).jaxpr
+    convs = sum(eqn.primitive.name == "conv_general_dilated" for eqn in equations(jaxpr))
+    before = jax.device_get(state[0])
+    (after, _, _), _ = step(state, batch)
+    return jax.tree.map(lambda a, b: np.asarray(a) - b, after, before), convs
+
+
+def test_accumulated_update_is_the_whole_batch_s_without_batch_norm():
+    update, convs = _first_update(_workload("vgg11"))
+    accumulated, accumulated_convs = _first_update(_workload("vgg11", "grad-accum", micro_batch=2))
+    # A mean loss, and nothing else coupling the images: the same but for rounding.
+    assert rel_err(accumulated, update) <= 1e-5
+    # One loop over the four micro-batches: its body is traced once, not unrolled.
+    assert accumulated_convs == convs
+
+
+@pytest.mark.parametrize(
+    ("model", "num_devices", "statistics", "masks"),
+    [("vgg11", 1, False, False), ("flax-resnet18", 1, True, False),
+     pytest.param("flax-nnx-resnet18", 4, True, False, marks=needs_four)],
+)  # fmt: skip
+def test_a_grad_accum_record_says_what_differs_from_the_whole_batch(
+    model, num_devices, statistics, masks
+):
+    workload = _workload(model, "grad-accum", micro_batch=4, num_devices=num_devices)
+    record = benchmark.measure(workload, steps=1, warmup=1, reference=None)
+    assert (record["batch"], record["micro_batch"], record["accumulation_steps"]) == (8, 4, 2)
+    assert record["num_devices"] == num_devices
+    # At most a micro-batch, in two micro-batches that still split over the devices.
+    check = 4 if num_devices == 1 else 8
+    assert record["grad_check_batch"] == check
+    per_micro_batch = "per micro-batch of 4"
+    assert record["batch_norm_statistics"] == (per_micro_batch if statistics else None)
+    assert record["dropout_masks"] == (per_micro_batch if masks else None)
+    note = record["grad_rel_err_note"]
+    assert f"whole batch of {check}, accumulated over two micro-batches of {check // 2}" in note
+    if statistics or masks:
+        assert record["grad_rel_err"] > 1e-2
+        assert ("BatchNorm's batch statistics" in note) == statistics
+        assert ("dropout's masks" in note) == masks and "are per micro-batch" in note
+    else:
+        assert record["grad_rel_err"] <= 1e-5 and "the same but for rounding" in note
+
+
+@pytest.mark.parametrize(
+    ("model", "statistics", "masks"),
+    [("vgg11", False, False), ("flax-vgg11", False, True), ("flax-resnet18", True, False),
+     ("flax-nnx-resnet18", True, False)],
+)  # fmt: skip
+def test_what_each_micro_batch_has_of_its_own_is_found_in_the_traced_model(
+    model, statistics, masks
+):
+    # Traced, not compiled: the record's batch_norm_statistics and dropout_masks come from here.
+    _, state, batch, loss_fn = benchmark.train_step(_workload(model), abstract=True)
+    assert benchmark._has_batch_statistics(state[1]) == statistics
+    assert benchmark._draws_random_numbers(loss_fn, *state[:2], batch) == masks
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(micro_batch=24, batch=100), "--batch 100 is not a multiple of --micro-batch 24: "
+         "use 96 or 120"),
+        (dict(micro_batch=24, batch=10), "--batch 10 is not a multiple of --micro-batch 24: use 24"),
+        (dict(micro_batch=None), "'grad-accum' needs --micro-batch M"),
+        (dict(micro_batch=6, num_devices=4, batch=24), "--micro-batch 6 does not split over "
+         "--devices 4: use 4 or 8"),
+        (dict(micro_batch=4, num_devices=4, batch=6), "--batch 6 does not split over --devices 4: "
+         "use 4 or 8"),
+        (dict(micro_batch=0), "--micro-batch must be at least 1, got 0"),
+    ],
+)  # fmt: skip
+def test_splits_that_do_not_divide_are_refused_with_the_nearest(fields, message):
+    with pytest.raises(ValueError) as error:
+        benchmark.Workload("flax-resnet18", **{"batch": 8, **fields}, image_size=32,
+                           dtype="float32", strategy="grad-accum")  # fmt: skip
+    assert message in str(error.value)
+    with pytest.raises(ValueError, match="micro_batch is for grad-accum, not 'none'"):
+        _workload("flax-resnet18", micro_batch=4)
+
+
+@needs_four
+def test_four_devices_give_one_device_s_gradients(tmp_path):
+    reference = str(tmp_path / "one_device.npz")
+    one, four = (
+        benchmark.measure(
+            _workload("flax-resnet18", num_devices=n), steps=1, warmup=1, reference=reference
+        )
+        for n in (1, 4)
+    )
+    assert (one["num_devices"], four["num_devices"], four["batch"]) == (1, 4, 8)
+    # BatchNorm's statistics are over the whole batch: every device's images.
+    assert four["grad_rel_err"] <= 1e-5
+    # The compiled bytes are one device's: a quarter of the batch's activations.
+    assert four["compiled_temp_bytes"] < one["compiled_temp_bytes"]
+
+
+@needs_four
+def test_accumulating_over_four_devices_updates_as_one_device_s_whole_batch():
+    update, _ = _first_update(_workload("vgg11"))
+    accumulated = _workload("vgg11", "grad-accum", micro_batch=4, num_devices=4)
+    _, state, batch, _ = benchmark.train_step(accumulated, abstract=True)
+    assert all(x.sharding.spec[0] == "data" for x in batch)  # the images and the labels
+    assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(state))
+    got, _ = _first_update(accumulated)
+    assert rel_err(got, update) <= 1e-5
