@@ -152,8 +152,8 @@ class Lean(Strategy):
         a share of Store's, measured; ``None`` (the default) times nothing.
 
     Example:
-      >>> Lean(), Lean(max_recompute=0.0)
-      (Lean(max_recompute=0.25, max_slowdown=None), Lean(max_recompute=0.0, max_slowdown=None))
+      >>> Lean(), Lean(max_recompute=0.0), Lean(max_slowdown=0.03)
+      (Lean(max_recompute=0.25), Lean(max_recompute=0.0), Lean(max_recompute=0.25, max_slowdown=0.03))
     """
 
     max_recompute: float = 0.25
@@ -170,6 +170,10 @@ class Lean(Strategy):
                 f"max_slowdown is a share of Store's time, a non-negative number such as 0.03, "
                 f"or None to time nothing; got {slowdown!r}."
             )
+
+    def __repr__(self) -> str:  # as before max_slowdown, unless it is set
+        slowdown = "" if self.max_slowdown is None else f", max_slowdown={self.max_slowdown!r}"
+        return f"Lean(max_recompute={self.max_recompute!r}{slowdown})"
 
     def fallbacks(self) -> tuple[Strategy, ...]:
         if self.max_slowdown is None:
@@ -353,7 +357,7 @@ def strategy_to_dict(strategy: Strategy) -> dict[str, Any]:
       >>> strategy_to_dict(Offload(window=2))["window"]
       2
       >>> strategy_from_dict(strategy_to_dict(Lean(max_recompute=0.1)))
-      Lean(max_recompute=0.1, max_slowdown=None)
+      Lean(max_recompute=0.1)
     """
     strategy = check_strategy(strategy)
     fields = {f.name: getattr(strategy, f.name) for f in dataclasses.fields(strategy)}
