@@ -120,7 +120,9 @@ def largest_size(
         exponent``, 1 for a batch, 2 for an image's side.
       time_limit_s: once this long has passed, the search compiles nothing
         more and answers with the largest size known to fit; ``stopped``
-        says so. A compile already under way finishes first.
+        says so. A compile already under way finishes first, and the
+        confirming steps (with ``plan=True``, the plan at the size found)
+        come after the limit.
       blocks, options, runs: as in :func:`jaxoffload.plan`, with ``plan=True``.
       donate_argnums: the arguments (after ``model``) that the training loop
         donates, as in its ``jax.jit``.
