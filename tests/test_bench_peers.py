@@ -1,19 +1,23 @@
-"""The bench's peers of a step too large for one device: grad-accum, and --devices.
+"""The bench's peers of a step too large for one device: grad-accum, --devices, and the sizes that fit.
 
 ``grad-accum`` accumulates the plain model's gradients over micro-batches in one
-``lax.scan`` and makes one update; ``--devices N`` shards the batch over N devices. The
+``lax.scan`` and makes one update; ``--devices N`` shards the batch over N devices;
+``jaxoffload.bench.fit`` finds the largest batch or image side whose step fits. The
 named models are swapped for tiny ones of the same families, so that each compiles in a
 second or two: a ResNet with BatchNorm (linen and NNX), and a VGG without BatchNorm, with
 dropout or without.
 """
+
+import dataclasses
 
 import jax
 import numpy as np
 import pytest
 from helpers import rel_err
 
+import jaxoffload
 from jaxoffload._src.jaxprs import equations
-from jaxoffload.bench import benchmark, models
+from jaxoffload.bench import benchmark, fit, models
 from jaxoffload.bench.models import flax_nnx_resnet, flax_resnet, flax_vgg, plain_model
 
 TINY = dict(num_filters=4, stage_sizes=(1,))
@@ -42,10 +46,16 @@ def _tiny_nnx(name, *, strategy, dtype, num_classes, rngs):
     return models.wrap_nnx_blocks(model, strategy)
 
 
+def _tiny_plannable(name, *, dtype, num_classes):
+    block = jaxoffload.linen.plannable(flax_resnet.ResNetBlock)
+    return flax_resnet.ResNet(**TINY, block_cls=block, num_classes=num_classes, dtype=dtype)
+
+
 @pytest.fixture(autouse=True)
 def tiny(monkeypatch):
     monkeypatch.setattr(models, "create", _tiny_linen)
     monkeypatch.setattr(models, "create_nnx", _tiny_nnx)
+    monkeypatch.setattr(models, "plannable_model", _tiny_plannable)
 
 
 needs_four = pytest.mark.skipif(
@@ -171,3 +181,36 @@ def test_accumulating_over_four_devices_updates_as_one_device_s_whole_batch():
     assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(state))
     got, _ = _first_update(accumulated)
     assert rel_err(got, update) <= 1e-5
+
+
+def _compiled_bytes(workload, **size):
+    """The compiled step's device bytes at a size, as the search compares them with its budget."""
+    step, state, batch, _ = benchmark.train_step(
+        dataclasses.replace(workload, **size), abstract=True
+    )
+    memory = step.trace(state, batch).lower().compile().memory_analysis()
+    return memory.temp_size_in_bytes + memory.argument_size_in_bytes
+
+
+@pytest.mark.parametrize(
+    ("axis", "low", "high", "plan"),
+    [("batch", 4, 8, False), ("image_size", 32, 64, True)],
+    ids=["batch", "planned image side"],
+)
+def test_the_size_search_finds_the_largest_size_that_compiles_within_the_budget(
+    axis, low, high, plan
+):
+    workload = dataclasses.replace(_workload("flax-resnet18"), batch=4)
+    budget = (
+        _compiled_bytes(workload, **{axis: low}) + _compiled_bytes(workload, **{axis: high})
+    ) // 2
+    found = fit.largest(workload, axis, plan=plan, budget_bytes=budget, limit=high)
+    size, probes = found[f"max_{axis}"], dict(found[f"max_{axis}_probes"])
+    # It compiled within the budget, and a size 2% (or one multiple) above it did not.
+    over = min(s for s, nbytes in probes.items() if nbytes > budget)
+    assert low <= size < high and probes[size] <= budget
+    assert over <= size * 1.02 + fit.AXES[axis][0]
+    assert found[f"max_{axis}_confirmed"] and found[f"max_{axis}_budget_bytes"] == budget
+    speed = "images_per_s" if axis == "batch" else "ms_per_megapixel"
+    assert found[f"max_{axis}_{speed}"] > 0 and found[f"max_{axis}_stopped"] is None
+    assert (f"max_{axis}_plan" in found) == plan

@@ -31,6 +31,11 @@ REQUIRED = {
         (["--steps", "0"], "--steps must be at least 1"),
         (["--memory-cap", "12"], "--memory-cap needs a GPU"),
         (["--max-batch"], "--max-batch needs a GPU"),
+        (["--max-image-size"], "--max-image-size needs a GPU"),
+        (["--max-batch", "--memory-cap", "8"], "--memory-cap and --max-batch need a GPU"),
+        (["--model", "flax-nnx-resnet18", "--max-batch"],
+         "--max-batch searches the linen models, and flax-nnx-resnet18 is an NNX one"),
+        (["--max-image-size", "--time-limit", "0"], "--time-limit must be a positive number"),
         (["--strategies", "none,offload-hidden", "--window", "2"], "--window 2 has no effect"),
         (["--window", "0"], "window must be an int of at least 1"),
         (["--window", "two"], "expected a window or comma-separated windows, got 'two'"),
@@ -45,6 +50,8 @@ REQUIRED = {
          "--micro-batch 4 has no effect on none, lean: only grad-accum takes it"),
         (["--devices", "3"], "--batch 8 does not split over --devices 3: use 6 or 9"),
         (["--devices", "4", "--budget", "0.5"], "--budget with --devices is not supported yet"),
+        (["--devices", "4", "--max-image-size"],
+         "--max-image-size with --devices is not supported yet"),
     ],
 )  # fmt: skip
 def test_bad_arguments_exit_with_a_message(argv, message, capsys):
@@ -182,61 +189,10 @@ def test_a_failing_strategy_is_recorded_and_the_others_still_run(monkeypatch, tm
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["bench", "--strategies", "none,remat,offload", "--out", str(tmp_path)])
     assert exit_info.value.code == 2
-    assert "1 strategies failed" in capsys.readouterr().err
+    assert "1 failed (records.json has the rest" in capsys.readouterr().err
     records = json.loads((tmp_path / "records.json").read_text())
     assert [r["strategy"] for r in records] == ["none", "remat", "offload"]
     assert "boom" in records[1]["error"] and records[2]["step_time_ms"] == 1.0
-
-
-@pytest.mark.parametrize(
-    "bytes_at",
-    [
-        lambda b: 1000 + 37 * b,  # affine, as a CNN's step nearly is
-        lambda b: 1000 + 37 * b + (5000 if b > 300 else 0),  # a jump the line does not predict
-        lambda b: 1000 + b * b,  # far from affine
-    ],
-    ids=["affine", "jump", "quadratic"],
-)
-@pytest.mark.parametrize("start", [1, 8, 256, 5000])
-def test_largest_fitting_batch_is_checked_and_within_a_sixteenth(bytes_at, start):
-    calls = []
-
-    def counted(b):
-        calls.append(b)
-        return bytes_at(b)
-
-    capacity = 20_000
-    found = benchmark.largest_fitting_batch(counted, capacity, start=start, limit=4096)
-    truth = max(b for b in range(4097) if b == 0 or bytes_at(b) <= capacity)
-    assert found in calls and bytes_at(found) <= capacity
-    assert truth - found <= max(1, truth // 16)
-    assert len(calls) <= 14
-
-
-def test_largest_fitting_batch_at_the_edges():
-    assert benchmark.largest_fitting_batch(lambda b: b, 10**9, start=8, limit=64) == 64
-    assert benchmark.largest_fitting_batch(lambda b: 10 + b, 5, start=8) == 0
-
-
-def test_find_max_batch_confirms_by_running_and_steps_down(monkeypatch):
-    tried = []
-
-    def fake_child(argv, env):
-        assert argv[0] == "largest-compiled"
-        return {"batch": 160}
-
-    def fake_measure(workload, *, steps, env):
-        tried.append(workload.batch)
-        if workload.batch > 150:
-            raise benchmark.OutOfMemory("RESOURCE_EXHAUSTED")
-        return {}
-
-    monkeypatch.setattr(benchmark, "_child", fake_child)
-    monkeypatch.setattr(benchmark, "measure_in_subprocess", fake_measure)
-    w = benchmark.Workload("flax-resnet18", 8, 32, "float32", "none")
-    # The compiled answer ran out of memory: a sixteenth less ran.
-    assert benchmark.find_max_batch(w) == 150
-    assert tried == [160, 150]
 
 
 def test_transfer_bound_uses_the_twins_compute_and_the_records_own_link():
@@ -480,6 +436,137 @@ def test_grad_accum_and_devices_reach_the_workloads_the_notes_and_resume(
     ) in capsys.readouterr().err
 
 
+def test_a_size_search_runs_in_a_process_of_its_own_which_says_why_it_cannot_on_cpu():
+    workload = benchmark.Workload("flax-resnet18", 2, 32, "float32", "none")
+    with pytest.raises(RuntimeError, match="needs a device that reports its memory limit"):
+        benchmark.largest_in_subprocess(workload, "image_size", time_limit_s=1.0)
+
+
+H200 = {"platform": "gpu", "device": "NVIDIA H200", "bytes_limit": 75 * 2**30, "device_count": 1}
+
+
+def _fake_size_search(monkeypatch, searches, fail=()):
+    """Stands in for each search's process: records ``(strategy, axis, plan)``; sizes are made up.
+
+    A search named in ``fail`` (``(name, axis)``, name ``"plan"`` for the planned model) raises
+    what it gives.
+    """
+
+    def fake(workload, axis, *, plan, env, time_limit_s):
+        name = "plan" if plan else workload.strategy
+        searches.append((name, axis, time_limit_s, env))
+        for failing, failure in fail:
+            if failing == (name, axis):
+                raise failure
+        size = {"batch": 64, "image_size": 96}[axis] * (3 if plan else 1)
+        speed = {"batch": "images_per_s", "image_size": "ms_per_megapixel"}[axis]
+        return {f"max_{axis}": size, f"max_{axis}_{speed}": 100.0 + size,
+                f"max_{axis}_step_ms": 5.0, f"max_{axis}_stopped": None}  # fmt: skip
+
+    monkeypatch.setattr(benchmark, "largest_in_subprocess", fake)
+
+
+def test_size_searches_reach_each_uniform_strategy_and_the_planned_model(
+    monkeypatch, tmp_path, capsys
+):
+    searches = []
+    _fake_size_search(monkeypatch, searches)
+    monkeypatch.setattr(
+        benchmark, "measure_in_subprocess",
+        lambda workload, **_: bench_record(
+            workload, device="NVIDIA H200", compiled_argument_bytes=0
+        ),
+    )  # fmt: skip
+    # --budget's plan fits nothing here: its record is a plan@0.5 beside the searches' plan.
+    no_plan = {"no_plan": "no plan fits", "least_share": 0.9, "platform": "gpu", "planning_s": 1.0}
+    monkeypatch.setattr(benchmark, "plan_budgets_in_subprocess", lambda *a, **k: [no_plan])
+    monkeypatch.setattr(benchmark, "probe_device", lambda env=None: H200)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    argv = ["bench", "--model", "flax-resnet50", "--strategies", "none,lean,grad-accum",
+            "--micro-batch", "4", "--budget", "0.5", "--steps", "1", "--out", str(tmp_path)]  # fmt: skip
+    cli.main([*argv, "--max-batch", "--max-image-size", "--memory-cap", "16", "--time-limit", "42"])
+    cap = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.160000"}  # 16 of the device's 100 GiB
+    # Not grad-accum (its micro-batch sets its memory), nor --budget's plan (made for one batch).
+    assert searches == [
+        (name, axis, 42.0, cap)
+        for name in ("none", "lean", "plan")
+        for axis in ("batch", "image_size")
+    ]
+    records = {cli._name(r): r for r in json.loads((tmp_path / "records.json").read_text())}
+    assert list(records) == ["none", "lean", "grad-accum", "plan@0.5", "plan"]
+    plan = records["plan"]
+    assert "budget" not in plan and records["plan@0.5"]["budget"] == 0.5
+    assert (plan["max_batch"], plan["max_batch_images_per_s"], plan["max_image_size"]) == (
+        192, 292.0, 288
+    )  # fmt: skip
+    assert "max_batch" not in records["grad-accum"] and "max_batch" not in records["plan@0.5"]
+    # What check_front.py fit reads: H200 records of flax-resnet50 under a 16 GiB cap with a
+    # max_batch, for none and plan, and a grad-accum record.
+    h200 = [r for r in records.values() if "h200" in str(r.get("device", "")).lower()]
+    capped = {r["strategy"]: r for r in h200 if r.get("max_batch") and r["memory_cap_gib"] == 16}
+    assert sorted(capped) == ["lean", "none", "plan"]
+    assert "grad-accum" in [r["strategy"] for r in h200]
+    assert {r["model"] for r in capped.values()} == {"flax-resnet50"}
+    assert capped["plan"]["max_batch_images_per_s"] and capped["none"]["max_batch_images_per_s"]
+    table = re.sub(" +", " ", capsys.readouterr().out)  # printed to a file: nothing squeezed
+    assert "┃ max batch ┃ images/s at max ┃ max image size ┃ ms/MP at max ┃" in table
+    assert re.search(r"│ plan\b[│ -]*│ 192 │ 292\.0 │ 288 │ 388\.0 │", table)
+    assert re.search(r"│ grad-accum\b.*│ - │ - │ - │ - │", table)
+    for plot in ("max_batch.png", "max_image_size.png"):
+        assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_resumed_size_searches_keep_what_was_found_and_search_the_rest(
+    monkeypatch, tmp_path, capsys
+):
+    searches, measured = [], []
+
+    def fake_measure(workload, *, reference, **_):
+        measured.append(workload.strategy)
+        if workload.strategy == "none":
+            pathlib.Path(reference).write_bytes(b"its gradient")  # as measure() does
+        return bench_record(workload)
+
+    monkeypatch.setattr(benchmark, "measure_in_subprocess", fake_measure)
+    monkeypatch.setattr(benchmark, "probe_device", lambda env=None: H200)
+    argv = ["bench", "--strategies", "none,lean", "--steps", "1", "--out", str(tmp_path)]
+    # Interrupted during the planned model's search: what was found is in records.json.
+    _fake_size_search(monkeypatch, searches, fail=[(("plan", "batch"), KeyboardInterrupt)])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*argv, "--max-batch"])
+    assert exit_info.value.code == 130
+    records = json.loads((tmp_path / "records.json").read_text())
+    assert [(cli._name(r), r.get("max_batch")) for r in records] == [
+        ("none", 64), ("lean", 64), ("plan", None)
+    ]  # fmt: skip
+    # Resumed, only that search runs; it fails, which is said and recorded, not lost.
+    searches.clear()
+    _fake_size_search(monkeypatch, searches, fail=[(("plan", "batch"), RuntimeError("boom"))])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*argv, "--max-batch", "--resume"])
+    assert exit_info.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "kept none, lean; measuring nothing more; searching plan batch." in err
+    assert (
+        "1 failed (records.json has the rest; --resume runs only these again): plan --max-batch: boom"
+        in err
+    )
+    assert [s[:2] for s in searches] == [("plan", "batch")] and measured == ["none", "lean"]
+    # Resumed again, with the other axis too: what was found is kept, the rest searched.
+    searches.clear()
+    _fake_size_search(monkeypatch, searches)
+    cli.main([*argv, "--max-batch", "--max-image-size", "--resume"])
+    assert [s[:2] for s in searches] == [
+        ("none", "image_size"), ("lean", "image_size"), ("plan", "batch"), ("plan", "image_size")
+    ]  # fmt: skip
+    assert measured == ["none", "lean"]
+    records = json.loads((tmp_path / "records.json").read_text())
+    assert [(cli._name(r), r["max_batch"], r["max_image_size"]) for r in records] == [
+        ("none", 64, 96), ("lean", 64, 96), ("plan", 192, 288)
+    ]  # fmt: skip
+    assert "max_batch_error" not in records[2]
+
+
 def test_progress_off_a_terminal_is_a_plain_line_per_step(monkeypatch, tmp_path, capsys):
     def fake(workload, *, steps, reference, env, **options):
         if workload.strategy == "remat":
@@ -521,4 +608,5 @@ def test_version_and_defaults_in_help(capsys):
     for shown in [*shown_defaults, "(default: bench-out)"]:
         assert shown in help_text
     assert "--memory-cap GIB GPU only (an error on CPU)" in help_text
+    assert "--time-limit SECONDS per size search" in help_text and "(default: 300.0)" in help_text
     assert "(default: None)" not in help_text and "(default: False)" not in help_text

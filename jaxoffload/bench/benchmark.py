@@ -56,10 +56,9 @@ __all__ = [
     "STRATEGIES",
     "OutOfMemory",
     "Workload",
-    "find_max_batch",
-    "largest_fitting_batch",
     "gradient_error",
     "hidden_offload_workload",
+    "largest_in_subprocess",
     "measure",
     "measure_link",  # from jaxoffload._src.planner
     "measure_all",
@@ -1341,107 +1340,46 @@ def _hidden_budget(workload: Workload, records: list[dict[str, Any]]) -> dict[st
     return {"fwd_ms": fwd, "bwd_ms": bwd, "d2h_gbps": r["d2h_gbps"], "h2d_gbps": r["h2d_gbps"]}
 
 
-def find_max_batch(
-    workload: Workload, *, env: dict[str, str] | None = None, limit: int = 4096
-) -> int:
-    """The largest batch, to within 1/16, with which ``workload`` trains in device memory.
+def largest_in_subprocess(
+    workload: Workload,
+    axis: str,
+    *,
+    plan: bool = False,
+    env: dict[str, str] | None = None,
+    time_limit_s: float = 300.0,
+) -> dict[str, Any]:
+    """:func:`jaxoffload.bench.fit.largest` of a workload, in a fresh Python process.
 
-    Compiling is the check: in one child process (under ``env``'s memory
-    cap), the step is compiled at a few batches, allocating nothing, and its
-    compiled bytes (temporaries and arguments) are compared with the
-    device's limit (:func:`largest_fitting_batch`). One real step at the
-    batch found, in a fresh process, confirms it; if it runs out of memory,
-    the batch drops by 1/16 and runs again, at most three times.
+    Its confirming step reads the process's runtime peak, so each search has a
+    process of its own. The process runs ``python -m jaxoffload.bench.fit``:
+    that module imports this one, which therefore names it rather than
+    importing it.
 
     Returns:
-      The largest batch confirmed to train; 0 if none was.
+      The record fields that it names for ``axis``: ``max_batch``,
+      ``max_batch_images_per_s``, ... (or ``max_image_size``, ...).
+
+    Raises:
+      OutOfMemory: if the child ran out of device memory other than in the
+        confirming step, which steps down instead (in planning's timing runs, say).
+      RuntimeError: if it failed otherwise.
     """
-    found = _child(
-        ["largest-compiled", json.dumps(dataclasses.asdict(workload)), json.dumps(limit)], env
-    )["batch"]
-    for _ in range(3):
-        if found < 1:
-            return 0
-        try:
-            measure_in_subprocess(dataclasses.replace(workload, batch=found), steps=1, env=env)
-            return found
-        except OutOfMemory:
-            found -= max(1, found // 16)
-    return 0
+    options = {"axis": axis, "plan": plan, "time_limit_s": time_limit_s}
+    argv = [json.dumps(dataclasses.asdict(workload)), json.dumps(options)]
+    return _child(argv, env, module="jaxoffload.bench.fit")
 
 
-def largest_fitting_batch(bytes_at: Any, capacity: int, *, start: int, limit: int = 4096) -> int:
-    """The largest batch up to ``limit`` whose ``bytes_at(batch)`` is at most ``capacity``, to within 1/16.
+def _child(
+    argv: list[str], env: dict[str, str] | None, module: str = "jaxoffload.bench.benchmark"
+) -> Any:
+    """Runs ``python -m module argv`` and returns the JSON of its last stdout line.
 
-    A CNN's training step holds bytes nearly affine in the batch, so two
-    checks predict the answer, and a few more bracket it: about five calls
-    of ``bytes_at`` (one compile each) where doubling and bisecting takes
-    ten. The answer is always a batch that was checked and fitted (0 if
-    even 1 does not fit).
-
-    Example:
-      >>> largest_fitting_batch(lambda b: 100 + 10 * b, 1000, start=8)
-      90
-    """
-    seen: dict[int, int] = {}
-
-    def fits(batch):
-        if batch not in seen:
-            seen[batch] = bytes_at(batch)
-        return seen[batch] <= capacity
-
-    first = max(1, min(start, limit))
-    second = min(limit, first * 2) if fits(first) else max(1, first // 2)
-    if second != first:
-        fits(second)
-    points = sorted(seen.items())
-    (b0, y0), (b1, y1) = points[0], points[-1]
-    slope = (y1 - y0) / (b1 - b0) if b1 != b0 else 0
-    guess = limit if slope <= 0 else int(b0 + (capacity - y0) / slope)
-    guess = max(1, min(limit, guess))
-    good = max((b for b in seen if seen[b] <= capacity), default=0)
-    bad = min((b for b in seen if seen[b] > capacity), default=limit + 1)
-    # The guess, then its neighbour a sixteenth away (which brackets an affine
-    # step's answer), then bisection.
-    probe, near = guess, True
-    while bad - good > max(1, good // 16):
-        if not good < probe < bad:
-            probe = (good + bad) // 2
-        fitted = fits(probe)
-        good, bad = (probe, bad) if fitted else (good, probe)
-        step = max(1, probe // 16)
-        probe = (probe + step if fitted else probe - step) if near else (good + bad) // 2
-        near = False
-    return good
-
-
-def _largest_compiled(workload: Workload, limit: int) -> dict[str, int]:
-    """:func:`largest_fitting_batch` by compiled bytes against this process's device limit."""
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" not in stats:
-        raise RuntimeError("--max-batch needs a device that reports its memory limit (a GPU).")
-    # What the allocator holds beyond the compiled bytes: a few percent.
-    capacity = int(stats["bytes_limit"] * 0.97)
-
-    def bytes_at(batch):
-        step, state, batch_, _ = train_step(
-            dataclasses.replace(workload, batch=batch), abstract=True
-        )
-        memory = step.trace(state, batch_).lower().compile().memory_analysis()
-        return memory.temp_size_in_bytes + memory.argument_size_in_bytes
-
-    batch = largest_fitting_batch(bytes_at, capacity, start=workload.batch, limit=limit)
-    return {"batch": batch, "capacity": capacity}
-
-
-def _child(argv: list[str], env: dict[str, str] | None) -> Any:
-    """Runs ``python -m jaxoffload.bench.benchmark argv`` and returns the JSON of its last stdout line.
-
-    The child's ``[plan]`` progress lines are passed on to this process's
-    stderr as they come; the rest of its stderr is kept for the error.
+    The child's ``[plan]`` and ``[fit ...]`` progress lines are passed on to
+    this process's stderr as they come; the rest of its stderr is kept for the
+    error.
     """
     child = subprocess.Popen(
-        [sys.executable, "-m", "jaxoffload.bench.benchmark", *argv],
+        [sys.executable, "-m", module, *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -1453,7 +1391,7 @@ def _child(argv: list[str], env: dict[str, str] | None) -> Any:
     stderr = []
     for line in child.stderr:
         stderr.append(line)
-        if line.startswith("[plan]"):
+        if line.startswith(("[plan]", "[fit ")):
             print(line, end="", file=sys.stderr, flush=True)
     reader.join()
     returncode = child.wait()
@@ -1492,8 +1430,6 @@ def _main(argv: list[str]) -> None:
     elif argv[0] == "plan":
         planned = hidden_offload_workload(Workload(**json.loads(argv[1])), **json.loads(argv[2]))
         print(json.dumps({"plan": planned.plan, "window": planned.window}), flush=True)
-    elif argv[0] == "largest-compiled":
-        print(json.dumps(_largest_compiled(Workload(**json.loads(argv[1])), json.loads(argv[2]))))
     elif argv[0] == "plan-budgets":
         results = plan_budgets(Workload(**json.loads(argv[1])), json.loads(argv[2]))
         print(json.dumps(results), flush=True)

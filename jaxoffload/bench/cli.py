@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import os
 import pathlib
@@ -45,6 +46,12 @@ _RUN_FLAGS = {
     "--micro-batch": "micro_batch",
     "--devices": "num_devices",
     "--memory-cap": "memory_cap_gib",
+}
+# The size searches: each axis of jaxoffload.bench.fit, its flag, and the speed at the size
+# found, as that module names its field, with the speed's unit.
+SIZE_SEARCHES = {
+    "batch": ("--max-batch", "images_per_s", "images/s"),
+    "image_size": ("--max-image-size", "ms_per_megapixel", "ms/MP"),
 }
 
 
@@ -126,7 +133,7 @@ def _add_workload_arguments(bench: argparse.ArgumentParser) -> None:
         "--micro-batch) are over all N, and must divide by N. Memory readings are per device: "
         "the compiled bytes are one device's, the peak the largest device's (on CPU, "
         "XLA_FLAGS=--xla_force_host_platform_device_count=N gives N devices); not yet with "
-        "--budget, offload-hidden or --max-batch",
+        "--budget, offload-hidden, --max-batch or --max-image-size",
     )
     bench.add_argument(
         "--budget",
@@ -151,13 +158,35 @@ def _add_run_arguments(bench: argparse.ArgumentParser) -> None:
         action="store_true",
         help=f"keep the records in OUT/{RECORDS} of an interrupted run with the same "
         f"{', '.join(_RUN_FLAGS)}, and measure only the strategies it lacks (failed ones "
-        f"again); without it, a run starts afresh and replaces {RECORDS}",
+        f"again), then run only the size searches it lacks; without it, a run starts afresh "
+        f"and replaces {RECORDS}",
     )
     bench.add_argument(
         "--max-batch",
         action="store_true",
-        help="also find, per strategy, the largest batch that trains: by compiling, then "
-        "one step to confirm (GPU only; not grad-accum, whose micro-batch sets its memory)",
+        help="GPU only: also find the largest batch whose step fits the device's memory (or "
+        "--memory-cap) less a few percent for the allocator, with jaxoffload.largest_size: the step "
+        "compiled at a few batches, then one real step to confirm, each search in a fresh "
+        "process. Each strategy's record gets max_batch, max_batch_images_per_s and "
+        "the search's other max_batch_* fields; a plain-Flax linen model is also planned at "
+        "each batch, and the largest batch that some plan fits is a record of its own "
+        "(strategy 'plan', with no budget). Not grad-accum, whose micro-batch sets its memory, "
+        "nor offload-hidden and --budget's plans, made for one batch. Adds two table columns "
+        "and OUT/max_batch.png",
+    )
+    bench.add_argument(
+        "--max-image-size",
+        action="store_true",
+        help="GPU only: as --max-batch, for the images' side (multiples of 16) at --batch: "
+        "max_image_size, max_image_size_ms_per_megapixel, ..., and OUT/max_image_size.png",
+    )
+    bench.add_argument(
+        "--time-limit",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="per size search: after this long it compiles no more sizes and takes the largest "
+        "that fitted, then runs its confirming step",
     )
     bench.add_argument(
         "--memory-cap",
@@ -165,7 +194,7 @@ def _add_run_arguments(bench: argparse.ArgumentParser) -> None:
         default=None,
         metavar="GIB",
         help="GPU only (an error on CPU): emulate a GPU with this much memory, by setting "
-        "XLA_PYTHON_CLIENT_MEM_FRACTION in the measuring processes",
+        "XLA_PYTHON_CLIENT_MEM_FRACTION in the measuring and searching processes",
     )
 
 
@@ -232,6 +261,7 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
       command: the command as typed, stored in each record so it can be rerun.
     """
     strategies = _strategies(args)
+    axes = _searched_axes(args)
     workloads = _workloads(args, strategies)
     out = _writable_folder(args.out)
     if args.resume:
@@ -241,7 +271,7 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
         (out / REFERENCE).unlink(missing_ok=True)  # its gradient is another run's
     device = benchmark.probe_device()
     _check_device_count(args, device)
-    env = _measuring_env(args, device)
+    env = _measuring_env(args, device, axes)
     console = _stderr_console()
     if device["platform"] == "cpu" and set(benchmark.COMPUTE_TWIN) & set(strategies):
         console.print(
@@ -252,17 +282,26 @@ def bench(args: argparse.Namespace, command: str | None = None) -> list[dict[str
     # The plain model runs first: it is every other strategy's gradient reference.
     # Planned strategies run last: they are planned from their twin's run.
     workloads.sort(key=lambda w: (w.strategy != "none", w.strategy in benchmark.PLANNED_STRATEGIES))
-    records = _measure(workloads, args, out, earlier, env=env, console=console, command=command)
+    records = _measure(
+        workloads, args, out, earlier, axes=axes, device=device, env=env, console=console,
+        command=command,
+    )  # fmt: skip
     _print_table(records)
     _say_notes(records, console)
-    plotted = plot_records(records, out / "pareto.png")
+    plots = [plot_records(records, out / "pareto.png")]
+    plots += [plot_sizes(records, axis, out / f"max_{axis}.png") for axis in axes]
+    plotted = ", ".join(str(p) for p in plots if p)
     console.print(f"wrote {out / RECORDS}" + (f" and {plotted}" if plotted else ""))
-    failed = [r for r in records if "error" in r]
+    failed = [f"{_name(r)}: {r['error']}" for r in records if "error" in r] + [
+        f"{_name(r)} {flag}: {r[f'max_{axis}_error']}"
+        for r in records
+        for axis, (flag, *_) in SIZE_SEARCHES.items()
+        if f"max_{axis}_error" in r
+    ]
     if failed:
-        details = "\n".join(f"{r['strategy']}: {r['error']}" for r in failed)
         raise BenchError(
-            f"{len(failed)} strategies failed ({RECORDS} has the rest; --resume measures only "
-            f"these again):\n{details}"
+            f"{len(failed)} failed ({RECORDS} has the rest; --resume runs only these again):\n"
+            + "\n".join(failed)
         )
     (out / REFERENCE).unlink(missing_ok=True)  # nothing left to compare with it
     return records
@@ -290,19 +329,41 @@ def _strategies(args: argparse.Namespace) -> list[str]:
             f"--micro-batch {args.micro_batch} has no effect on {', '.join(strategies)}: only "
             f"{', '.join(accumulated)} takes it"
         )
-    # The planners time blocks on one device, without the mesh; the batch search steps by 1.
+    # The planners time blocks on one device, without the mesh; the size searches read one
+    # device's peak, and a batch that steps by 1 does not split over the devices.
     one_device = [
         option
         for option, given in [
             ("--budget", bool(args.budget)),
             ("offload-hidden", "offload-hidden" in strategies),
             ("--max-batch", args.max_batch),
+            ("--max-image-size", args.max_image_size),
         ]
         if given and args.devices > 1
     ]
     if one_device:
         raise BenchError(f"{' and '.join(one_device)} with --devices is not supported yet")
     return strategies
+
+
+def _searched_axes(args: argparse.Namespace) -> list[str]:
+    """The axes of the size searches asked for (:data:`SIZE_SEARCHES`), checked with the model."""
+    axes = [axis for axis, (flag, *_) in SIZE_SEARCHES.items() if getattr(args, _dest(flag))]
+    if axes and models.is_nnx(args.model):
+        flags = " and ".join(SIZE_SEARCHES[axis][0] for axis in axes)
+        raise BenchError(
+            f"{flags} searches the linen models, and {args.model} is an NNX one: not supported yet"
+        )
+    if args.time_limit <= 0:
+        raise BenchError(
+            f"--time-limit must be a positive number of seconds, got {args.time_limit}"
+        )
+    return axes
+
+
+def _dest(flag: str) -> str:
+    """The attribute of the parsed arguments that holds ``flag``: ``--max-batch`` -> ``max_batch``."""
+    return flag[2:].replace("-", "_")
 
 
 def _workloads(args: argparse.Namespace, strategies: list[str]) -> list[benchmark.Workload]:
@@ -338,16 +399,18 @@ def _check_device_count(args: argparse.Namespace, device: dict[str, Any]) -> Non
         )
 
 
-def _measuring_env(args: argparse.Namespace, device: dict[str, Any]) -> dict[str, str]:
-    """The measuring processes' environment, for ``--memory-cap``; both it and ``--max-batch`` need a GPU."""
-    if args.memory_cap is not None or args.max_batch:
-        if device["platform"] != "gpu":
-            option = "--memory-cap" if args.memory_cap is not None else "--max-batch"
-            raise BenchError(
-                f"{option} needs a GPU: this machine's jax backend is {device['platform']}, where "
-                "device memory is host memory and running out of it stops the machine, not the "
-                "step"
-            )
+def _measuring_env(
+    args: argparse.Namespace, device: dict[str, Any], axes: list[str]
+) -> dict[str, str]:
+    """The measuring processes' environment, for ``--memory-cap``; it and the size searches need a GPU."""
+    options = ["--memory-cap"] * (args.memory_cap is not None)
+    options += [SIZE_SEARCHES[axis][0] for axis in axes]
+    if options and device["platform"] != "gpu":
+        raise BenchError(
+            f"{' and '.join(options)} need{'s' * (len(options) == 1)} a GPU: this machine's jax "
+            f"backend is {device['platform']}, where device memory is host memory and running "
+            "out of it stops the machine, not the step"
+        )
     if args.memory_cap is None:
         return {}
     return _memory_cap_env(args.memory_cap, device["bytes_limit"])
@@ -383,7 +446,7 @@ def _print_table(records: list[dict[str, Any]]) -> None:
 
     out_console = Console()
     if not out_console.is_terminal:  # a file or a pipe: no width to fit, so do not squeeze
-        out_console = Console(width=120)
+        out_console = Console(width=200)  # the widest table: both size searches, × bound
     out_console.print(_table(records))
 
 
@@ -490,7 +553,7 @@ def _earlier_records(path: pathlib.Path, args: argparse.Namespace) -> dict[str, 
             if key == "micro_batch" and r["strategy"] not in benchmark.ACCUMULATED_STRATEGIES:
                 continue  # only accumulating strategies take it
             theirs = tuple(r.get(key)) if isinstance(r.get(key), list) else r.get(key)
-            ours = getattr(args, flag[2:].replace("-", "_"))
+            ours = getattr(args, _dest(flag))
             if theirs != ours:
                 raise BenchError(
                     f"--resume: {path} holds {_name(r)!r} measured with {flag} {theirs}, and this "
@@ -506,32 +569,34 @@ def _measure(
     out: pathlib.Path,
     earlier: dict[str, dict[str, Any]],
     *,
+    axes: list[str],
+    device: dict[str, Any],
     env: dict[str, str],
     console: Any,
     command: str | None,
 ) -> list[dict[str, Any]]:
-    """Measures the workloads that ``earlier`` has no record of; writes records.json after each."""
+    """Measures the workloads, then searches the sizes, that ``earlier`` lacks; writes records.json after each."""
     path, reference = out / RECORDS, out / REFERENCE
     kept = {_name(w): earlier[_name(w)] for w in workloads if _name(w) in earlier}
     if "step_time_ms" in kept.get("none", {}) and not reference.exists():
         del kept["none"]  # measured again: the others' gradients are compared with its
     todo = [w for w in workloads if _name(w) not in kept]
+    searched = _searched(workloads, axes)
+    measuring = {_name(w) for w in todo}  # their records are new: nothing searched yet
+    searches = [
+        (name, axis)
+        for name in searched
+        for axis in axes
+        if name in measuring or f"max_{axis}" not in earlier.get(name, {})
+    ]
     if args.resume:
+        searching = f"; searching {', '.join(f'{n} {a}' for n, a in searches) or 'nothing more'}"
         console.print(
             f"resuming {path}: kept {', '.join(kept) or 'nothing'}; measuring "
-            f"{', '.join(map(_name, todo)) or 'nothing more'}."
+            f"{', '.join(map(_name, todo)) or 'nothing more'}{searching if axes else ''}."
         )
-    # A plan is made for one batch; an accumulating step's memory is its micro-batch's.
-    searched = {
-        _name(w)
-        for w in workloads
-        if args.max_batch
-        and w.strategy != "plan"
-        and w.micro_batch is None
-        and "max_batch" not in kept.get(_name(w), {})
-    }
     first_plan = next((w for w in todo if w.strategy == "plan"), None)
-    with _Progress(console, total=len(todo) + len(searched)) as progress:
+    with _Progress(console, total=len(todo) + len(searches)) as progress:
 
         def on_start(w):
             work = f"compile and {args.steps} steps"
@@ -541,7 +606,7 @@ def _measure(
 
         def on_record(records):
             r = records[-1]
-            r.update(steps=args.steps, memory_cap_gib=args.memory_cap, command=command)
+            r.update(_run_fields(args, command))
             _write_json(path, records)
             progress.end(f"{_name(r)}: {_outcome(r)}")
 
@@ -554,29 +619,91 @@ def _measure(
             measured=list(kept.values()),
             reference=str(reference),
         )
-        _find_max_batches(workloads, records, searched, path, env=env, progress=progress)
+        if "plan" in searched:
+            records.append(
+                earlier.get("plan") or _plan_search_record(workloads[0], device, args, command)
+            )
+        _search_sizes(records, searched, searches, args, path, env=env, progress=progress)
     _write_json(path, records)  # with the transfer bounds, which need every record
     return records
 
 
-def _find_max_batches(
-    workloads: list[benchmark.Workload],
+def _run_fields(args: argparse.Namespace, command: str | None) -> dict[str, Any]:
+    """What every record of the run says of it, beyond its workload."""
+    return {"steps": args.steps, "memory_cap_gib": args.memory_cap, "command": command}
+
+
+def _searched(
+    workloads: list[benchmark.Workload], axes: list[str]
+) -> dict[str, benchmark.Workload]:
+    """The workloads whose sizes are searched, by the name of the record that takes the fields.
+
+    Each strategy of one value for every block is searched as it is. A plain-Flax
+    (linen) model is also planned at each size, from the plain workload, into a record
+    of its own, ``"plan"``. ``offload-hidden``'s plans and ``--budget``'s are made for
+    the batch measured, and ``grad-accum``'s memory is set by its micro-batch: they are
+    not searched.
+    """
+    if not axes:
+        return {}
+    searched = {_name(w): w for w in workloads if w.strategy in benchmark.STRATEGIES}
+    if models.is_plain(workloads[0].model):  # and linen: the searches refuse NNX models
+        searched["plan"] = workloads[0]
+    return searched
+
+
+def _plan_search_record(
+    plain: benchmark.Workload, device: dict[str, Any], args: argparse.Namespace, command: str | None
+) -> dict[str, Any]:
+    """The record of the planned model's size searches, before they add their fields.
+
+    Its strategy is ``"plan"`` with no ``budget``: each size is planned for the device's
+    memory, not for a share of ``none``'s peak as ``--budget``'s plans are, and no step
+    of its own is measured at the run's batch.
+    """
+    fields = ("model", "batch", "image_size", "dtype", "num_devices")
+    return {
+        **{k: getattr(plain, k) for k in fields},
+        "strategy": "plan",
+        "framework": "jax",
+        "device": device["device"],
+        "platform": device["platform"],
+        "date": datetime.date.today().isoformat(),
+        **_run_fields(args, command),
+    }
+
+
+def _search_sizes(
     records: list[dict[str, Any]],
-    searched: set[str],
+    searched: dict[str, benchmark.Workload],
+    searches: list[tuple[str, str]],
+    args: argparse.Namespace,
     path: pathlib.Path,
     *,
     env: dict[str, str],
     progress: _Progress,
 ) -> None:
-    """Adds ``max_batch`` to the records of the ``searched`` workloads, writing them after each."""
-    for w, r in zip(workloads, records):
-        if _name(w) in searched:
-            progress.start(f"{_name(w)}: largest batch")
-            if r.get("plan"):  # search with the plan that was measured
-                w = dataclasses.replace(w, plan=tuple(r["plan"]), window=r["window"])
-            r["max_batch"] = benchmark.find_max_batch(w, env=env)
-            _write_json(path, records)
-            progress.end(f"{_name(w)}: largest batch {r['max_batch']}")
+    """Runs each search ``(name, axis)`` in a process of its own; adds its fields to the record named."""
+    by_name = {_name(r): r for r in records}
+    for name, axis in searches:
+        r, what = by_name[name], f"{name}: largest {axis.replace('_', ' ')}"
+        progress.start(f"{what}, compiling for up to {args.time_limit:g} s")
+        try:
+            found = benchmark.largest_in_subprocess(
+                searched[name], axis, plan=name == "plan", env=env, time_limit_s=args.time_limit
+            )
+        except RuntimeError as e:  # one failed search must not cost the others
+            r[f"max_{axis}_error"] = str(e)
+            outcome = f"failed: {str(e).strip().splitlines()[-1]}"
+        else:
+            r.pop(f"max_{axis}_error", None)  # an earlier run's, searched again
+            r.update(found)
+            size, speed = _size_cells(r, axis)
+            outcome = size + (f", {speed} {SIZE_SEARCHES[axis][2]}" if speed != "-" else "")
+            if found[f"max_{axis}_stopped"]:
+                outcome += f" ({found[f'max_{axis}_stopped']})"
+        _write_json(path, records)
+        progress.end(f"{what} {outcome}")
 
 
 def _write_json(path: pathlib.Path, value: Any) -> None:
@@ -664,9 +791,15 @@ def _memory_cap_env(gib: float, bytes_limit: int | None) -> dict[str, str]:
 
 
 def _name(r) -> str:
-    """A record's or workload's strategy, with its budget for plans: ``plan@0.5``."""
+    """A record's or workload's strategy, with its budget for plans: ``plan@0.5``.
+
+    The planned model's size searches have no budget: their record is ``plan``.
+    """
     get = r.get if isinstance(r, dict) else lambda k, d=None: getattr(r, k, d)
-    return f"plan@{get('budget'):g}" if get("strategy") == "plan" else get("strategy")
+    budget = get("budget")
+    return (
+        f"plan@{budget:g}" if get("strategy") == "plan" and budget is not None else get("strategy")
+    )
 
 
 def _gib(nbytes: int | None) -> str:
@@ -683,38 +816,57 @@ def _table(records: list[dict[str, Any]]):
         + (f", {devices} devices" if devices > 1 else "")
     )
     columns = ["strategy", "temp GiB", "host GiB", "peak GiB", "step ms", "images/s", "grad err"]
-    flagged = gradient_flags(records)
-    if any("bound_ratio" in r for r in records):
+    bound = any("bound_ratio" in r for r in records)
+    if bound:
         columns.append("× bound")
-    if any("max_batch" in r for r in records):
-        columns.append("max batch")
-    for c in columns:
-        table.add_column(c, justify="left" if c == "strategy" else "right")
+    axes = [
+        axis
+        for axis in SIZE_SEARCHES
+        if any(f"max_{axis}" in r or f"max_{axis}_error" in r for r in records)
+    ]
+    for axis in axes:
+        columns += [f"max {axis.replace('_', ' ')}", f"{SIZE_SEARCHES[axis][2]} at max"]
+    table.add_column(columns[0], no_wrap=True)  # the figures' columns wrap first
+    for c in columns[1:]:
+        table.add_column(c, justify="right")
+    flagged = gradient_flags(records)
     for r in records:
-        if "no_plan" in r:
-            table.add_row(_name(r), *[_least(r)] + [""] * (len(columns) - 2))
-            continue
-        if r.get("out_of_memory") or "error" in r:
-            failure = "out of memory" if r.get("out_of_memory") else "failed"
-            table.add_row(_name(r), *[failure] + [""] * (len(columns) - 2))
-            continue
-        err = r["grad_rel_err"]
-        flag = " !" if r in flagged else ""
-        row = [
-            _name(r),
-            _gib(r["compiled_temp_bytes"]),
-            _gib(r["compiled_host_temp_bytes"]),
-            _gib(r["peak_bytes_in_use"]),
-            f"{r['step_time_ms']:.1f}",
-            f"{r['images_per_s']:.1f}",
-            "-" if err is None else f"{err:.1e}{flag}",
-        ]
-        if "× bound" in columns:
-            row.append(f"{r['bound_ratio']:.2f}" if "bound_ratio" in r else "-")
-        if "max_batch" in r:
-            row.append(str(r["max_batch"]))
-        table.add_row(*row)
+        sizes = [cell for axis in axes for cell in _size_cells(r, axis)]
+        table.add_row(_name(r), *_measured_cells(r, flagged, bound), *sizes)
     return table
+
+
+def _measured_cells(r: dict[str, Any], flagged: list[dict[str, Any]], bound: bool) -> list[str]:
+    """A record's cells of its measured step, from temp to grad err (and × bound)."""
+    blank = [""] * (5 + bound)
+    if "no_plan" in r:
+        return [_least(r), *blank]
+    if r.get("out_of_memory") or "error" in r:
+        return ["out of memory" if r.get("out_of_memory") else "failed", *blank]
+    if "step_time_ms" not in r:  # the planned model's size searches: no step at the run's size
+        return ["-"] * (6 + bound)
+    err = r["grad_rel_err"]
+    cells = [
+        _gib(r["compiled_temp_bytes"]),
+        _gib(r["compiled_host_temp_bytes"]),
+        _gib(r["peak_bytes_in_use"]),
+        f"{r['step_time_ms']:.1f}",
+        f"{r['images_per_s']:.1f}",
+        "-" if err is None else f"{err:.1e}{' !' if r in flagged else ''}",
+    ]
+    if bound:
+        cells.append(f"{r['bound_ratio']:.2f}" if "bound_ratio" in r else "-")
+    return cells
+
+
+def _size_cells(r: dict[str, Any], axis: str) -> list[str]:
+    """A record's cells of one size search: the largest size found and the speed there."""
+    if f"max_{axis}_error" in r:
+        return ["failed", ""]
+    if f"max_{axis}" not in r:  # not searched: grad-accum, or a plan made for one batch
+        return ["-", "-"]
+    speed = r.get(f"max_{axis}_{SIZE_SEARCHES[axis][1]}")
+    return [str(r[f"max_{axis}"]), "-" if speed is None else f"{speed:.1f}"]
 
 
 # The run whose arithmetic is the plain model's, rematerialised: its gradient error is
@@ -758,15 +910,9 @@ def plot_records(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.P
     with their framework. Returns ``path``, or ``None`` if matplotlib is missing
     or no record has a step time.
     """
-    try:
-        import matplotlib
-    except ImportError:
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     done = [r for r in records if "step_time_ms" in r]
-    if not done:
+    if plt is None or not done:
         return None
     # Without a runtime peak (CPU), the compiled temp is the memory reading; the
     # budgets, in the planner's bytes, are then not on the axis.
@@ -806,6 +952,53 @@ def plot_records(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.P
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_sizes(records: list[dict[str, Any]], axis: str, path: pathlib.Path) -> pathlib.Path | None:
+    """Plots the speed at the largest size found against that size, a labelled point per search.
+
+    ``axis`` is a key of :data:`SIZE_SEARCHES`: images/s against the largest batch, or
+    ms per megapixel against the largest image side. The planned model's point is a
+    star. Returns ``path``, or ``None`` if matplotlib is missing or no search found a
+    size that it timed.
+    """
+    plt = _pyplot()
+    _, speed, unit = SIZE_SEARCHES[axis]
+    found = [r for r in records if r.get(f"max_{axis}") and r.get(f"max_{axis}_{speed}")]
+    if plt is None or not found:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4.2), constrained_layout=True)
+    for r in found:
+        x, y = r[f"max_{axis}"], r[f"max_{axis}_{speed}"]
+        star = r["strategy"] == "plan"
+        ax.scatter(x, y, s=90 if star else 45, marker="*" if star else "o", zorder=3)
+        ax.annotate(_name(r), (x, y), xytext=(5, 3), textcoords="offset points", fontsize="small")
+    label = axis.replace("_", " ")
+    first = found[0]
+    held = f"{first['image_size']}²" if axis == "batch" else f"batch {first['batch']}"
+    cap = f", {first['memory_cap_gib']:g} GiB cap" if first.get("memory_cap_gib") else ""
+    ax.set(
+        xlabel=f"largest {label} that fits",
+        ylabel=f"{unit} at that {label}",
+        title=f"{first['model']} {held} {first['dtype']}, {first['device']}{cap}",
+    )
+    ax.set_xlim(0, 1.15 * max(r[f"max_{axis}"] for r in found))
+    ax.set_ylim(0, 1.15 * max(r[f"max_{axis}_{speed}"] for r in found))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot, drawing into files; ``None`` if matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _uniform_points(records: list[dict[str, Any]], key: str) -> dict[str, tuple[float, float]]:

@@ -1,11 +1,15 @@
 """The bench's size search: :func:`jaxoffload.largest_size` on a workload's training step.
 
 Run it in a fresh process: its confirming step reads the process's runtime peak.
+``python -m jaxoffload.bench.fit WORKLOAD OPTIONS`` (JSON, as
+:func:`jaxoffload.bench.benchmark.largest_in_subprocess` gives them) prints its fields.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
 import time
 from typing import Any
 
@@ -121,3 +125,8 @@ def _fields(workload, axis, found: jaxoffload.Fit, search_s: float) -> dict[str,
     if found.plan is not None:
         fields[f"{name}_plan"] = found.plan.to_dict()
     return fields
+
+
+if __name__ == "__main__":
+    workload, options = (json.loads(a) for a in sys.argv[1:3])
+    print(json.dumps(largest(benchmark.Workload(**workload), **options)), flush=True)
