@@ -36,6 +36,7 @@ REQUIRED = {
         (["--model", "flax-nnx-resnet18", "--max-batch"],
          "--max-batch searches the linen models, and flax-nnx-resnet18 is an NNX one"),
         (["--max-image-size", "--time-limit", "0"], "--time-limit must be a positive number"),
+        (["--time-limit", "60"], "--time-limit 60 has no effect without a size search"),
         (["--strategies", "none,offload-hidden", "--window", "2"], "--window 2 has no effect"),
         (["--window", "0"], "window must be an int of at least 1"),
         (["--window", "two"], "expected a window or comma-separated windows, got 'two'"),

@@ -49,6 +49,9 @@ _RUN_FLAGS = {
 }
 # The size searches: each axis of jaxoffload.bench.fit, its flag, and the speed at the size
 # found, as that module names its field, with the speed's unit.
+# Seconds that one size search compiles for, unless --time-limit says otherwise.
+_DEFAULT_TIME_LIMIT = 300.0
+
 SIZE_SEARCHES = {
     "batch": ("--max-batch", "images_per_s", "images/s"),
     "image_size": ("--max-image-size", "ms_per_megapixel", "ms/MP"),
@@ -183,7 +186,7 @@ def _add_run_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--time-limit",
         type=float,
-        default=300.0,
+        default=_DEFAULT_TIME_LIMIT,
         metavar="SECONDS",
         help="per size search: after this long it compiles no more sizes and takes the largest "
         "that fitted, then runs its confirming step",
@@ -357,6 +360,11 @@ def _searched_axes(args: argparse.Namespace) -> list[str]:
     if args.time_limit <= 0:
         raise BenchError(
             f"--time-limit must be a positive number of seconds, got {args.time_limit}"
+        )
+    if not axes and args.time_limit != _DEFAULT_TIME_LIMIT:
+        raise BenchError(
+            f"--time-limit {args.time_limit:g} has no effect without a size search: add "
+            "--max-batch or --max-image-size"
         )
     return axes
 
