@@ -59,6 +59,7 @@ __all__ = [
     "gradient_error",
     "hidden_offload_workload",
     "largest_in_subprocess",
+    "linen_model",
     "measure",
     "measure_link",  # from jaxoffload._src.planner
     "measure_all",
@@ -69,6 +70,7 @@ __all__ = [
     "requested_host_bytes",
     "time_offloaded_calls",
     "train_step",
+    "training",
 ]
 
 DTYPES = ("float32", "bfloat16")
@@ -330,26 +332,29 @@ def train_step(workload: Workload, *, abstract: bool = False):
       micro-batch under ``"grad-accum"``. With ``num_devices`` > 1 the state
       and batch are placed for data parallelism (:func:`_placed`).
     """
-    dtype = jnp.dtype(workload.dtype)
     if models.is_nnx(workload.model):
         step, state, batch, loss_fn = _nnx_training(workload, abstract=abstract)
         return jax.jit(step, donate_argnums=0), state, batch, loss_fn
-    if workload.strategy == "plan":
-        if workload.planned is None:
-            raise ValueError("'plan' needs its plan: see plan_budgets_in_subprocess.")
-        plannable = models.plannable_model(
-            workload.model, dtype=dtype, num_classes=workload.num_classes
-        )
-        model = Plan.from_dict(workload.planned).apply(plannable)
-    else:
-        model = models.create(
+    step, state, batch, loss_fn = training(workload, linen_model(workload), abstract=abstract)
+    return jax.jit(step, donate_argnums=0), state, batch, loss_fn
+
+
+def linen_model(workload: Workload, *, plannable: bool = False) -> flax.linen.Module:
+    """The workload's plain-Flax linen model: under its strategy or its plan, or plannable."""
+    dtype = jnp.dtype(workload.dtype)
+    if not (plannable or workload.strategy == "plan"):
+        return models.create(
             workload.model,
             strategy=workload.block_strategies,
             dtype=dtype,
             num_classes=workload.num_classes,
         )
-    step, state, batch, loss_fn = training(workload, model, abstract=abstract)
-    return jax.jit(step, donate_argnums=0), state, batch, loss_fn
+    model = models.plannable_model(workload.model, dtype=dtype, num_classes=workload.num_classes)
+    if plannable:
+        return model
+    if workload.planned is None:
+        raise ValueError("'plan' needs its plan: see plan_budgets_in_subprocess.")
+    return Plan.from_dict(workload.planned).apply(model)
 
 
 def training(workload: Workload, model, *, abstract: bool | None):
@@ -560,9 +565,7 @@ def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[
             return _nnx_training(workload, abstract=None, model=model)[0](state, batch)
 
     else:
-        model = models.plannable_model(
-            workload.model, dtype=dtype, num_classes=workload.num_classes
-        )
+        model = linen_model(workload, plannable=True)
         _, state, batch, _ = training(workload, model, abstract=True)
 
         def step(model, state, batch):

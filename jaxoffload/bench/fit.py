@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 import jaxoffload
 from jaxoffload.bench import benchmark, models
@@ -83,25 +82,13 @@ def largest(
 
 def _model_and_step(workload: benchmark.Workload, plan: bool):
     """The model as the library takes it, and ``step(model, state, batch)``."""
-    dtype = jnp.dtype(workload.dtype)
     if models.is_nnx(workload.model):
         raise NotImplementedError("the size search takes the linen models of the bench.")
-    if plan:
-        model = models.plannable_model(
-            workload.model, dtype=dtype, num_classes=workload.num_classes
-        )
-    else:
-        model = models.create(
-            workload.model,
-            strategy=workload.block_strategies,
-            dtype=dtype,
-            num_classes=workload.num_classes,
-        )
 
     def step(model, state, batch):
         return benchmark.training(workload, model, abstract=None)[0](state, batch)
 
-    return model, step
+    return benchmark.linen_model(workload, plannable=plan), step
 
 
 def _fields(workload, axis, found: jaxoffload.Fit, search_s: float) -> dict[str, Any]:
