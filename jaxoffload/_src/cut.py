@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -147,7 +148,7 @@ def cheapest_cut(
     position = {v: n for n, v in enumerate(variables)}
     free = set(free)
     key = (
-        str(jaxpr),
+        hashlib.sha256(str(jaxpr).encode()).digest(),
         tuple(position[v] for v in needed),
         tuple(sorted(position[v] for v in free if v in position)),
         max_recompute,
@@ -163,8 +164,9 @@ def cheapest_cut(
 
 
 # The blocks of a model repeat (a ResNet stage's blocks are one program, traced once per
-# block and once per plan): each distinct cut is solved once, keyed by the printed jaxpr,
-# and its kept values mapped onto each trace's variables by their positions.
+# block and once per plan): each distinct cut is solved once, keyed by the printed jaxpr
+# (its digest: the text of a large block is long), and its kept values mapped onto each
+# trace's variables by their positions.
 _SOLVED: collections.OrderedDict[tuple, Cut] = collections.OrderedDict()
 _SOLVED_MAX = 512
 
