@@ -61,6 +61,18 @@ def test_nothing_fits():
     assert largest_fitting(lambda b: 10 + b, 5, start=8, limit=64) == (0, None)
 
 
+def test_no_size_below_the_smallest_is_probed():
+    bytes_at = Counted(lambda side: side * side)
+    assert largest_fitting(bytes_at, 500, start=64, limit=512, multiple_of=16, smallest=32) == (
+        0,
+        None,
+    )
+    assert min(bytes_at.calls) == 32
+    assert (
+        largest_fitting(bytes_at, 2000, start=64, limit=512, multiple_of=16, smallest=32)[0] == 32
+    )
+
+
 def test_the_time_limit_stops_the_search_with_the_largest_known_fit():
     calls = []
     size, stopped = largest_fitting(

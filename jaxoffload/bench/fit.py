@@ -24,6 +24,8 @@ __all__ = ["AXES", "largest"]
 # size that a step's bytes grow with: the batch, or the images' side. Sides are multiples
 # of 16, so that a U-Net's four halvings and doublings meet its skips.
 AXES = {"batch": (1, 1.0), "image_size": (16, 2.0)}
+# The smallest size of each axis that a workload takes (benchmark.Workload checks it).
+SMALLEST = {"batch": 1, "image_size": 32}
 
 # What the allocator holds beyond a step's compiled bytes: a few percent.
 ALLOCATOR_SLACK = 0.03
@@ -74,7 +76,7 @@ def largest(
     began = time.perf_counter()
     found = jaxoffload.largest_size(
         model, step, args_at, budget=budget_bytes, plan=plan, start=getattr(workload, axis),
-        limit=limit, multiple_of=AXES[axis][0], exponent=AXES[axis][1],
+        limit=limit, multiple_of=AXES[axis][0], smallest=SMALLEST[axis], exponent=AXES[axis][1],
         time_limit_s=time_limit_s, donate_argnums=(0,),
     )  # fmt: skip
     return _fields(workload, axis, found, time.perf_counter() - began)

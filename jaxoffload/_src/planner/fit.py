@@ -75,6 +75,7 @@ def largest_size(
     start: int = 8,
     limit: int = 4096,
     multiple_of: int = 1,
+    smallest: int = 1,
     tolerance: float = 0.02,
     exponent: float = 1.0,
     time_limit_s: float = 600.0,
@@ -114,6 +115,7 @@ def largest_size(
       limit: the largest size considered.
       multiple_of: every size probed is a multiple of this (a U-Net's side
         divides by 16).
+      smallest: no size below this is probed (a model's smallest input).
       tolerance: the search stops when the largest size known to fit and the
         smallest known not to are this share apart, or a ``multiple_of``.
       exponent: the search's model: bytes grow about linearly in ``size **
@@ -137,8 +139,11 @@ def largest_size(
         raise TypeError(f"budget must be a positive number of bytes (an int), got {budget!r}.")
     if not (isinstance(multiple_of, int) and multiple_of >= 1):
         raise ValueError(f"multiple_of must be a positive int, got {multiple_of!r}.")
-    if not 1 <= start <= limit:
-        raise ValueError(f"start must be in [1, limit={limit}], got {start}.")
+    if not 1 <= smallest <= start <= limit:
+        raise ValueError(
+            f"start must be in [smallest={smallest}, limit={limit}], got {start}; smallest "
+            "is at least 1."
+        )
     if not 0 < tolerance < 1:
         raise ValueError(f"tolerance must be in (0, 1), got {tolerance}.")
     say = progress_printer(progress, "fit")
@@ -161,7 +166,7 @@ def largest_size(
 
     say(f"searching the largest size that fits {format_bytes(budget)}")
     size, stopped = largest_fitting(
-        bytes_at, budget, start=start, limit=limit, multiple_of=multiple_of,
+        bytes_at, budget, start=start, limit=limit, multiple_of=multiple_of, smallest=smallest,
         tolerance=tolerance, exponent=exponent, out_of_time=out_of_time,
     )  # fmt: skip
     if stopped:
@@ -179,17 +184,17 @@ def largest_size(
             )
             if ok or steps.peak_before > budget:
                 return steps.fit(size, peak, ok, step_ms, stopped)
-        size = _step_down(size, multiple_of, tolerance, steps, budget)
+        size = _step_down(size, multiple_of, smallest, tolerance, steps, budget)
     return Fit(
         0 if size < 1 else size, budget, None, None, False, None, None, steps.probes, stopped
     )
 
 
-def _step_down(size, multiple_of, tolerance, steps, budget) -> int:
-    """The next size below ``size``, by ``tolerance``, that compiles within the budget."""
-    while size >= 1:
+def _step_down(size, multiple_of, smallest, tolerance, steps, budget) -> int:
+    """The next size below ``size``, by ``tolerance``, that compiles within the budget (0: none)."""
+    while size >= smallest:
         size -= max(multiple_of, _round_down(int(size * tolerance), multiple_of))
-        if size >= 1 and steps.compiled_bytes(size) <= budget:
+        if size >= smallest and steps.compiled_bytes(size) <= budget:
             return size
     return 0
 
@@ -286,11 +291,12 @@ def largest_fitting(
     start: int,
     limit: int,
     multiple_of: int = 1,
+    smallest: int = 1,
     tolerance: float = 0.02,
     exponent: float = 1.0,
     out_of_time: Callable[[], bool] = lambda: False,
 ) -> tuple[int, str | None]:
-    """The largest multiple of ``multiple_of`` up to ``limit`` whose ``bytes_at`` is within ``budget``.
+    """The largest multiple of ``multiple_of`` in [``smallest``, ``limit``] whose ``bytes_at`` is within ``budget``.
 
     Bytes are taken to grow about linearly in ``size ** exponent``. Each probe
     is where the line through the two probes nearest the budget crosses it
@@ -309,8 +315,9 @@ def largest_fitting(
       >>> largest_fitting(lambda b: 100 + 10 * b, 1000, start=8, limit=4096)
       (90, None)
     """
-    top = limit // multiple_of  # sizes in units of multiple_of
-    if top < 1:
+    # Sizes in units of multiple_of, from low to top; low - 1 stands for "none fits".
+    top, low = limit // multiple_of, max(1, -(-smallest // multiple_of))
+    if top < low:
         return 0, None
     seen: dict[int, int] = {}
 
@@ -318,47 +325,48 @@ def largest_fitting(
         if unit not in seen:
             seen[unit] = bytes_at(unit * multiple_of)
 
-    first = max(1, min(start // multiple_of, top))
+    first = max(low, min(start // multiple_of, top))
     check(first)
-    probe = min(top, 2 * first) if seen[first] <= budget else max(1, first // 2)
+    probe = min(top, 2 * first) if seen[first] <= budget else max(low, first // 2)
     guessed = False  # whether the probe is the secant's
     while True:
         check(probe)
-        good = max((u for u in seen if seen[u] <= budget), default=0)
+        good = max((u for u in seen if seen[u] <= budget), default=low - 1)
         bad = min((u for u in seen if seen[u] > budget and u > good), default=top + 1)
         if bad - good <= max(1, int(good * tolerance)):
-            return good * multiple_of, None
+            return (good * multiple_of if good >= low else 0), None
         if out_of_time():
             above = "nothing above it was checked" if bad > top else f"{bad * multiple_of} does not"
-            return good * multiple_of, (
-                f"stopped at the time limit: {good * multiple_of} fits, {above}"
+            fits = f"{good * multiple_of} fits" if good >= low else "no size fitted yet"
+            return max(0, good * multiple_of) if good >= low else 0, (
+                f"stopped at the time limit: {fits}, {above}"
             )
         step = max(1, int(good * tolerance))
         if guessed and probe == good:  # the guess fitted: a step above closes the bracket
             probe, guessed = good + step, False
         else:
-            guess = _secant(seen, good, bad, top, budget, exponent)
+            guess = _secant(seen, good, bad, low, top, budget, exponent)
             guessed = guess is not None and good < guess < bad
             if guessed:
                 probe = guess
             elif bad > top:  # nothing above is known not to fit, and no line says where
-                probe = min(top, max(1, 2 * good))
+                probe = min(top, max(low, 2 * good))
             else:  # just above the largest fit, where the line puts the answer; else halfway
                 probe = good + step if guess is not None and guess <= good else (good + bad) // 2
         if not good < probe < bad:
             probe, guessed = (good + bad) // 2, False
 
 
-def _secant(seen, good, bad, top, budget, exponent) -> int | None:
+def _secant(seen, good, bad, low, top, budget, exponent) -> int | None:
     """Where the line through the two probes nearest the budget crosses it (``None``: flat)."""
     fitting = sorted(u for u in seen if seen[u] <= budget)
     over = sorted(u for u in seen if seen[u] > budget)
     pair = (
-        (good, bad) if good and bad <= top
+        (good, bad) if good >= low and bad <= top
         else tuple(fitting[-2:]) if bad > top else tuple(over[:2])
     )  # fmt: skip
     if len(pair) < 2 or seen[pair[1]] == seen[pair[0]]:
         return None
     (x0, y0), (x1, y1) = ((u**exponent, seen[u]) for u in pair)
     x = x0 + (budget - y0) * (x1 - x0) / (y1 - y0)
-    return max(1, min(top, int(x ** (1 / exponent)) if x > 0 else 1))
+    return max(low, min(top, int(x ** (1 / exponent)) if x > 0 else low))
