@@ -79,6 +79,8 @@ DTYPES = ("float32", "bfloat16")
 STRATEGIES: dict[str, Strategy] = {
     "none": Store(),
     "lean": Lean(),
+    # Lean where it is at most 3% slower than Store, timed block by block; else a fallback.
+    "lean-timed": Lean(max_slowdown=0.03),
     "remat": Remat(),
     "remat-dots": Remat(jax.checkpoint_policies.dots_saveable),
     "offload": Offload(),
