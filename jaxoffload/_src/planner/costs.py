@@ -1,7 +1,7 @@
 """What each block costs under each strategy, measured on the device, and a model of the step.
 
 Each distinct block program is timed alone under each strategy
-(:mod:`jaxoffload._src.planner.timing`), and its residuals are read from traces. The models of the
+(:mod:`jaxoffload._src.timing`), and its residuals are read from traces. The models of the
 step's peak (:func:`estimate_peak_bytes`) and time (:func:`estimate_step_ms`)
 combine them.
 """
