@@ -18,7 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["compile_all", "measure_link", "median_ms", "timed_together", "vjp_programs", "zeros"]
+__all__ = [
+    "compile_all",
+    "measure_link",
+    "median_ms",
+    "step_ms",
+    "timed_together",
+    "vjp_programs",
+    "zeros",
+]
 
 
 # Each program of a block is timed until its runs add up to this, at the least: a
@@ -67,6 +75,25 @@ def median_ms(fn, *args, runs: int) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
+
+
+def step_ms(executable, structs, runs: int) -> float:
+    """The median ms of a compiled step on zeros of ``structs``, after one run to warm up.
+
+    The arguments are made afresh for every run, since a step that donates
+    them uses them up. ``inf`` if the device runs out of memory.
+    """
+    times = []
+    try:
+        for _ in range(runs + 1):
+            args = jax.block_until_ready(jax.tree.map(zeros, structs))
+            start = time.perf_counter()
+            jax.block_until_ready(executable(*args))
+            times.append(time.perf_counter() - start)
+            del args
+    except jax.errors.JaxRuntimeError:  # out of memory: no time to give
+        return math.inf
+    return statistics.median(times[1:]) * 1e3
 
 
 def zeros(struct) -> jax.Array:

@@ -13,20 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
+from jaxoffload._src import timing
 from jaxoffload._src.errors import NoPlanFits
 from jaxoffload._src.jaxprs import format_bytes
 from jaxoffload._src.planner.apply import check_model
 from jaxoffload._src.planner.plan import Plan
 from jaxoffload._src.planner.program import compile_step, device_bytes, program
 from jaxoffload._src.planner.search import Planner, progress_printer
-from jaxoffload._src.timing import zeros
 
 __all__ = ["Fit", "largest_fitting", "largest_size"]
 
@@ -255,22 +254,11 @@ class _Steps:
             if step_ms is None or math.isinf(step_ms):
                 return None
             return _peak_bytes(), step_ms
-        fun, arrays, donate = program(
+        _, arrays, _ = program(
             self.model, self.step, self.args(size), None, self.planning["donate_argnums"]
         )
-        executable = self.executables[size]
-        times = []
-        try:
-            for _ in range(self.planning["runs"] + 1):
-                # Donated arguments are used up: fresh zeros for every run.
-                args = jax.block_until_ready(jax.tree.map(zeros, arrays))
-                start = time.perf_counter()
-                jax.block_until_ready(executable(*args))
-                times.append(time.perf_counter() - start)
-                del args
-        except jax.errors.JaxRuntimeError:  # out of memory: step down
-            return None
-        return _peak_bytes(), statistics.median(times[1:]) * 1e3
+        step_ms = timing.step_ms(self.executables[size], arrays, self.planning["runs"])
+        return None if math.isinf(step_ms) else (_peak_bytes(), step_ms)
 
     def fit(self, size, peak, confirmed, step_ms, stopped) -> Fit:
         compiled = self.chosen.compiled_bytes if self.plan else self.bytes[size]

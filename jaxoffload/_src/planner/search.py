@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +22,7 @@ import jax
 from flax import nnx
 
 from jaxoffload._src import nnx as offload_nnx
+from jaxoffload._src import timing
 from jaxoffload._src.errors import NoPlanFits
 from jaxoffload._src.jaxprs import format_bytes
 from jaxoffload._src.planner.apply import check_model
@@ -38,7 +38,6 @@ from jaxoffload._src.planner.front import front
 from jaxoffload._src.planner.plan import Plan
 from jaxoffload._src.planner.program import device_bytes, discover, lower_step, program
 from jaxoffload._src.strategies import Lean, Offload, Remat, Store, Strategy, brief, check_strategy
-from jaxoffload._src.timing import compile_all, measure_link, zeros
 
 __all__ = ["Planner", "default_options", "plan", "progress_printer"]
 
@@ -232,7 +231,7 @@ class Planner:
         else:
             self.link = None
             if any(s.to_host for s in options):
-                link = measure_link()
+                link = timing.measure_link()
                 self.link = (link["d2h_gbps"], link["h2d_gbps"])
                 say(f"host link: {self.link[0]:.1f} GB/s out, {self.link[1]:.1f} GB/s back")
             self.blocks = cost_blocks(self.paths, calls, options, runs=runs, say=say)
@@ -297,7 +296,7 @@ class Planner:
         lowered = [
             lower_step(self.model, self.step, self.args, c, self.donate_argnums) for c in todo
         ]
-        for c, executable in zip(todo, compile_all(lowered)):
+        for c, executable in zip(todo, timing.compile_all(lowered)):
             self.executables[c] = executable
             self.compiled[c] = device_bytes(executable)
 
@@ -310,18 +309,7 @@ class Planner:
     def _run(self, candidate: Plan, runs: int) -> float:
         if self.run_limit is not None and self.compiled[candidate] > self.run_limit:
             return math.inf
-        executable, times = self.executables[candidate], []
-        try:
-            for _ in range(runs + 1):
-                # Donated arguments are used up: fresh zeros for every run.
-                args = jax.block_until_ready(jax.tree.map(zeros, self.arrays))
-                start = time.perf_counter()
-                jax.block_until_ready(executable(*args))
-                times.append(time.perf_counter() - start)
-                del args
-        except jax.errors.JaxRuntimeError:  # out of memory here: not a candidate to time
-            return math.inf
-        return statistics.median(times[1:]) * 1e3
+        return timing.step_ms(self.executables[candidate], self.arrays, runs)
 
     def ms(self, candidate: Plan) -> float:
         """The blocks' time in the candidate's step, by the model: each option's, ties made equal."""
