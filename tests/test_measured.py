@@ -75,3 +75,19 @@ def test_without_max_slowdown_nothing_is_timed(monkeypatch):
 def test_a_bad_max_slowdown_is_refused(bad):
     with pytest.raises(ValueError, match="max_slowdown"):
         Lean(max_slowdown=bad)
+
+
+def test_a_block_sharded_over_an_explicit_mesh_is_timed_with_its_sharding():
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    def dense(x, w):  # the convolutions of the block above would need out_sharding here
+        return jnp.tanh(x @ w) * x
+
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        x, w = jax.device_put(normal(3, (8, 16)), P("data")), 0.3 * normal(4, (16, 16))
+        wrapped = wrap(dense, Lean(max_slowdown=10.0), device_argnums=(1,))
+        grads = jax.jit(jax.grad(lambda *a: wrapped(*a).sum(), argnums=(0, 1)))(x, w)
+        plain = jax.jit(jax.grad(lambda *a: dense(*a).sum(), argnums=(0, 1)))(x, w)
+    assert rel_err(grads, plain) < 1e-6 and list(measured._CHOSEN.values()) == [Lean()]
