@@ -214,3 +214,4 @@ def test_the_size_search_finds_the_largest_size_that_compiles_within_the_budget(
     speed = "images_per_s" if axis == "batch" else "ms_per_megapixel"
     assert found[f"max_{axis}_{speed}"] > 0 and found[f"max_{axis}_stopped"] is None
     assert (f"max_{axis}_plan" in found) == plan
+    assert found["jax_version"] == jax.__version__ and found["platform"] == "cpu"

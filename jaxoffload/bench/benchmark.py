@@ -56,6 +56,7 @@ __all__ = [
     "STRATEGIES",
     "OutOfMemory",
     "Workload",
+    "device_fields",
     "gradient_error",
     "hidden_offload_workload",
     "largest_in_subprocess",
@@ -797,7 +798,7 @@ def measure(
             gradient["grad_rel_err"] = _compare_gradients(loss_fn, initial, batch, reference)
     return {
         **_workload_fields(workload),
-        **_device_fields(device),
+        **device_fields(device),
         **_compiled_fields(report),
         "peak_bytes_in_use": peak,
         **_step_fields(workload, times, loss),
@@ -909,7 +910,7 @@ def _accumulation_fields(workload: Workload) -> dict[str, Any]:
     }
 
 
-def _device_fields(device) -> dict[str, Any]:
+def device_fields(device) -> dict[str, Any]:
     """The device and the versions a record was measured with."""
     return {
         "device": device.device_kind,

@@ -53,7 +53,7 @@ def largest(
     Returns:
       The record's fields, named for the axis: ``max_batch``,
       ``max_batch_images_per_s``, ``max_batch_step_ms``, ... (or ``max_image_size``,
-      with ``max_image_size_ms_per_megapixel``).
+      with ``max_image_size_ms_per_megapixel``); and the device and versions.
     """
     if axis not in AXES:
         raise ValueError(f"axis must be one of {sorted(AXES)}, got {axis!r}.")
@@ -79,7 +79,9 @@ def largest(
         limit=limit, multiple_of=AXES[axis][0], smallest=SMALLEST[axis], exponent=AXES[axis][1],
         time_limit_s=time_limit_s, donate_argnums=(0,),
     )  # fmt: skip
-    return _fields(workload, axis, found, time.perf_counter() - began)
+    # The versions too: the planned model's search record has no measured step to carry them.
+    device = benchmark.device_fields(jax.devices()[0])
+    return {**device, **_fields(workload, axis, found, time.perf_counter() - began)}
 
 
 def _model_and_step(workload: benchmark.Workload, plan: bool):
