@@ -210,13 +210,17 @@ class _Steps:
         self.plan, self.planning = plan, planning
         self.planners: dict[int, Planner] = {}
         self.executables: dict[int, Any] = {}
+        self.structs: dict[int, tuple] = {}
         self.bytes: dict[int, int] = {}
         self.probes: list[tuple[int, int]] = []
         self.chosen: Plan | None = None
         self.peak_before = _peak_bytes() or 0
 
     def args(self, size: int) -> tuple:
-        return tuple(jax.eval_shape(lambda: tuple(self.args_at(size))))
+        """``args_at(size)``, abstractly: traced once per size (a model's init, say)."""
+        if size not in self.structs:
+            self.structs[size] = tuple(jax.eval_shape(lambda: tuple(self.args_at(size))))
+        return self.structs[size]
 
     def compiled_bytes(self, size: int) -> int:
         if size not in self.bytes:
