@@ -23,6 +23,7 @@ __all__ = [
     "measure_link",
     "median_ms",
     "step_ms",
+    "steps_together",
     "timed_together",
     "vjp_programs",
     "zeros",
@@ -59,11 +60,7 @@ def timed_together(
             start = time.perf_counter()
             jax.block_until_ready(executable(*args))
             times[k].append(time.perf_counter() - start)
-    results = []
-    for runs_k in times:
-        low, high = np.percentile(runs_k, [25, 75])
-        results.append((float(low) * 1e3, float((high - low) / low)))
-    return results
+    return [_quartile_and_spread(t) for t in times]
 
 
 def median_ms(fn, *args, runs: int) -> float:
@@ -86,14 +83,36 @@ def step_ms(executable, structs, runs: int) -> float:
     times = []
     try:
         for _ in range(runs + 1):
-            args = jax.block_until_ready(jax.tree.map(zeros, structs))
-            start = time.perf_counter()
-            jax.block_until_ready(executable(*args))
-            times.append(time.perf_counter() - start)
-            del args
+            times.append(_one_step(executable, structs))
     except jax.errors.JaxRuntimeError:  # out of memory: no time to give
         return math.inf
     return statistics.median(times[1:]) * 1e3
+
+
+def steps_together(executables: Sequence[Any], structs, runs: int) -> list[tuple[float, float]]:
+    """``(ms, spread)`` of each compiled step, timed in turns as :func:`timed_together` does.
+
+    Each run gets fresh zeros of ``structs`` (a step may donate them); each
+    step was run once already (:func:`step_ms`), so none is warmed up here.
+    """
+    times: list[list[float]] = [[] for _ in executables]
+    for r in range(max(runs, 4)):
+        for k in np.roll(np.arange(len(executables)), r):
+            times[k].append(_one_step(executables[k], structs))
+    return [_quartile_and_spread(t) for t in times]
+
+
+def _one_step(executable, structs) -> float:
+    args = jax.block_until_ready(jax.tree.map(zeros, structs))
+    start = time.perf_counter()
+    jax.block_until_ready(executable(*args))
+    return time.perf_counter() - start
+
+
+def _quartile_and_spread(runs: Sequence[float]) -> tuple[float, float]:
+    """A program's time, the lower quartile of its runs in ms, and the gap between the quartiles over it."""
+    low, high = np.percentile(runs, [25, 75])
+    return float(low) * 1e3, float((high - low) / low)
 
 
 def zeros(struct) -> jax.Array:
@@ -107,9 +126,15 @@ def zeros(struct) -> jax.Array:
     return jnp.zeros(struct.shape, struct.dtype)
 
 
-def compile_all(lowered: Sequence[Any]) -> list[Any]:
-    """Compiles lowered programs, several at once: XLA compiles outside Python's lock."""
-    if len(lowered) <= 1:
+def compile_all(lowered: Sequence[Any], *, parallel: bool = True) -> list[Any]:
+    """Compiles lowered programs, several at once if ``parallel``: XLA compiles outside Python's lock.
+
+    On a GPU, compiles that autotune kernels at once contend for the device:
+    the six programs of one ResNet-50 block took 35 s together and 3 s one
+    after another on an H200. Compile at once only programs whose kernels
+    were autotuned already, such as steps of one model after its first.
+    """
+    if not parallel or len(lowered) <= 1:
         return [x.compile() for x in lowered]
     with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
         return list(pool.map(lambda x: x.compile(), lowered))

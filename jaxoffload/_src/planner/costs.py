@@ -27,6 +27,7 @@ __all__ = [
     "BlockCost",
     "BlockCosts",
     "block_options",
+    "calibrated",
     "cost_blocks",
     "estimate_peak_bytes",
     "estimate_step_ms",
@@ -198,14 +199,11 @@ def cost_blocks(paths, calls, options, *, runs, say) -> list[BlockCosts]:
 
     Windows and byte caps change when and how much moves, not what a block
     keeps or computes, so each option is costed as its strategy with window 1
-    and no cap. The programs of every distinct block are compiled together.
+    and no cap. The programs are compiled one after another (:func:`compile_all`).
     """
     costed = list(dict.fromkeys([Store(), *(s.costed() for s in options)]))
     distinct = _distinct(calls)
-    say(
-        f"timing block programs: {len(distinct)} distinct, each under {len(costed)} strategies, "
-        "compiled together"
-    )
+    say(f"timing block programs: {len(distinct)} distinct, each under {len(costed)} strategies")
     times = _time_programs(list(distinct.values()), costed, runs)
     return _costs_of(paths, calls, dict(zip(distinct, times)))
 
@@ -226,6 +224,39 @@ def rescaled(measured: Sequence[BlockCosts], calls) -> list[BlockCosts]:
             for s, c in block.costs.items()
         }
     return _costs_of([b.path for b in measured], calls, times)
+
+
+def calibrated(blocks: Sequence[BlockCosts], errors: dict[Strategy, float]) -> list[BlockCosts]:
+    """The blocks with each strategy's backward passes scaled to what whole steps measured.
+
+    A block timed alone is not a block in a step: XLA fuses, schedules and
+    picks kernels across the whole program. ``errors[s]`` is how far a step
+    with every block under ``s`` ran from the blocks' sum, in ms; each
+    block's backward pass under ``s`` takes its share of that, by its time, so
+    that the model of the step meets the measured step at every uniform plan.
+    A strategy not measured so takes the error of one that was and computes
+    alike (a lean cut, or recomputation), in proportion; moving bytes is
+    priced by the link, not here.
+    """
+    factors = {}
+    for strategy, error in errors.items():
+        backward = sum(b.costs[strategy].backward_ms for b in blocks)
+        factors[strategy] = max(0.0, 1 + error / backward) if backward > 0 else 1.0
+
+    def factor(s: Strategy) -> float:
+        alike = [f for m, f in factors.items() if (m.cuts, m.recomputes) == (s.cuts, s.recomputes)]
+        return factors.get(s, alike[0] if alike else 1.0)
+
+    return [
+        dataclasses.replace(
+            b,
+            costs={
+                s: dataclasses.replace(c, backward_ms=c.backward_ms * factor(s))
+                for s, c in b.costs.items()
+            },
+        )
+        for b in blocks
+    ]
 
 
 def _program(call) -> tuple:
@@ -311,7 +342,7 @@ def _time_programs(calls, strategies, runs) -> list[dict[Strategy, tuple[float, 
                     programs.append((call, None, forward_args))
                 lowered.append(both.trace(*both_args).lower())
                 programs.append((call, strategy, both_args))
-    executables = compile_all(lowered)
+    executables = compile_all(lowered, parallel=False)
     results = []
     for call in calls:  # a block's programs are timed in turns, one block at a time
         mine = [n for n, program in enumerate(programs) if program[0] is call]

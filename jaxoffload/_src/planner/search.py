@@ -19,6 +19,7 @@ from contextlib import nullcontext
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jaxoffload._src import nnx as offload_nnx
@@ -28,8 +29,10 @@ from jaxoffload._src.jaxprs import format_bytes
 from jaxoffload._src.planner.apply import check_model
 from jaxoffload._src.planner.budget import check_budget
 from jaxoffload._src.planner.costs import (
+    TIE,
     BlockCost,
     block_options,
+    calibrated,
     cost_blocks,
     estimate_peak_bytes,
     rescaled,
@@ -180,6 +183,10 @@ def _plan_or_why_not(planner: Planner, budget, max_rounds, per_round) -> Plan | 
         return error
 
 
+# Plans whose timed steps are within this share of the fastest's are taken as equally fast.
+MEASURED_TIE = 0.01
+
+
 class Planner:
     """What planning measures once per model and step, and the plans it makes from it.
 
@@ -235,17 +242,24 @@ class Planner:
                 self.link = (link["d2h_gbps"], link["h2d_gbps"])
                 say(f"host link: {self.link[0]:.1f} GB/s out, {self.link[1]:.1f} GB/s back")
             self.blocks = cost_blocks(self.paths, calls, options, runs=runs, say=say)
-        self.choices = block_options(self.blocks, options, self.link)
-        self.front = front(self.choices)
-        self.plain = Plan(tuple((p, Store()) for p in self.paths))
-        self.arrays = program(model, step, args, self.plain)[1]
         self.compiled: dict[Plan, int] = {}  # every plan compiled, for every budget
         self.predicted: dict[Plan, int] = {}  # what the model said before compiling it
         self.executables: dict[Plan, Any] = {}
         self.measured_ms: dict[Plan, float] = {}
+        self.plain = Plan(tuple((p, Store()) for p in self.paths))
+        self.arrays = program(model, step, args, self.plain)[1]
+        self._put_on_front()
         self.leanest = self._candidate(self.front[0])
-        say("compiling the plain step, and the leanest plan on the front")
-        self._compile([self.plain, self.leanest])
+        # Measured costs are checked against whole steps: every block under each option.
+        uniform = [] if measured is not None else [self.uniform(s) for s in options]
+        say(
+            "compiling the plain step, the leanest plan on the front"
+            + (f" and {len(uniform)} uniform plans" if uniform else "")
+        )
+        # The plain step first and alone: it autotunes the kernels that the others share, and
+        # the model predicts the others' bytes from it before they are compiled.
+        self._compile([self.plain])
+        self._compile([self.leanest, *uniform])
         # The step time that the model's estimates start from: the plain step's, or the
         # leanest plan's where the plain step is too large to run here.
         self.anchor = self.plain
@@ -257,6 +271,57 @@ class Planner:
             + (f"{plain_ms:.1f} ms" if math.isfinite(plain_ms) else "too large to run here")
             + f"; leanest: {format_bytes(self.compiled[self.leanest])}"
         )
+        if uniform and math.isfinite(plain_ms):
+            self._calibrate(uniform)
+
+    def uniform(self, strategy: Strategy) -> Plan:
+        """Every block under ``strategy``; the code outside them lean unless it stores."""
+        return Plan(
+            tuple((p, strategy) for p in self.paths),
+            Store() if strategy.is_identity else Lean(),
+        )
+
+    def _put_on_front(self) -> None:
+        self.choices = block_options(self.blocks, self.options, self.link)
+        self.front = front(self.choices)
+
+    def _calibrate(self, uniform: Sequence[Plan]) -> None:
+        """Scales the blocks' times to the measured uniform steps that compute without moving.
+
+        The steps are timed in turns with the plain one; an error within the
+        spread of their runs (or :data:`~jaxoffload._src.planner.costs.TIE`)
+        is noise, and left alone.
+        """
+        plans = [
+            p
+            for p in dict.fromkeys(uniform)
+            if not (p.strategies[0].to_host or p.strategies[0].is_identity)
+            and math.isfinite(self.step_ms(p))
+        ]
+        if not plans:
+            return
+        (plain_ms, plain_spread), *timed = self.steps_together([self.plain, *plans])
+        plain_model = sum(
+            b.cost(Store()).forward_ms + b.cost(Store()).backward_ms for b in self.blocks
+        )
+        errors = {}
+        for plan, (ms, spread) in zip(plans, timed):
+            strategy = plan.strategies[0]
+            model = sum(
+                b.cost(strategy).forward_ms + b.cost(strategy).backward_ms for b in self.blocks
+            )
+            error = (ms - plain_ms) - (model - plain_model)
+            noise = max(TIE, spread, plain_spread) * plain_ms
+            self.say(
+                f"{brief(strategy)} on every block: {ms:.1f} ms measured, "
+                f"{plain_ms + model - plain_model:.1f} ms from the blocks alone"
+                + ("" if abs(error) > noise else " (within the noise: kept)")
+            )
+            if abs(error) > noise:
+                errors[strategy] = error
+        if errors:
+            self.blocks = calibrated(self.blocks, errors)
+            self._put_on_front()
 
     def _candidate(self, point) -> Plan:
         """The plan of a point on the front; the code outside the blocks is lean unless all store."""
@@ -269,24 +334,27 @@ class Planner:
         return float(estimate_peak_bytes(self.blocks, candidate.strategies))
 
     def predict(self, candidate: Plan) -> int:
-        """The compiled bytes that the model predicts, from the compiled plans nearest in the model.
+        """The compiled bytes that the model predicts, from the other plans compiled.
 
         Linear between the two compiled plans whose model bytes bracket the
-        candidate's; beyond them, through the nearest two.
+        candidate's; beyond them, along the least-squares line through them
+        all, which one odd neighbour cannot tilt.
         """
-        points = sorted({(self.model_bytes(p), got) for p, got in self.compiled.items()})
+        points = sorted(
+            {(self.model_bytes(p), got) for p, got in self.compiled.items() if p != candidate}
+        )
         x = self.model_bytes(candidate)
-        if len(points) == 1 or points[0][0] == points[-1][0]:
-            return int(points[0][1] - points[0][0] + x)
+        xs = np.array([p[0] for p in points])
+        ys = np.array([p[1] for p in points], dtype=float)
+        if np.ptp(xs) == 0:
+            return int(ys.mean() - xs[0] + x)
         below = [p for p in points if p[0] <= x]
         above = [p for p in points if p[0] > x]
         if below and above:
             (x0, y0), (x1, y1) = below[-1], above[0]
-        elif below:
-            (x0, y0), (x1, y1) = below[-2], below[-1]
-        else:
-            (x0, y0), (x1, y1) = above[0], above[1]
-        return int(y0 + (y1 - y0) * (x - x0) / (x1 - x0)) if x1 != x0 else int(y1)
+            return int(y0 + (y1 - y0) * (x - x0) / (x1 - x0)) if x1 != x0 else int(y1)
+        slope, intercept = np.polyfit(xs, ys, 1)
+        return int(intercept + slope * x)
 
     def _compile(self, candidates: Sequence[Plan]) -> None:
         todo = [c for c in dict.fromkeys(candidates) if c not in self.compiled]
@@ -310,6 +378,10 @@ class Planner:
         if self.run_limit is not None and self.compiled[candidate] > self.run_limit:
             return math.inf
         return timing.step_ms(self.executables[candidate], self.arrays, runs)
+
+    def steps_together(self, candidates: Sequence[Plan]) -> list[tuple[float, float]]:
+        """``(ms, spread)`` of each compiled candidate's step, timed in turns."""
+        return timing.steps_together([self.executables[c] for c in candidates], self.arrays, 5)
 
     def ms(self, candidate: Plan) -> float:
         """The blocks' time in the candidate's step, by the model: each option's, ties made equal."""
@@ -381,19 +453,40 @@ class Planner:
                 least_bytes=least,
                 plain_bytes=plain_bytes,
             )
-        return self._chosen(candidates[fit], budget_bytes)
+        return self._chosen(self._fastest_measured(candidates[fit], budget_bytes), budget_bytes)
+
+    def _fastest_measured(self, best: Plan, budget_bytes: int) -> Plan:
+        """Of every plan compiled that fits, the fastest as timed: the model only proposes.
+
+        The plans that fit and ran are timed in turns; of those within the
+        spread of their runs (or 1%) of the fastest, the model's fastest is
+        taken, so that noise cannot flip the choice. ``best``, the model's
+        choice, stands where nothing that fits can run here.
+        """
+        fits = [c for c, got in self.compiled.items() if got <= budget_bytes]
+        fits = [c for c in fits if math.isfinite(self.step_ms(c))]
+        if len(fits) <= 1:
+            return fits[0] if fits else best
+        timed = self.steps_together(fits)
+        fastest = min(ms for ms, _ in timed)
+        margin = max(MEASURED_TIE, max(spread for _, spread in timed))
+        near = [c for c, (ms, _) in zip(fits, timed) if ms <= fastest * (1 + margin)]
+        return min(near, key=lambda c: (round(self.ms(c), 3), self.model_bytes(c)))
 
     def _chosen(self, best: Plan, budget_bytes: int) -> Plan:
         measured = self.step_ms(best)
+        # What the model says of it from every other plan compiled: a prediction, as a plan
+        # compiled in the first batch had none made before.
+        estimated = self.predict(best) if len(self.compiled) > 1 else self.compiled[best]
         self.say(
             f"chose {_summary(best.strategies)}, outside {brief(best.outside)}: compiled "
-            f"{format_bytes(self.compiled[best])} (estimated "
-            f"{format_bytes(self.predicted.get(best, self.compiled[best]))}), step {measured:.1f} ms"
+            f"{format_bytes(self.compiled[best])} (estimated {format_bytes(estimated)}), "
+            f"step {measured:.1f} ms"
         )
         return dataclasses.replace(
             best,
             budget_bytes=budget_bytes,
-            estimated_bytes=self.predicted.get(best, self.compiled[best]),
+            estimated_bytes=estimated,
             compiled_bytes=self.compiled[best],
             estimated_step_ms=self.estimated_ms(best),
             measured_step_ms=measured,
