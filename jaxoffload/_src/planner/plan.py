@@ -36,7 +36,8 @@ class Plan:
       outside: the strategy of the code outside the blocks (a stem, a
         classifier), applied as wrapped Modules nest.
       budget_bytes: the budget the plan was made for, if any.
-      estimated_bytes: the planner's model of the step's device bytes.
+      estimated_bytes: the planner's model of the step's device bytes, fitted to the
+        other plans it compiled.
       compiled_bytes: the compiled step's device bytes (arguments and
         temporaries), as the planner checked them.
       estimated_step_ms: the planner's model of the step's time: the blocks'
