@@ -18,6 +18,7 @@ import jax
 from jaxoffload import Lean, NoPlanFits, Offload, Plan, Remat, Store
 from jaxoffload._src import timing
 from jaxoffload._src.planner import search
+from jaxoffload._src.planner.messages import summary
 from jaxoffload._src.planner.program import device_bytes, lower_step
 from jaxoffload.bench import benchmark
 
@@ -86,7 +87,7 @@ def dump(tag):
             emit(
                 kind="all",
                 tag=tag,
-                summary=search._summary(c.strategies),
+                summary=summary(c.strategies),
                 outside=repr(c.outside),
                 model_bytes=_mb(c),
                 compiled=P.compiled[c],
@@ -138,7 +139,7 @@ for name, c in uniform.items():
     emit(
         kind="cand",
         name=name,
-        summary=search._summary(c.strategies),
+        summary=summary(c.strategies),
         outside=repr(c.outside),
         model_bytes=_mb(c),
         predicted=P.predicted.get(c),
@@ -147,7 +148,7 @@ for name, c in uniform.items():
         measured_ms=ms,
     )
     say(
-        f"{name}: {search._summary(c.strategies)} compiled {P.compiled[c] / 2**30:.2f} GiB, model {(_mb(c) or 0) / 2**30:.2f}, ms {ms}"
+        f"{name}: {summary(c.strategies)} compiled {P.compiled[c] / 2**30:.2f} GiB, model {(_mb(c) or 0) / 2**30:.2f}, ms {ms}"
     )
 dump("end")
 say("done")

@@ -27,7 +27,6 @@ __all__ = [
     "BlockCost",
     "BlockCosts",
     "block_options",
-    "calibrated",
     "cost_blocks",
     "estimate_peak_bytes",
     "estimate_step_ms",
@@ -224,39 +223,6 @@ def rescaled(measured: Sequence[BlockCosts], calls) -> list[BlockCosts]:
             for s, c in block.costs.items()
         }
     return _costs_of([b.path for b in measured], calls, times)
-
-
-def calibrated(blocks: Sequence[BlockCosts], errors: dict[Strategy, float]) -> list[BlockCosts]:
-    """The blocks with each strategy's backward passes scaled to what whole steps measured.
-
-    A block timed alone is not a block in a step: XLA fuses, schedules and
-    picks kernels across the whole program. ``errors[s]`` is how far a step
-    with every block under ``s`` ran from the blocks' sum, in ms; each
-    block's backward pass under ``s`` takes its share of that, by its time, so
-    that the model of the step meets the measured step at every uniform plan.
-    A strategy not measured so takes the error of one that was and computes
-    alike (a lean cut, or recomputation), in proportion; moving bytes is
-    priced by the link, not here.
-    """
-    factors = {}
-    for strategy, error in errors.items():
-        backward = sum(b.costs[strategy].backward_ms for b in blocks)
-        factors[strategy] = max(0.0, 1 + error / backward) if backward > 0 else 1.0
-
-    def factor(s: Strategy) -> float:
-        alike = [f for m, f in factors.items() if (m.cuts, m.recomputes) == (s.cuts, s.recomputes)]
-        return factors.get(s, alike[0] if alike else 1.0)
-
-    return [
-        dataclasses.replace(
-            b,
-            costs={
-                s: dataclasses.replace(c, backward_ms=c.backward_ms * factor(s))
-                for s, c in b.costs.items()
-            },
-        )
-        for b in blocks
-    ]
 
 
 def _program(call) -> tuple:

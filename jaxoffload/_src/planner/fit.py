@@ -23,9 +23,10 @@ from jaxoffload._src import timing
 from jaxoffload._src.errors import NoPlanFits
 from jaxoffload._src.jaxprs import format_bytes
 from jaxoffload._src.planner.apply import check_model
+from jaxoffload._src.planner.messages import progress_printer
 from jaxoffload._src.planner.plan import Plan
 from jaxoffload._src.planner.program import compile_step, device_bytes, program
-from jaxoffload._src.planner.search import Planner, progress_printer
+from jaxoffload._src.planner.search import Planner
 
 __all__ = ["Fit", "largest_fitting", "largest_size"]
 

@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
-import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
 from jaxoffload._src import nnx as offload_nnx
@@ -29,15 +26,21 @@ from jaxoffload._src.jaxprs import format_bytes
 from jaxoffload._src.planner.apply import check_model
 from jaxoffload._src.planner.budget import check_budget
 from jaxoffload._src.planner.costs import (
-    TIE,
-    BlockCost,
     block_options,
-    calibrated,
     cost_blocks,
     estimate_peak_bytes,
     rescaled,
 )
+from jaxoffload._src.planner.fitted import (
+    ByteLine,
+    calibrated,
+    fit_bytes,
+    kept_by_kind,
+    time_errors,
+    weighed,
+)
 from jaxoffload._src.planner.front import front
+from jaxoffload._src.planner.messages import note, progress_printer, summary, where_it_stops
 from jaxoffload._src.planner.plan import Plan
 from jaxoffload._src.planner.program import device_bytes, discover, lower_step, program
 from jaxoffload._src.strategies import Lean, Offload, Remat, Store, Strategy, brief, check_strategy
@@ -183,11 +186,6 @@ def _plan_or_why_not(planner: Planner, budget, max_rounds, per_round) -> Plan | 
         return error
 
 
-# How strongly the byte weights are pulled (see Planner.byte_weights), against the
-# compiled plans' squared errors in units of the plain step's bytes.
-SHARED_WEIGHT_PULL = 1e-4
-KIND_WEIGHT_PULL = 1e-2
-
 # Plans whose timed steps are within this share of the fastest's are taken as equally fast.
 MEASURED_TIE = 0.01
 
@@ -286,60 +284,29 @@ class Planner:
             Store() if strategy.is_identity else Lean(),
         )
 
-    def _put_on_front(self, scale: dict[Strategy, float] | None = None) -> None:
-        """The front of the blocks' options; with ``scale``, each option's kept bytes as the
-        compiled steps weigh its kind's (:meth:`byte_weights`)."""
+    def _put_on_front(self, line: ByteLine | None = None) -> None:
+        """The front of the blocks' options, their kept bytes weighed by ``line`` if given."""
         self.choices = block_options(self.blocks, self.options, self.link)
-        if scale:
-            self.choices = [
-                [
-                    dataclasses.replace(
-                        o, kept_bytes=int(o.kept_bytes * scale.get(o.strategy.costed(), 1.0))
-                    )
-                    for o in options
-                ]
-                for options in self.choices
-            ]
+        if line is not None:
+            self.choices = weighed(self.choices, line)
         self.front = front(self.choices)
 
     def _calibrate(self, uniform: Sequence[Plan]) -> None:
-        """Scales the blocks' times to the measured uniform steps that compute without moving.
-
-        The steps are timed in turns with the plain one; an error within the
-        spread of their runs (or :data:`~jaxoffload._src.planner.costs.TIE`)
-        is noise, and left alone.
-        """
+        """Fits the blocks' times to the uniform steps that compute without moving
+        (:func:`~jaxoffload._src.planner.fitted.time_errors`), their bytes to every plan compiled."""
         plans = [
             p
             for p in dict.fromkeys(uniform)
             if not (p.strategies[0].to_host or p.strategies[0].is_identity)
             and math.isfinite(self.step_ms(p))
         ]
-        if not plans:
-            self._put_on_front(self.byte_weights()[1])
-            return
-        (plain_ms, plain_spread), *timed = self.steps_together([self.plain, *plans])
-        plain_model = sum(
-            b.cost(Store()).forward_ms + b.cost(Store()).backward_ms for b in self.blocks
-        )
-        errors = {}
-        for plan, (ms, spread) in zip(plans, timed):
-            strategy = plan.strategies[0]
-            model = sum(
-                b.cost(strategy).forward_ms + b.cost(strategy).backward_ms for b in self.blocks
-            )
-            error = (ms - plain_ms) - (model - plain_model)
-            noise = max(TIE, spread, plain_spread) * plain_ms
-            self.say(
-                f"{brief(strategy)} on every block: {ms:.1f} ms measured, "
-                f"{plain_ms + model - plain_model:.1f} ms from the blocks alone"
-                + ("" if abs(error) > noise else " (within the noise: kept)")
-            )
-            if abs(error) > noise:
-                errors[strategy] = error
-        if errors:
+        if plans:
+            timed = self.steps_together([self.plain, *plans])
+            errors, lines = time_errors(self.blocks, [p.strategies[0] for p in plans], timed)
+            for line in lines:
+                self.say(line)
             self.blocks = calibrated(self.blocks, errors)
-        self._put_on_front(self.byte_weights()[1])
+        self._put_on_front(self.byte_line())
 
     def _candidate(self, point) -> Plan:
         """The plan of a point on the front; the code outside the blocks is lean unless all store."""
@@ -351,50 +318,19 @@ class Planner:
         """The model of the step's peak: what the blocks hold over time, not calibrated."""
         return float(estimate_peak_bytes(self.blocks, candidate.strategies))
 
-    def kept(self, candidate: Plan) -> dict[Strategy, int]:
-        """Per kind of strategy (as costed), the bytes its blocks keep between the passes."""
-        sums: dict[Strategy, int] = {}
-        for block, s in zip(self.blocks, candidate.strategies):
-            cost = block.cost(s)
-            sums[s.costed()] = sums.get(s.costed(), 0) + cost.device_bytes + cost.input_bytes
-        return sums
-
-    def byte_weights(self, without: Plan | None = None) -> tuple[float, dict[Strategy, float]]:
-        """``(rest, weights)``: compiled bytes as ``rest + sum(weights[s] * kept[s])``, fitted.
-
-        Traced residuals are not XLA's buffers: XLA fuses some away and adds
-        its own (ResNet-50's uniform plans compiled to between a third and a
-        half of their traced residuals on an H200, over 2.5 GiB of the rest).
-        The line goes through the compiled plans (but ``without``) by least
-        squares: one weight shared by every kind, and each kind's own
-        difference from it, pulled towards 0, so that a kind no compiled plan
-        tells apart takes the shared weight.
-        """
-        kinds = list(self.blocks[0].costs) if self.blocks else []
+    def byte_line(self, without: Plan | None = None) -> ByteLine:
+        """Compiled bytes as a line fitted to every compiled plan but ``without``."""
+        points = [
+            (kept_by_kind(self.blocks, p.strategies), got)
+            for p, got in self.compiled.items()
+            if p != without
+        ]
         scale = float(self.compiled.get(self.plain) or max(self.compiled.values()))
-        rows, ys = [], []
-        for plan, got in self.compiled.items():
-            if plan != without:
-                kept = [self.kept(plan).get(k, 0) / scale for k in kinds]
-                rows.append([1.0, sum(kept), *kept])
-                ys.append(got / scale)
-        # The shared weight is pulled towards 1 (the traced bytes) only as far as needed for
-        # one compiled plan to give an answer; each kind's difference, more firmly towards 0.
-        for column, (pull, target) in enumerate(
-            [(SHARED_WEIGHT_PULL, 1.0)] + [(KIND_WEIGHT_PULL, 0.0)] * len(kinds), start=1
-        ):
-            rows.append([np.sqrt(pull) * (j == column) for j in range(len(kinds) + 2)])
-            ys.append(np.sqrt(pull) * target)
-        solution = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)[0]
-        shared = solution[1]
-        weights = {k: max(0.0, float(shared + d)) for k, d in zip(kinds, solution[2:])}
-        return float(solution[0]) * scale, weights
+        return fit_bytes(points, list(self.blocks[0].costs), scale)
 
     def predict(self, candidate: Plan) -> int:
         """The compiled bytes that the line fitted to the other compiled plans predicts."""
-        rest, weights = self.byte_weights(without=candidate)
-        kept = self.kept(candidate)
-        return int(rest + sum(weights.get(k, 1.0) * b for k, b in kept.items()))
+        return self.byte_line(without=candidate)(kept_by_kind(self.blocks, candidate.strategies))
 
     def _compile(self, candidates: Sequence[Plan]) -> None:
         todo = [c for c in dict.fromkeys(candidates) if c not in self.compiled]
@@ -479,8 +415,8 @@ class Planner:
             probes = {predicted[0] if predicted else todo[-1]}
             probes |= {todo[k * len(todo) // per_round] for k in range(1, per_round)}
             batch = [candidates[n] for n in sorted(probes)]
-            summary = " and ".join(_summary(c.strategies) for c in batch)
-            self.say(f"round {round_}: compiling {summary}")
+            compiling = " and ".join(summary(c.strategies) for c in batch)
+            self.say(f"round {round_}: compiling {compiling}")
             self._compile(batch)
         over, fit = bounds()
         if fit == len(candidates):
@@ -489,20 +425,16 @@ class Planner:
                 f"no plan of {[brief(s) for s in self.options]} fits {format_bytes(budget_bytes)}: "
                 f"the least compiled was {format_bytes(least)}, {least / plain_bytes:.0%} of the "
                 f"plain step's {format_bytes(plain_bytes)}."
-                + _where_it_stops(self.link, least / plain_bytes),
+                + where_it_stops(self.link, least / plain_bytes),
                 least_bytes=least,
                 plain_bytes=plain_bytes,
             )
         return self._chosen(self._fastest_measured(candidates[fit], budget_bytes), budget_bytes)
 
     def _fastest_measured(self, best: Plan, budget_bytes: int) -> Plan:
-        """Of every plan compiled that fits, the fastest as timed: the model only proposes.
-
-        The plans that fit and ran are timed in turns; of those within the
-        spread of their runs (or 1%) of the fastest, the model's fastest is
-        taken, so that noise cannot flip the choice. ``best``, the model's
-        choice, stands where nothing that fits can run here.
-        """
+        """Of every compiled plan that fits and runs, the fastest as timed in turns; of those
+        within 1% or their spread of it, the model's fastest, so that noise cannot flip the
+        choice. ``best``, the model's choice, stands where none can run here."""
         fits = [c for c, got in self.compiled.items() if got <= budget_bytes]
         fits = [c for c in fits if math.isfinite(self.step_ms(c))]
         if len(fits) <= 1:
@@ -519,7 +451,7 @@ class Planner:
         # compiled in the first batch had none made before.
         estimated = self.predict(best) if len(self.compiled) > 1 else self.compiled[best]
         self.say(
-            f"chose {_summary(best.strategies)}, outside {brief(best.outside)}: compiled "
+            f"chose {summary(best.strategies)}, outside {brief(best.outside)}: compiled "
             f"{format_bytes(self.compiled[best])} (estimated {format_bytes(estimated)}), "
             f"step {measured:.1f} ms"
         )
@@ -530,7 +462,7 @@ class Planner:
             compiled_bytes=self.compiled[best],
             estimated_step_ms=self.estimated_ms(best),
             measured_step_ms=measured,
-            notes=tuple(_note(b.cost(s)) for b, s in zip(self.blocks, best.strategies)),
+            notes=tuple(note(b.cost(s)) for b, s in zip(self.blocks, best.strategies)),
         )
 
 
@@ -555,43 +487,6 @@ def _check_blocks(paths, calls, *, nnx_model: bool) -> None:
             "blocks; a plannable block must not contain or sit beside other jaxoffload-wrapped "
             "Modules."
         )
-
-
-def _where_it_stops(link, share: float) -> str:
-    """What the least share reached means, and what might go lower."""
-    if link is None and jax.default_backend() == "cpu":
-        return (
-            " On CPU, compiled memory barely moves with the strategy (XLA:CPU keeps what it "
-            "keeps, and nothing can move to a host): plan on a GPU."
-        )
-    return " A smaller batch, or a smaller image, is the next step down."
-
-
-def _note(cost: BlockCost) -> str:
-    parts = [f"keeps {cost.device_bytes + cost.input_bytes + cost.output_bytes:,} B"]
-    if cost.host_bytes:
-        parts.append(f"moves {cost.host_bytes:,} B")
-    parts.append(f"{cost.forward_ms + cost.backward_ms:.2f} ms")
-    return ", ".join(parts)
-
-
-def _summary(choice) -> str:
-    counts: dict[str, int] = {}
-    for s in choice:
-        counts[brief(s)] = counts.get(brief(s), 0) + 1
-    return ", ".join(f"{k} x{v}" for k, v in counts.items())
-
-
-def progress_printer(progress, label: str = "plan") -> Callable[[str], None]:
-    """``progress`` as a function of a line: itself, nothing, or a timed print to stderr."""
-    if callable(progress):
-        return progress
-    if not progress:
-        return lambda line: None
-    start = time.perf_counter()
-    return lambda line: print(
-        f"[{label} {time.perf_counter() - start:6.1f} s] {line}", file=sys.stderr, flush=True
-    )
 
 
 def _explicit_mesh(args) -> jax.sharding.Mesh | None:
