@@ -14,6 +14,7 @@ from jaxoffload import Lean, Offload, Plan, Remat, Store
 from jaxoffload._src.planner import BlockCost, BlockCosts, estimate_peak_bytes, estimate_step_ms
 from jaxoffload._src.planner import search as planner
 from jaxoffload._src.planner.costs import block_options
+from jaxoffload._src.planner.fitted import hidden_choice, hidden_ms_per_byte
 from jaxoffload._src.strategies import brief
 from tests.helpers import host_device_puts, normal, rel_err
 
@@ -296,6 +297,19 @@ def test_hidden_offloads_move_only_what_the_next_blocks_compute_hides():
     assert first["Offload()"].ms > 3.0  # uncapped, window 1: its transfers show
     # The last block has no block after it to hide behind.
     assert not [o for o in choices[-1] if o.strategy.max_bytes is not None]
+
+    # The plan that checks the overlap: each block's first hidden offload, the last block's
+    # leanest option. Where its step ran over the model, each byte they move costs that.
+    check = hidden_choice(choices)
+    assert [s.max_bytes is not None for s in check] == [True, True, True, False]
+    moved = sum(b.cost(s).host_bytes for b, s in zip(sized, check) if s.max_bytes)
+    assert hidden_ms_per_byte(sized, check, 6.0) == pytest.approx(6.0 / moved)
+    assert hidden_ms_per_byte(sized, check, -1.0) == 0.0  # faster than modelled: no credit
+    slower = block_options(sized, options, link, hidden_ms_per_byte=1e-6)
+    for before, after in zip(choices[0], slower[0]):
+        added = 1e-6 * after.moved_bytes if after.strategy.max_bytes is not None else 0.0
+        assert after.ms == pytest.approx(before.ms + added)
+    assert hidden_choice([[o for o in c if o.strategy.max_bytes is None] for c in choices]) is None
 
 
 class _FakePlanner(planner.Planner):

@@ -329,7 +329,10 @@ HIDDEN_SHARE = 0.8
 
 
 def block_options(
-    blocks: Sequence[BlockCosts], options: Sequence[Strategy], link: tuple[float, float] | None
+    blocks: Sequence[BlockCosts],
+    options: Sequence[Strategy],
+    link: tuple[float, float] | None,
+    hidden_ms_per_byte: float = 0.0,
 ) -> list[list[Option]]:
     """Per block, its options with what each keeps and costs: the front's input.
 
@@ -338,14 +341,18 @@ def block_options(
     gets hidden offloads: ``Offload`` with window ``w`` and a byte cap of what
     the link moves, in :data:`HIDDEN_SHARE` of the time, while the next
     ``w - 1`` blocks compute, forward and backward, so that the move costs
-    almost nothing; on top of the lean cut, and of recomputation.
+    almost nothing; on top of the lean cut, and of recomputation. Where a
+    whole step showed that it does not, ``hidden_ms_per_byte`` is what each
+    byte such an offload moves was measured to cost.
     """
     choices = []
     for i in range(len(blocks)):
         strategies = list(dict.fromkeys(options))
         if link is not None:
             strategies += _hidden_offloads(blocks, i, options, link)
-        options_i = [_option(blocks, i, s, link) for s in dict.fromkeys(strategies)]
+        options_i = [
+            _option(blocks, i, s, link, hidden_ms_per_byte) for s in dict.fromkeys(strategies)
+        ]
         noise = max(blocks[i].cost(o.strategy).spread for o in options_i)
         choices.append(_ties_as_equal(options_i, max(TIE, noise)))
     return choices
@@ -382,7 +389,7 @@ def _hidden_offloads(blocks, i, options, link) -> list[Strategy]:
     return hidden
 
 
-def _option(blocks, i, strategy, link) -> Option:
+def _option(blocks, i, strategy, link, hidden_ms_per_byte=0.0) -> Option:
     cost = blocks[i].cost(strategy)
     kept = cost.device_bytes + cost.input_bytes
     ms = cost.forward_ms + cost.backward_ms
@@ -392,4 +399,6 @@ def _option(blocks, i, strategy, link) -> Option:
         # The blocks after it, as plain ones: their own choices are not known yet.
         later = [b.cost(Store()) for b in blocks[i + 1 : i + strategy.window]]
         ms += sum(_exposed_ms(cost.host_bytes, link, later))
+        if strategy.max_bytes is not None:
+            ms += hidden_ms_per_byte * cost.host_bytes
     return Option(strategy, int(kept), float(ms), int(cost.host_bytes))

@@ -17,7 +17,16 @@ from jaxoffload._src.planner.costs import TIE, BlockCosts
 from jaxoffload._src.planner.front import Option
 from jaxoffload._src.strategies import Store, Strategy, brief
 
-__all__ = ["ByteLine", "calibrated", "fit_bytes", "kept_by_kind", "time_errors", "weighed"]
+__all__ = [
+    "ByteLine",
+    "calibrated",
+    "fit_bytes",
+    "hidden_choice",
+    "hidden_ms_per_byte",
+    "kept_by_kind",
+    "time_errors",
+    "weighed",
+]
 
 # How strongly the byte weights are pulled (see fit_bytes), against the compiled plans'
 # squared errors in units of the plain step's bytes.
@@ -147,3 +156,23 @@ def time_errors(
         if not noisy:
             errors[strategy] = ms - model
     return errors, lines
+
+
+def hidden_choice(choices: Sequence[Sequence[Option]]) -> list[Strategy] | None:
+    """Each block's first hidden offload (a capped one), or its leanest option where it has
+    none: the plan that checks the overlap the hidden offloads assume. ``None`` if no block
+    has one."""
+    picked = []
+    for options in choices:
+        capped = [o.strategy for o in options if o.strategy.max_bytes is not None]
+        picked.append(capped[0] if capped else min(options, key=lambda o: o.kept_bytes).strategy)
+    return picked if any(s.max_bytes is not None for s in picked) else None
+
+
+def hidden_ms_per_byte(
+    blocks: Sequence[BlockCosts], strategies: Sequence[Strategy], error_ms: float
+) -> float:
+    """What each byte that the hidden offloads of ``strategies`` move costs beyond the
+    model, where their step ran ``error_ms`` over it (a measured, not a modelled, overlap)."""
+    moved = sum(b.cost(s).host_bytes for b, s in zip(blocks, strategies) if s.max_bytes)
+    return max(0.0, error_ms) / moved if moved else 0.0

@@ -16,7 +16,15 @@ from jaxoffload._src.planner.plan import Plan
 from jaxoffload._src.residuals import OffloadedCall
 from jaxoffload._src.strategies import Lean
 
-__all__ = ["compile_step", "compiled_bytes", "device_bytes", "discover", "lower_step", "program"]
+__all__ = [
+    "check_discovered",
+    "compile_step",
+    "compiled_bytes",
+    "device_bytes",
+    "discover",
+    "lower_step",
+    "program",
+]
 
 
 def discover(model, step, args, blocks) -> tuple[list[str], list[OffloadedCall]]:
@@ -77,3 +85,27 @@ def device_bytes(executable) -> int:
     """A compiled step's device bytes: its arguments and temporaries."""
     memory = executable.memory_analysis()
     return int(memory.temp_size_in_bytes + memory.argument_size_in_bytes)
+
+
+def check_discovered(paths, calls, *, nnx_model: bool) -> None:
+    """Raises if the step calls no plannable block, one twice, or wrapped calls beside them."""
+    if not paths:
+        raise ValueError(
+            "the step calls none of the blocks that blocks= selects: select the submodules "
+            "that the model's __call__ calls."
+            if nnx_model
+            else "the step calls no plannable block: wrap the model's block class with "
+            "jaxoffload.linen.plannable, e.g. block_cls=jaxoffload.linen.plannable(Block)."
+        )
+    twice = sorted({p for p in paths if paths.count(p) > 1})
+    if twice:
+        raise ValueError(
+            f"blocks {twice} are called more than once per step; a plan gives each instance "
+            "one strategy, so wrap the repeated call in a Module of its own."
+        )
+    if len(calls) != len(paths):
+        raise ValueError(
+            f"the step differentiates {len(calls)} wrapped calls but {len(paths)} plannable "
+            "blocks; a plannable block must not contain or sit beside other jaxoffload-wrapped "
+            "Modules."
+        )

@@ -26,6 +26,7 @@ from jaxoffload._src.jaxprs import format_bytes
 from jaxoffload._src.planner.apply import check_model
 from jaxoffload._src.planner.budget import check_budget
 from jaxoffload._src.planner.costs import (
+    TIE,
     block_options,
     cost_blocks,
     estimate_peak_bytes,
@@ -35,6 +36,8 @@ from jaxoffload._src.planner.fitted import (
     ByteLine,
     calibrated,
     fit_bytes,
+    hidden_choice,
+    hidden_ms_per_byte,
     kept_by_kind,
     time_errors,
     weighed,
@@ -42,7 +45,13 @@ from jaxoffload._src.planner.fitted import (
 from jaxoffload._src.planner.front import front
 from jaxoffload._src.planner.messages import note, progress_printer, summary, where_it_stops
 from jaxoffload._src.planner.plan import Plan
-from jaxoffload._src.planner.program import device_bytes, discover, lower_step, program
+from jaxoffload._src.planner.program import (
+    check_discovered,
+    device_bytes,
+    discover,
+    lower_step,
+    program,
+)
 from jaxoffload._src.strategies import Lean, Offload, Remat, Store, Strategy, brief, check_strategy
 
 __all__ = ["Planner", "default_options", "plan", "progress_printer"]
@@ -234,7 +243,7 @@ class Planner:
         self.options = options
         say("tracing the step to find the plannable blocks")
         self.paths, calls = discover(model, step, args, blocks)
-        _check_blocks(self.paths, calls, nnx_model=isinstance(model, nnx.Module))
+        check_discovered(self.paths, calls, nnx_model=isinstance(model, nnx.Module))
         if measured is not None:
             self.link = measured.link
             self.blocks = rescaled(measured.blocks, calls)
@@ -251,10 +260,15 @@ class Planner:
         self.measured_ms: dict[Plan, float] = {}
         self.plain = Plan(tuple((p, Store()) for p in self.paths))
         self.arrays = program(model, step, args, self.plain)[1]
+        self.hidden_ms_per_byte = 0.0 if measured is None else measured.hidden_ms_per_byte
         self._put_on_front()
         self.leanest = self._candidate(self.front[0])
-        # Measured costs are checked against whole steps: every block under each option.
+        # Measured costs are checked against whole steps: every block under each option, and
+        # every block that has one under a hidden offload.
         uniform = [] if measured is not None else [self.uniform(s) for s in options]
+        hidden = hidden_choice(self.choices) if uniform else None
+        if hidden is not None:
+            uniform.append(Plan(tuple(zip(self.paths, hidden)), Lean()))
         say(
             "compiling the plain step, the leanest plan on the front"
             + (f" and {len(uniform)} uniform plans" if uniform else "")
@@ -286,7 +300,7 @@ class Planner:
 
     def _put_on_front(self, line: ByteLine | None = None) -> None:
         """The front of the blocks' options, their kept bytes weighed by ``line`` if given."""
-        self.choices = block_options(self.blocks, self.options, self.link)
+        self.choices = block_options(self.blocks, self.options, self.link, self.hidden_ms_per_byte)
         if line is not None:
             self.choices = weighed(self.choices, line)
         self.front = front(self.choices)
@@ -307,6 +321,15 @@ class Planner:
                 self.say(line)
             self.blocks = calibrated(self.blocks, errors)
         self._put_on_front(self.byte_line())
+        hidden = uniform[-1]
+        if any(s.max_bytes for s in hidden.strategies) and math.isfinite(self.step_ms(hidden)):
+            error = self.step_ms(hidden) - self.estimated_ms(hidden)
+            self.say(f"hidden offloads: {self.step_ms(hidden):.1f} ms, {error:+.1f} over the model")
+            noise = TIE * self.step_ms(self.plain)
+            self.hidden_ms_per_byte = hidden_ms_per_byte(
+                self.blocks, hidden.strategies, error - noise
+            )
+            self._put_on_front(self.byte_line())
 
     def _candidate(self, point) -> Plan:
         """The plan of a point on the front; the code outside the blocks is lean unless all store."""
@@ -463,29 +486,6 @@ class Planner:
             estimated_step_ms=self.estimated_ms(best),
             measured_step_ms=measured,
             notes=tuple(note(b.cost(s)) for b, s in zip(self.blocks, best.strategies)),
-        )
-
-
-def _check_blocks(paths, calls, *, nnx_model: bool) -> None:
-    if not paths:
-        raise ValueError(
-            "the step calls none of the blocks that blocks= selects: select the submodules "
-            "that the model's __call__ calls."
-            if nnx_model
-            else "the step calls no plannable block: wrap the model's block class with "
-            "jaxoffload.linen.plannable, e.g. block_cls=jaxoffload.linen.plannable(Block)."
-        )
-    twice = sorted({p for p in paths if paths.count(p) > 1})
-    if twice:
-        raise ValueError(
-            f"blocks {twice} are called more than once per step; a plan gives each instance "
-            "one strategy, so wrap the repeated call in a Module of its own."
-        )
-    if len(calls) != len(paths):
-        raise ValueError(
-            f"the step differentiates {len(calls)} wrapped calls but {len(paths)} plannable "
-            "blocks; a plannable block must not contain or sit beside other jaxoffload-wrapped "
-            "Modules."
         )
 
 
