@@ -402,3 +402,13 @@ def test_plans_are_the_same_in_two_fresh_processes():
         )
         plans.append(Plan.from_json(done.stdout.strip().splitlines()[-1]))
     assert plans[0] == plans[1]
+
+
+def test_an_offload_is_timed_as_its_twin_on_the_device():
+    """Without its copies an offload computes what Lean or Remat does: one program to time."""
+    assert Offload(window=2, max_bytes=10).timed_as() == Lean()
+    assert Offload(max_recompute=0.0).timed_as() == Lean(max_recompute=0.0)
+    assert Offload(recompute=True).timed_as() == Remat()
+    named = Offload(names=("conv",), window=2)
+    assert named.timed_as() == named.costed()
+    assert Store().timed_as() == Store() and Remat().timed_as() == Remat()

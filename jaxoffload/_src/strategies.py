@@ -86,6 +86,10 @@ class Strategy:
         """The strategy as a planner measures it: window 1, no byte cap; the same compute."""
         return self
 
+    def timed_as(self) -> Strategy:
+        """The strategy whose compute a planner times for this one: itself, as costed."""
+        return self.costed()
+
     def moved(self, sizes: tuple[int, ...]) -> list[bool]:
         """Which of the residuals that may move, of these sizes, do: all, unless capped."""
         return [True] * len(sizes)
@@ -314,6 +318,12 @@ class Offload(Strategy):
 
     def costed(self) -> Offload:
         return dataclasses.replace(self, window=1, max_bytes=None)
+
+    def timed_as(self) -> Strategy:
+        # Without its copies, an offload computes what its twin on the device does.
+        if self.names is not None:
+            return self.costed()
+        return Lean(self.max_recompute) if self.cuts else Remat()
 
     def moved(self, sizes: tuple[int, ...]) -> list[bool]:
         if self.max_bytes is None:

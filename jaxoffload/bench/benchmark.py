@@ -963,6 +963,7 @@ def _plan_fields(workload: Workload) -> dict[str, Any]:
         "plan_estimated_bytes": planned.estimated_bytes,
         "plan_estimated_step_ms": planned.estimated_step_ms,
         "plan_measured_step_ms": planned.measured_step_ms,
+        "planned": workload.planned,  # the plan itself: it re-applies without planning
     }
 
 

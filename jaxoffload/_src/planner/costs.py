@@ -198,12 +198,16 @@ def cost_blocks(paths, calls, options, *, runs, say) -> list[BlockCosts]:
 
     Windows and byte caps change when and how much moves, not what a block
     keeps or computes, so each option is costed as its strategy with window 1
-    and no cap. The programs are compiled one after another (:func:`compile_all`).
+    and no cap; an offload's compute is timed as its twin's on the device
+    (``Strategy.timed_as``). The programs are compiled one after another
+    (:func:`compile_all`).
     """
     costed = list(dict.fromkeys([Store(), *(s.costed() for s in options)]))
+    timed = list(dict.fromkeys(s.timed_as() for s in costed))
     distinct = _distinct(calls)
-    say(f"timing block programs: {len(distinct)} distinct, each under {len(costed)} strategies")
-    times = _time_programs(list(distinct.values()), costed, runs)
+    say(f"timing block programs: {len(distinct)} distinct, each under {len(timed)} strategies")
+    times = _time_programs(list(distinct.values()), timed, runs)
+    times = [{s: t[s.timed_as()] for s in costed} for t in times]
     return _costs_of(paths, calls, dict(zip(distinct, times)))
 
 

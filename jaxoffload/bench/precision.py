@@ -1,0 +1,138 @@
+"""Each strategy's and plan's gradient against a float32 highest-precision reference.
+
+bf16 gradients differ from run to run by more than strategies differ (errors
+against Store's moved by 20x between runs), so a strategy's arithmetic is
+checked against what every strategy approximates: the plain model in float32
+at the highest matmul precision, on the same images, at a small batch. A
+strategy or plan holds where its error is within ``TOLERANCE`` of Store's,
+the same-arithmetic control.
+
+    python -m jaxoffload.bench.precision RESULTS.json [--batch 8] [--out FILE]
+
+reads a bench's records and writes one line per strategy or plan measured
+there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxoffload.bench import benchmark
+
+__all__ = ["TOLERANCE", "errors_against_float32", "gradient"]
+
+# A strategy's error against the float32 reference may exceed Store's by this share.
+TOLERANCE = 0.10
+
+
+def gradient(workload: benchmark.Workload, images: jax.Array | None = None) -> list[np.ndarray]:
+    """The workload's gradient at its initial parameters, as float64 arrays in a fixed order.
+
+    ``images`` replaces the workload's own (cast to its dtype), so that a
+    reference in another dtype sees the same pixels.
+    """
+    _, state, batch, loss_fn = benchmark.train_step(workload)
+    params, model_state = state[:2]
+    if images is not None:
+        batch = (images.astype(jnp.dtype(workload.dtype)), *batch[1:])
+    _, grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, model_state, batch)
+    return [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)]
+
+
+def _relative_error(grads: Sequence[np.ndarray], reference: Sequence[np.ndarray]) -> float:
+    diff = sum(np.sum((g - r) ** 2) for g, r in zip(grads, reference))
+    return float(np.sqrt(diff / sum(np.sum(r**2) for r in reference)))
+
+
+def _small(record: dict[str, Any], batch: int) -> benchmark.Workload | None:
+    """The record's workload at ``batch`` images, or ``None`` if it has no gradient to check."""
+    strategy = record.get("strategy")
+    if "step_time_ms" not in record or record.get("micro_batch") is not None:
+        return None
+    if strategy not in benchmark.STRATEGIES and strategy != "plan":
+        return None
+    return benchmark.Workload(
+        model=record["model"],
+        batch=batch,
+        image_size=record["image_size"],
+        dtype=record["dtype"],
+        strategy=strategy,
+        window=record.get("window", 1),
+        plan=record.get("plan"),
+        budget=record.get("budget"),
+        planned=record.get("planned"),
+    )
+
+
+def errors_against_float32(records: Sequence[dict[str, Any]], batch: int = 8) -> list[dict]:
+    """Per record with a gradient, its error and Store's against the float32 reference.
+
+    The records must be one model's, at one image size and dtype, with a
+    ``"none"`` record among them (the control) and every ``"plan"`` record
+    carrying its ``planned`` dict.
+    """
+    workloads = [w for r in records if (w := _small(r, batch)) is not None]
+    store = next((w for w in workloads if w.strategy == "none"), None)
+    if store is None:
+        raise ValueError("the records hold no 'none' run: Store is the control.")
+    reference_workload = dataclasses.replace(store, dtype="float32")
+    images = benchmark.train_step(store, abstract=False)[2][0].astype(jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        reference = gradient(reference_workload, images)
+    store_error = _relative_error(gradient(store, images), reference)
+    lines = []
+    for workload in workloads:
+        error = _relative_error(gradient(workload, images), reference)
+        lines.append(
+            {
+                "model": workload.model,
+                "strategy": workload.strategy,
+                "budget": workload.budget,
+                "batch": batch,
+                "dtype": workload.dtype,
+                "grad_err_f32": error,
+                "store_grad_err_f32": store_error,
+                "ratio_to_store": error / store_error if store_error else None,
+                "holds": error <= (1 + TOLERANCE) * store_error,
+                **benchmark.device_fields(jax.devices()[0]),
+            }
+        )
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m jaxoffload.bench.precision")
+    parser.add_argument("results", help="a bench's JSON records")
+    parser.add_argument("--batch", type=int, default=8, help="images of the small batch")
+    parser.add_argument("--out", help="where to write the lines (JSON); stdout by default")
+    args = parser.parse_args(argv)
+    with open(args.results) as f:
+        records = json.load(f)
+    lines = errors_against_float32(records, args.batch)
+    text = json.dumps(lines, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+    for line in lines:
+        mark = "holds" if line["holds"] else "FAILS"
+        print(
+            f"{line['strategy']}{'' if line['budget'] is None else '@' + str(line['budget'])}: "
+            f"{line['grad_err_f32']:.2e} against float32, {line['ratio_to_store']:.2f}x Store's "
+            f"({mark})",
+            file=sys.stderr,
+        )
+
+
+if __name__ == "__main__":
+    main()
