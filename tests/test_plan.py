@@ -14,7 +14,12 @@ from jaxoffload import Lean, Offload, Plan, Remat, Store
 from jaxoffload._src.planner import BlockCost, BlockCosts, estimate_peak_bytes, estimate_step_ms
 from jaxoffload._src.planner import search as planner
 from jaxoffload._src.planner.costs import block_options
-from jaxoffload._src.planner.fitted import hidden_choice, hidden_ms_per_byte
+from jaxoffload._src.planner.fitted import (
+    calibrated,
+    hidden_choice,
+    hidden_ms_per_byte,
+    time_errors,
+)
 from jaxoffload._src.strategies import brief
 from tests.helpers import host_device_puts, normal, rel_err
 
@@ -412,3 +417,40 @@ def test_an_offload_is_timed_as_its_twin_on_the_device():
     named = Offload(names=("conv",), window=2)
     assert named.timed_as() == named.costed()
     assert Store().timed_as() == Store() and Remat().timed_as() == Remat()
+
+
+def test_block_times_are_fitted_to_the_uniform_steps_timed_beside_the_plain_one():
+    blocks = _blocks()  # per block: Store and Lean 3 ms, Remat 4 ms; 12, 12 and 16 in all
+    steady = [(12.0, 0.005), (12.3, 0.005), (20.0, 0.005)]
+    errors, lines, apart = time_errors(blocks, [Lean(), Remat()], steady)
+    assert errors == {Remat(): pytest.approx(4.0)}  # Lean's 0.3 ms is within TIE's 3%
+    assert apart == {Lean(), Remat()}  # but both ran apart from the plain step
+    assert len(lines) == 2 and "within the noise" in lines[0]
+    fitted = calibrated(blocks, errors)
+    remat = sum(b.cost(Remat()).forward_ms + b.cost(Remat()).backward_ms for b in fitted)
+    assert remat == pytest.approx(20.0)  # the model meets the measured uniform step
+    assert fitted[0].cost(Store()) == blocks[0].cost(Store())
+    # Offload(recompute=True) computes as Remat does, and takes its scale.
+    twins = [
+        dataclasses.replace(b, costs={**b.costs, Offload(recompute=True): b.costs[Remat()]})
+        for b in blocks
+    ]
+    assert calibrated(twins, errors)[0].cost(Offload(recompute=True)).backward_ms == 4.0
+    # Steps whose runs spread too much fit nothing.
+    assert time_errors(blocks, [Lean(), Remat()], [(12.0, 0.2), (12.3, 0.2), (20.0, 0.2)])[::2] == (
+        {},
+        frozenset(),
+    )
+
+
+def test_kinds_timed_apart_from_the_plain_step_are_not_tied_with_it():
+    slower = dataclasses.replace(_blocks()[0].costs[Lean()], backward_ms=2.05)
+    blocks = [dataclasses.replace(b, costs={**b.costs, Lean(): slower}) for b in _blocks()]
+    options = (Store(), Lean(), Remat())
+    tied = {brief(o.strategy): o.ms for o in block_options(blocks, options, None)[0]}
+    assert tied["Lean()"] == tied["Store()"]  # 1.7% apart: noise, for a block timed alone
+    kept = {
+        brief(o.strategy): o.ms
+        for o in block_options(blocks, options, None, apart=frozenset({Lean()}))[0]
+    }
+    assert kept["Lean()"] == pytest.approx(3.05) and kept["Store()"] == 3.0

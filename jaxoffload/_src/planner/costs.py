@@ -337,6 +337,7 @@ def block_options(
     options: Sequence[Strategy],
     link: tuple[float, float] | None,
     hidden_ms_per_byte: float = 0.0,
+    apart: frozenset[Strategy] = frozenset(),
 ) -> list[list[Option]]:
     """Per block, its options with what each keeps and costs: the front's input.
 
@@ -347,7 +348,9 @@ def block_options(
     ``w - 1`` blocks compute, forward and backward, so that the move costs
     almost nothing; on top of the lean cut, and of recomputation. Where a
     whole step showed that it does not, ``hidden_ms_per_byte`` is what each
-    byte such an offload moves was measured to cost.
+    byte such an offload moves was measured to cost. Options of one block
+    within their timing noise count as equally fast, but for the kinds in
+    ``apart``, whose whole steps were timed apart from the plain one's.
     """
     choices = []
     for i in range(len(blocks)):
@@ -358,7 +361,7 @@ def block_options(
             _option(blocks, i, s, link, hidden_ms_per_byte) for s in dict.fromkeys(strategies)
         ]
         noise = max(blocks[i].cost(o.strategy).spread for o in options_i)
-        choices.append(_ties_as_equal(options_i, max(TIE, noise)))
+        choices.append(_ties_as_equal(options_i, max(TIE, noise), apart))
     return choices
 
 
@@ -368,10 +371,13 @@ def block_options(
 TIE = 0.03
 
 
-def _ties_as_equal(options: list[Option], margin: float) -> list[Option]:
+def _ties_as_equal(options: list[Option], margin: float, apart=frozenset()) -> list[Option]:
     fastest = min(o.ms for o in options)
     return [
-        dataclasses.replace(o, ms=fastest) if o.ms <= fastest * (1 + margin) else o for o in options
+        dataclasses.replace(o, ms=fastest)
+        if o.ms <= fastest * (1 + margin) and o.strategy.timed_as() not in apart
+        else o
+        for o in options
     ]
 
 

@@ -33,6 +33,12 @@ __all__ = [
 SHARED_WEIGHT_PULL = 1e-4
 KIND_WEIGHT_PULL = 1e-2
 
+# Two whole steps whose timed runs are this share apart, or more than their spread, differ.
+MEASURED_NOISE = 0.01
+# Whole steps whose runs spread more than this are too noisy to fit block times to: a
+# GPU's steps of tens of ms spread well under it, a busy CPU's by 3 to 60%.
+STEADY = 0.02
+
 
 @dataclasses.dataclass(frozen=True)
 class ByteLine:
@@ -132,22 +138,34 @@ def time_errors(
     blocks: Sequence[BlockCosts],
     strategies: Sequence[Strategy],
     timed: Sequence[tuple[float, float]],
-) -> tuple[dict[Strategy, float], list[str]]:
+) -> tuple[dict[Strategy, float], list[str], frozenset[Strategy]]:
     """How far each uniform step ran from its blocks' sum, beyond the noise, and what to say.
 
     ``timed`` is ``(ms, spread)`` of the plain step, then of each step with
     every block under one of ``strategies``, timed in turns. An error within
     the spread of the runs (or :data:`~jaxoffload._src.planner.costs.TIE`)
-    is noise, and left out.
+    is noise, and left out. Also returns the kinds whose steps ran apart from
+    the plain one's, beyond the noise: their blocks' small differences are real.
+    Steps whose runs spread more than :data:`STEADY` (a busy CPU's) fit nothing.
     """
 
     def blocks_ms(s: Strategy) -> float:
         return sum(b.cost(s).forward_ms + b.cost(s).backward_ms for b in blocks)
 
     (plain_ms, plain_spread), *rest = timed
-    errors, lines = {}, []
+    spread = max(s for _, s in timed)
+    if spread > STEADY:
+        return (
+            {},
+            [f"whole steps' runs spread {spread:.0%}: too noisy to fit the blocks to"],
+            frozenset(),
+        )
+    errors, lines, apart = {}, [], set()
     for strategy, (ms, spread) in zip(strategies, rest):
         model = plain_ms + blocks_ms(strategy) - blocks_ms(Store())
+        noise = max(spread, plain_spread, MEASURED_NOISE) * plain_ms
+        if abs(ms - plain_ms) > noise:
+            apart.add(strategy.timed_as())
         noisy = abs(ms - model) <= max(TIE, spread, plain_spread) * plain_ms
         lines.append(
             f"{brief(strategy)} on every block: {ms:.1f} ms measured, {model:.1f} ms from the "
@@ -155,7 +173,7 @@ def time_errors(
         )
         if not noisy:
             errors[strategy] = ms - model
-    return errors, lines
+    return errors, lines, frozenset(apart)
 
 
 def hidden_choice(choices: Sequence[Sequence[Option]]) -> list[Strategy] | None:

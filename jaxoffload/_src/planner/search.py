@@ -33,6 +33,7 @@ from jaxoffload._src.planner.costs import (
     rescaled,
 )
 from jaxoffload._src.planner.fitted import (
+    MEASURED_NOISE,
     ByteLine,
     calibrated,
     fit_bytes,
@@ -195,20 +196,15 @@ def _plan_or_why_not(planner: Planner, budget, max_rounds, per_round) -> Plan | 
         return error
 
 
-# Plans whose timed steps are within this share of the fastest's are taken as equally fast.
-MEASURED_TIE = 0.01
-
-
 class Planner:
     """What planning measures once per model and step, and the plans it makes from it.
 
-    The blocks are found by tracing the step, costed alone under each option
-    (:mod:`jaxoffload._src.planner.costs`), and their options put on the front
-    (:func:`~jaxoffload._src.planner.front.front`): for every memory target,
-    the fastest choice. The compiled step is the oracle: a model of its bytes,
-    calibrated on the plans compiled so far, proposes the fastest point on the
-    front that should fit; that plan is compiled, and the model learns from
-    each compile, until a compiled plan fits and the next faster one does not.
+    The blocks are found by tracing the step and costed alone under each
+    option (:mod:`~jaxoffload._src.planner.costs`); their times and bytes are
+    fitted to whole compiled steps (:mod:`~jaxoffload._src.planner.fitted`),
+    and their options put on the front: for every memory target, the fastest
+    choice. The front proposes, the compiler says what fits, and the clock
+    which of those is fastest.
     """
 
     def __init__(
@@ -261,6 +257,7 @@ class Planner:
         self.plain = Plan(tuple((p, Store()) for p in self.paths))
         self.arrays = program(model, step, args, self.plain)[1]
         self.hidden_ms_per_byte = 0.0 if measured is None else measured.hidden_ms_per_byte
+        self.apart = frozenset() if measured is None else measured.apart
         self._put_on_front()
         self.leanest = self._candidate(self.front[0])
         # Measured costs are checked against whole steps: every block under each option, and
@@ -293,14 +290,14 @@ class Planner:
 
     def uniform(self, strategy: Strategy) -> Plan:
         """Every block under ``strategy``; the code outside them lean unless it stores."""
-        return Plan(
-            tuple((p, strategy) for p in self.paths),
-            Store() if strategy.is_identity else Lean(),
-        )
+        outside = Store() if strategy.is_identity else Lean()
+        return Plan(tuple((p, strategy) for p in self.paths), outside)
 
     def _put_on_front(self, line: ByteLine | None = None) -> None:
         """The front of the blocks' options, their kept bytes weighed by ``line`` if given."""
-        self.choices = block_options(self.blocks, self.options, self.link, self.hidden_ms_per_byte)
+        self.choices = block_options(
+            self.blocks, self.options, self.link, self.hidden_ms_per_byte, self.apart
+        )
         if line is not None:
             self.choices = weighed(self.choices, line)
         self.front = front(self.choices)
@@ -316,7 +313,9 @@ class Planner:
         ]
         if plans:
             timed = self.steps_together([self.plain, *plans])
-            errors, lines = time_errors(self.blocks, [p.strategies[0] for p in plans], timed)
+            errors, lines, self.apart = time_errors(
+                self.blocks, [p.strategies[0] for p in plans], timed
+            )
             for line in lines:
                 self.say(line)
             self.blocks = calibrated(self.blocks, errors)
@@ -464,7 +463,7 @@ class Planner:
             return fits[0] if fits else best
         timed = self.steps_together(fits)
         fastest = min(ms for ms, _ in timed)
-        margin = max(MEASURED_TIE, max(spread for _, spread in timed))
+        margin = max(MEASURED_NOISE, max(spread for _, spread in timed))
         near = [c for c, (ms, _) in zip(fits, timed) if ms <= fastest * (1 + margin)]
         return min(near, key=lambda c: (round(self.ms(c), 3), self.model_bytes(c)))
 
