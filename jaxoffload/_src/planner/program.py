@@ -22,6 +22,7 @@ __all__ = [
     "compiled_bytes",
     "device_bytes",
     "discover",
+    "explicit_mesh",
     "lower_step",
     "program",
 ]
@@ -109,3 +110,14 @@ def check_discovered(paths, calls, *, nnx_model: bool) -> None:
             "blocks; a plannable block must not contain or sit beside other jaxoffload-wrapped "
             "Modules."
         )
+
+
+def explicit_mesh(args) -> jax.sharding.Mesh | None:
+    """The mesh of the first argument sharded over Explicit axes: planning runs under it."""
+    for leaf in jax.tree.leaves(args):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding) and any(
+            t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types
+        ):
+            return sharding.mesh
+    return None

@@ -34,6 +34,7 @@ from jaxoffload._src.planner.costs import (
 )
 from jaxoffload._src.planner.fitted import (
     MEASURED_NOISE,
+    STEADY,
     ByteLine,
     calibrated,
     fit_bytes,
@@ -50,6 +51,7 @@ from jaxoffload._src.planner.program import (
     check_discovered,
     device_bytes,
     discover,
+    explicit_mesh,
     lower_step,
     program,
 )
@@ -167,7 +169,7 @@ def plan(
             raise ValueError(f"{name} must be a positive int, got {value!r}.")
     # Batch-sharded arguments over an Explicit mesh: the blocks' traced types carry their
     # sharding, so the blocks are timed and sized per device under that mesh.
-    mesh = _explicit_mesh(args)
+    mesh = explicit_mesh(args)
     with (
         offload_nnx.classes_kept(model) if isinstance(model, nnx.Module) else nullcontext(),
         jax.set_mesh(mesh) if mesh is not None else nullcontext(),
@@ -456,14 +458,18 @@ class Planner:
     def _fastest_measured(self, best: Plan, budget_bytes: int) -> Plan:
         """Of every compiled plan that fits and runs, the fastest as timed in turns; of those
         within 1% or their spread of it, the model's fastest, so that noise cannot flip the
-        choice. ``best``, the model's choice, stands where none can run here."""
+        choice. ``best``, the model's choice, stands where none can run here, or where their
+        runs spread more than :data:`~jaxoffload._src.planner.fitted.STEADY`."""
         fits = [c for c, got in self.compiled.items() if got <= budget_bytes]
         fits = [c for c in fits if math.isfinite(self.step_ms(c))]
         if len(fits) <= 1:
             return fits[0] if fits else best
         timed = self.steps_together(fits)
+        spread = max(s for _, s in timed)
+        if spread > STEADY:  # too noisy to choose by: the model's choice stands
+            return best
         fastest = min(ms for ms, _ in timed)
-        margin = max(MEASURED_NOISE, max(spread for _, spread in timed))
+        margin = max(MEASURED_NOISE, spread)
         near = [c for c, (ms, _) in zip(fits, timed) if ms <= fastest * (1 + margin)]
         return min(near, key=lambda c: (round(self.ms(c), 3), self.model_bytes(c)))
 
@@ -486,14 +492,3 @@ class Planner:
             measured_step_ms=measured,
             notes=tuple(note(b.cost(s)) for b, s in zip(self.blocks, best.strategies)),
         )
-
-
-def _explicit_mesh(args) -> jax.sharding.Mesh | None:
-    """The mesh of the first argument sharded over Explicit axes: planning runs under it."""
-    for leaf in jax.tree.leaves(args):
-        sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, jax.sharding.NamedSharding) and any(
-            t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types
-        ):
-            return sharding.mesh
-    return None
