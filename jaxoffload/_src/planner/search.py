@@ -262,15 +262,17 @@ class Planner:
         self.apart = frozenset() if measured is None else measured.apart
         self._put_on_front()
         self.leanest = self._candidate(self.front[0])
-        # Measured costs are checked against whole steps: every block under each option, and
-        # every block that has one under a hidden offload.
-        uniform = [] if measured is not None else [self.uniform(s) for s in options]
+        # Measured costs are checked against whole steps: every block under each option
+        # (of those that move bytes, only the first: the others are link-bound variants of
+        # it), and every block that has one under a hidden offload.
+        kinds = [s for s in options if not s.to_host] + [s for s in options if s.to_host][:1]
+        uniform = [] if measured is not None else [self.uniform(s) for s in kinds]
         hidden = hidden_choice(self.choices) if uniform else None
         if hidden is not None:
             uniform.append(Plan(tuple(zip(self.paths, hidden)), Lean()))
         say(
             "compiling the plain step, the leanest plan on the front"
-            + (f" and {len(uniform)} uniform plans" if uniform else "")
+            + (f" and {len(uniform)} more to fit the model to" if uniform else "")
         )
         # The plain step first and alone: it autotunes the kernels that the others share, and
         # the model predicts the others' bytes from it before they are compiled.
