@@ -260,7 +260,8 @@ class Planner:
         self.arrays = program(model, step, args, self.plain)[1]
         self.hidden_ms_per_byte = 0.0 if measured is None else measured.hidden_ms_per_byte
         self.apart = frozenset() if measured is None else measured.apart
-        self._put_on_front()
+        # At another size, the kinds' byte weights that the measured planner fitted.
+        self._put_on_front(None if measured is None else measured.byte_line())
         self.leanest = self._candidate(self.front[0])
         # Measured costs are checked against whole steps: every block under each option
         # (of those that move bytes, only the first: the others are link-bound variants of
