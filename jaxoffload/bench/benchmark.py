@@ -1016,11 +1016,17 @@ def _compare_gradients(
     loss_fn, initial, batch, reference: str, micro_batch: int | None = None
 ) -> float:
     """:func:`gradient_error` of the gradient at ``initial``, over micro-batches if given."""
-    params, model_state = initial
+    return gradient_error(gradient_at(loss_fn, *initial, batch, micro_batch), reference)
+
+
+def gradient_at(
+    loss_fn, params, model_state, batch, micro_batch: int | None = None
+) -> list[np.ndarray]:
+    """The gradient of ``loss_fn`` at ``params``, as float64 arrays in a fixed order."""
     # Arguments, not constants: NNX writes BatchNorm statistics in place into its variables,
     # and a batch split over devices stays split.
     _, grads = jax.jit(_value_and_grad(loss_fn, micro_batch))(params, model_state, batch)
-    return gradient_error([np.asarray(g, np.float64) for g in jax.tree.leaves(grads)], reference)
+    return [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)]
 
 
 def _accumulation_check(workload: Workload, loss_fn, initial) -> dict[str, Any]:
@@ -1098,8 +1104,13 @@ def gradient_error(grads: list[np.ndarray], reference: str) -> float:
         ref = [stored[f"arr_{n}"] for n in range(len(stored.files))]
     if [r.shape for r in ref] != [g.shape for g in grads]:
         raise ValueError(f"{reference} holds the gradient of another model.")
-    diff = sum(np.sum((g - r) ** 2) for g, r in zip(grads, ref))
-    return float(np.sqrt(diff / sum(np.sum(r**2) for r in ref)))
+    return relative_error(grads, ref)
+
+
+def relative_error(grads: Sequence[np.ndarray], reference: Sequence[np.ndarray]) -> float:
+    """The relative L2 error of ``grads`` against ``reference``, over all their arrays."""
+    diff = sum(np.sum((g - r) ** 2) for g, r in zip(grads, reference))
+    return float(np.sqrt(diff / sum(np.sum(r**2) for r in reference)))
 
 
 class OutOfMemory(RuntimeError):

@@ -35,22 +35,15 @@ TOLERANCE = 0.10
 
 
 def gradient(workload: benchmark.Workload, images: jax.Array | None = None) -> list[np.ndarray]:
-    """The workload's gradient at its initial parameters, as float64 arrays in a fixed order.
+    """The workload's gradient at its initial parameters (:func:`benchmark.gradient_at`).
 
     ``images`` replaces the workload's own (cast to its dtype), so that a
     reference in another dtype sees the same pixels.
     """
     _, state, batch, loss_fn = benchmark.train_step(workload)
-    params, model_state = state[:2]
     if images is not None:
         batch = (images.astype(jnp.dtype(workload.dtype)), *batch[1:])
-    _, grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, model_state, batch)
-    return [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)]
-
-
-def _relative_error(grads: Sequence[np.ndarray], reference: Sequence[np.ndarray]) -> float:
-    diff = sum(np.sum((g - r) ** 2) for g, r in zip(grads, reference))
-    return float(np.sqrt(diff / sum(np.sum(r**2) for r in reference)))
+    return benchmark.gradient_at(loss_fn, *state[:2], batch)
 
 
 def _small(record: dict[str, Any], batch: int) -> benchmark.Workload | None:
@@ -88,10 +81,10 @@ def errors_against_float32(records: Sequence[dict[str, Any]], batch: int = 8) ->
     images = benchmark.train_step(store, abstract=False)[2][0].astype(jnp.float32)
     with jax.default_matmul_precision("highest"):
         reference = gradient(reference_workload, images)
-    store_error = _relative_error(gradient(store, images), reference)
+    store_error = benchmark.relative_error(gradient(store, images), reference)
     lines = []
     for workload in workloads:
-        error = _relative_error(gradient(workload, images), reference)
+        error = benchmark.relative_error(gradient(workload, images), reference)
         lines.append(
             {
                 "model": workload.model,
