@@ -11,7 +11,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -53,14 +53,14 @@ def timed_together(
         jax.block_until_ready(executable(*args))
         once.append(time.perf_counter() - start)
     rounds = max(runs, 4, min(100, math.ceil(MIN_TIMED_S / max(min(once), 1e-6))))
-    times: list[list[float]] = [[] for _ in programs]
-    for r in range(rounds):
-        for k in np.roll(np.arange(len(programs)), r):  # no program always first
-            executable, args = programs[k]
-            start = time.perf_counter()
-            jax.block_until_ready(executable(*args))
-            times[k].append(time.perf_counter() - start)
-    return [_quartile_and_spread(t) for t in times]
+
+    def run(k: int) -> float:
+        executable, args = programs[k]
+        start = time.perf_counter()
+        jax.block_until_ready(executable(*args))
+        return time.perf_counter() - start
+
+    return _in_turns(run, len(programs), rounds)
 
 
 def median_ms(fn, *args, runs: int) -> float:
@@ -95,10 +95,20 @@ def steps_together(executables: Sequence[Any], structs, runs: int) -> list[tuple
     Each run gets fresh zeros of ``structs`` (a step may donate them); each
     step was run once already (:func:`step_ms`), so none is warmed up here.
     """
-    times: list[list[float]] = [[] for _ in executables]
-    for r in range(max(runs, 4)):
-        for k in np.roll(np.arange(len(executables)), r):
-            times[k].append(_one_step(executables[k], structs))
+    return _in_turns(lambda k: _one_step(executables[k], structs), len(executables), max(runs, 4))
+
+
+def _in_turns(run: Callable[[int], float], count: int, rounds: int) -> list[tuple[float, float]]:
+    """``(ms, spread)`` of ``run(k)``'s seconds for each of ``count`` programs, run in turns.
+
+    Round after round, each program once, no program always first; a program's
+    time is the lower quartile of its runs, its spread the gap between the
+    quartiles over that.
+    """
+    times: list[list[float]] = [[] for _ in range(count)]
+    for r in range(rounds):
+        for k in np.roll(np.arange(count), r):
+            times[k].append(run(int(k)))
     return [_quartile_and_spread(t) for t in times]
 
 
