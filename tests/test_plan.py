@@ -331,7 +331,7 @@ class _FakePlanner(planner.Planner):
         self.front = list(range(n))
         self.plain = self.plans[0]
         self.compiled = {self.plain: compiled_bytes[0], self.plans[-1]: compiled_bytes[-1]}
-        self.predicted, self.compiles = {}, 0
+        self.compiles = 0
 
     def _candidate(self, point):
         return self.plans[point]

@@ -253,7 +253,6 @@ class Planner:
                 say(f"host link: {self.link[0]:.1f} GB/s out, {self.link[1]:.1f} GB/s back")
             self.blocks = cost_blocks(self.paths, calls, options, runs=runs, say=say)
         self.compiled: dict[Plan, int] = {}  # every plan compiled, for every budget
-        self.predicted: dict[Plan, int] = {}  # what the model said before compiling it
         self.executables: dict[Plan, Any] = {}
         self.measured_ms: dict[Plan, float] = {}
         self.plain = Plan(tuple((p, Store()) for p in self.paths))
@@ -268,17 +267,16 @@ class Planner:
         # it), and every block that has one under a hidden offload.
         kinds = [s for s in options if not s.to_host] + [s for s in options if s.to_host][:1]
         uniform = [] if measured is not None else [self.uniform(s) for s in kinds]
-        hidden = hidden_choice(self.choices) if uniform else None
-        if hidden is not None:
-            uniform.append(Plan(tuple(zip(self.paths, hidden)), Lean()))
+        choice = hidden_choice(self.choices) if uniform else None
+        hidden = None if choice is None else Plan(tuple(zip(self.paths, choice)), Lean())
+        checks = [*uniform, *([hidden] if hidden else [])]
         say(
             "compiling the plain step, the leanest plan on the front"
-            + (f" and {len(uniform)} more to fit the model to" if uniform else "")
+            + (f" and {len(checks)} more to fit the model to" if checks else "")
         )
-        # The plain step first and alone: it autotunes the kernels that the others share, and
-        # the model predicts the others' bytes from it before they are compiled.
+        # The plain step first and alone: it autotunes the kernels that the others share.
         self._compile([self.plain])
-        self._compile([self.leanest, *uniform])
+        self._compile([self.leanest, *checks])
         # The step time that the model's estimates start from: the plain step's, or the
         # leanest plan's where the plain step is too large to run here.
         self.anchor = self.plain
@@ -291,7 +289,7 @@ class Planner:
             + f"; leanest: {format_bytes(self.compiled[self.leanest])}"
         )
         if uniform and math.isfinite(plain_ms):
-            self._calibrate(uniform)
+            self._calibrate(uniform, hidden)
 
     def uniform(self, strategy: Strategy) -> Plan:
         """Every block under ``strategy``; the code outside them lean unless it stores."""
@@ -307,9 +305,10 @@ class Planner:
             self.choices = weighed(self.choices, line)
         self.front = front(self.choices)
 
-    def _calibrate(self, uniform: Sequence[Plan]) -> None:
+    def _calibrate(self, uniform: Sequence[Plan], hidden: Plan | None) -> None:
         """Fits the blocks' times to the uniform steps that compute without moving
-        (:func:`~jaxoffload._src.planner.fitted.time_errors`), their bytes to every plan compiled."""
+        (:func:`~jaxoffload._src.planner.fitted.time_errors`), their bytes to every plan
+        compiled, and charges hidden offloads what ``hidden``'s step ran over the model."""
         plans = [
             p
             for p in dict.fromkeys(uniform)
@@ -325,8 +324,7 @@ class Planner:
                 self.say(line)
             self.blocks = calibrated(self.blocks, errors)
         self._put_on_front(self.byte_line())
-        hidden = uniform[-1]
-        if any(s.max_bytes for s in hidden.strategies) and math.isfinite(self.step_ms(hidden)):
+        if hidden is not None and math.isfinite(self.step_ms(hidden)):
             error = self.step_ms(hidden) - self.estimated_ms(hidden)
             self.say(f"hidden offloads: {self.step_ms(hidden):.1f} ms, {error:+.1f} over the model")
             noise = TIE * self.step_ms(self.plain)
@@ -361,9 +359,6 @@ class Planner:
 
     def _compile(self, candidates: Sequence[Plan]) -> None:
         todo = [c for c in dict.fromkeys(candidates) if c not in self.compiled]
-        for c in todo:
-            if self.compiled:
-                self.predicted[c] = self.predict(c)
         lowered = [
             lower_step(self.model, self.step, self.args, c, self.donate_argnums) for c in todo
         ]
