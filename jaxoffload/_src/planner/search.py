@@ -94,11 +94,12 @@ def plan(
     moves while the next blocks compute). For every memory target, the
     fastest choice of one option per block is the front
     (:func:`~jaxoffload._src.planner.front.front`). The compiled step is the
-    oracle: a model of its bytes, calibrated on the plans compiled so far,
+    oracle: a model of its bytes, fitted to the plans compiled so far,
     proposes the fastest candidates that should fit, and they are compiled,
     several at once, until none faster is left that the model says fits.
-    Every plan returned was compiled and fits; its ``estimated_bytes`` is
-    what the model predicted before compiling it.
+    The plan returned is the fastest compiled one that fits, as timed where
+    the steps time steadily; its ``estimated_bytes`` is what the model
+    fitted to the other compiled plans predicts of it.
 
     Args:
       model: an unbound linen Module whose blocks are
