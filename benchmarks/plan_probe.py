@@ -13,13 +13,12 @@ import os
 import sys
 import time
 
-import jax
-
-from jaxoffload import Lean, NoPlanFits, Offload, Plan, Remat, Store
+from jaxoffload import Lean, NoPlanFits
 from jaxoffload._src import timing
 from jaxoffload._src.planner import search
 from jaxoffload._src.planner.messages import summary
 from jaxoffload._src.planner.program import device_bytes, lower_step
+from jaxoffload._src.strategies import brief
 from jaxoffload.bench import benchmark
 
 model, batch, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -47,20 +46,6 @@ def emit(**kw):
     out.flush()
 
 
-def _mb(c):
-    try:
-        return P.model_bytes(c)
-    except Exception:
-        return None
-
-
-def _ms(c):
-    try:
-        return P.estimated_ms(c)
-    except Exception:
-        return None
-
-
 P = search.Planner(m, step, (state, b), None, runs=5, say=say, donate_argnums=(0,))
 for blk in P.blocks:
     for s, c in blk.costs.items():
@@ -81,21 +66,22 @@ for blk in P.blocks:
 emit(kind="front", n=len(P.front), options=[[repr(o.strategy) for o in ch] for ch in P.choices[:1]])
 
 
+def fields(c):
+    """What the model said of a compiled plan, beside what it compiled to."""
+    return dict(
+        summary=summary(c.strategies),
+        outside=repr(c.outside),
+        model_bytes=P.model_bytes(c),
+        compiled=P.compiled[c],
+        loo=P.predict(c),
+        model_ms=P.estimated_ms(c),
+    )
+
+
 def dump(tag):
     for c in P.compiled:
         if c in P.measured_ms:
-            emit(
-                kind="all",
-                tag=tag,
-                summary=summary(c.strategies),
-                outside=repr(c.outside),
-                model_bytes=_mb(c),
-                compiled=P.compiled[c],
-                predicted=P.predicted.get(c),
-                loo=P.predict(c) if _mb(c) is not None else None,
-                model_ms=_ms(c),
-                measured_ms=P.measured_ms[c],
-            )
+            emit(kind="all", tag=tag, **fields(c), measured_ms=P.measured_ms[c])
 
 
 dump("init")
@@ -109,46 +95,20 @@ for share in [float(x) for x in os.environ.get("SHARES", "0.75,0.5,0.35").split(
     except NoPlanFits as e:
         emit(kind="noplan", share=share, msg=str(e))
 say("uniform plans, and Lean(max_slowdown=0.03) and Lean(max_recompute=0.0)")
-uniform = {"Store": P.plain}
-for name, s in [
-    ("Lean", Lean()),
-    ("Remat", Remat()),
-    ("Offload", Offload()),
-    ("LeanSlow3", Lean(max_slowdown=0.03)),
-    ("Lean0", Lean(max_recompute=0.0)),
-]:
-    outside = Store() if name == "Remat" else Lean()
-    uniform[name] = Plan(tuple((p, s) for p in P.paths), outside)
-if jax.default_backend() == "cpu":
-    del uniform["Offload"]
-extras = [uniform.pop("LeanSlow3"), uniform.pop("Lean0")]
-P._compile(list(uniform.values()))
-
-for c, ex in zip(
-    extras,
-    timing.compile_all([lower_step(P.model, P.step, P.args, c, P.donate_argnums) for c in extras]),
-):
-    P.executables[c] = ex
-    P.compiled[c] = device_bytes(ex)
-uniform["LeanSlow3"], uniform["Lean0"] = extras
-for name, c in uniform.items():
-    try:
-        ms = P.step_ms(c)
-    except Exception as e:
-        ms = str(e)[:200]
-    emit(
-        kind="cand",
-        name=name,
-        summary=summary(c.strategies),
-        outside=repr(c.outside),
-        model_bytes=_mb(c),
-        predicted=P.predicted.get(c),
-        compiled=P.compiled[c],
-        model_ms=_ms(c),
-        measured_ms=ms,
-    )
-    say(
-        f"{name}: {summary(c.strategies)} compiled {P.compiled[c] / 2**30:.2f} GiB, model {(_mb(c) or 0) / 2**30:.2f}, ms {ms}"
-    )
+for s in P.options:
+    if s.window == 1 and s.max_bytes is None:  # the planner compiled these to fit its model to
+        c = P.uniform(s)
+        P._compile([c])
+        emit(kind="cand", name=brief(s), **fields(c), measured_ms=P.step_ms(c))
+# The Lean variants are no options of the planner's: timed here, kept out of its compiled plans.
+extras = [P.uniform(Lean(max_slowdown=0.03)), P.uniform(Lean(max_recompute=0.0))]
+executables = timing.compile_all(
+    [lower_step(P.model, P.step, P.args, c, P.donate_argnums) for c in extras]
+)
+for c, ex in zip(extras, executables):
+    got, ms = device_bytes(ex), timing.step_ms(ex, P.arrays, 3)
+    name = summary(c.strategies)
+    emit(kind="cand", name=name, summary=name, compiled=got, measured_ms=ms)
+    say(f"{name}: compiled {got / 2**30:.2f} GiB, {ms:.1f} ms")
 dump("end")
 say("done")
