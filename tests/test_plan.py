@@ -454,3 +454,18 @@ def test_kinds_timed_apart_from_the_plain_step_are_not_tied_with_it():
         for o in block_options(blocks, options, None, apart=frozenset({Lean()}))[0]
     }
     assert kept["Lean()"] == pytest.approx(3.05) and kept["Store()"] == 3.0
+
+
+def test_one_compiled_point_takes_the_weights_fitted_at_another_size():
+    """A size search's planner has compiled one plan when it estimates another: the line
+    through that one takes the weights fitted where more were compiled, not the traced bytes'."""
+    from jaxoffload._src.planner.fitted import ByteLine, fit_bytes
+
+    prior = ByteLine(rest=2e9, weights={Store(): 0.3, Remat(): 0.5})
+    store = {Store(): 26e9}  # traced: far more than the 10.7e9 compiled
+    line = fit_bytes([(store, int(10.7e9))], [Store(), Remat()], 10.7e9, prior)
+    assert line.weights == prior.weights
+    assert line(store) == pytest.approx(10.7e9, rel=1e-6)
+    assert line({Remat(): 3e9}) > 0  # a lean plan's estimate stays a size
+    # Without the prior, the traced bytes' weight would put a lean plan below zero.
+    assert fit_bytes([(store, int(10.7e9))], [Store(), Remat()], 10.7e9)({Remat(): 3e9}) < 0

@@ -63,7 +63,10 @@ def kept_by_kind(
 
 
 def fit_bytes(
-    points: Sequence[tuple[dict[Strategy, int], int]], kinds: Sequence[Strategy], scale: float
+    points: Sequence[tuple[dict[Strategy, int], int]],
+    kinds: Sequence[Strategy],
+    scale: float,
+    prior: ByteLine | None = None,
 ) -> ByteLine:
     """The line through ``(kept by kind, compiled bytes)`` points, by least squares.
 
@@ -73,8 +76,13 @@ def fit_bytes(
     kind, pulled towards 1 (the traced bytes) only as far as one point needs
     for an answer, and each kind's difference from it, pulled towards 0, so
     that a kind no point tells apart takes the shared weight. ``scale`` (the
-    plain step's bytes, say) sets the units in which the pulls count.
+    plain step's bytes, say) sets the units in which the pulls count. One
+    point cannot tell the rest from the weights: with a ``prior`` (a line
+    fitted at another size), the line through it takes the prior's weights.
     """
+    if prior is not None and len(points) == 1:
+        ((kept, got),) = points
+        return ByteLine(got - (prior(kept) - prior.rest), prior.weights)
     rows, ys = [], []
     for kept, got in points:
         row = [kept.get(k, 0) / scale for k in kinds]

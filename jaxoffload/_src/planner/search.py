@@ -261,7 +261,8 @@ class Planner:
         self.hidden_ms_per_byte = 0.0 if measured is None else measured.hidden_ms_per_byte
         self.apart = frozenset() if measured is None else measured.apart
         # At another size, the kinds' byte weights that the measured planner fitted.
-        self._put_on_front(None if measured is None else measured.byte_line())
+        self.prior = None if measured is None else measured.byte_line()
+        self._put_on_front(self.prior)
         self.leanest = self._candidate(self.front[0])
         # Measured costs are checked against whole steps: every block under each option
         # (of those that move bytes, only the first: the others are link-bound variants of
@@ -352,7 +353,7 @@ class Planner:
             if p != without
         ]
         scale = float(self.compiled.get(self.plain) or max(self.compiled.values()))
-        return fit_bytes(points, list(self.blocks[0].costs), scale)
+        return fit_bytes(points, list(self.blocks[0].costs), scale, self.prior)
 
     def predict(self, candidate: Plan) -> int:
         """The compiled bytes that the line fitted to the other compiled plans predicts."""
