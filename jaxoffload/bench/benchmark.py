@@ -549,9 +549,9 @@ def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[
     """:func:`jaxoffload.plan` of the workload's plain-Flax model at each budget, in bytes.
 
     Returns:
-      One ``{"planned": Plan.to_dict(), "planning_s": ...}`` per budget
-      (the costs are measured once, so ``planning_s`` of the first includes
-      them), or ``{"no_plan": message}`` where no plan fits.
+      One ``{"planned": Plan.to_dict()}`` per budget, or ``{"no_plan": message}``
+      where no plan fits; each with ``planning_s``, the seconds that planning
+      every budget took (they are planned together), and ``planned_budgets``.
     """
     dtype = jnp.dtype(workload.dtype)
     blocks = None
@@ -583,16 +583,19 @@ def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[
         model, step, (state, batch), None, blocks=blocks, runs=5, say=say, donate_argnums=(0,)
     )
     results = []
-    for b in budgets_bytes:
-        try:
-            planned = shared.plan_for(int(b), max_rounds=3)
-            results.append({"planned": planned.to_dict()})
-        except NoPlanFits as e:
+    found = shared.plans_for([int(b) for b in budgets_bytes], max_rounds=3)
+    # The budgets are planned together: each one's planning time is theirs together.
+    planning_s = time.perf_counter() - start
+    for planned in found:
+        if isinstance(planned, NoPlanFits):
+            e = planned
             share = e.least_bytes / e.plain_bytes if e.least_bytes and e.plain_bytes else None
             results.append(
                 {"no_plan": str(e), "least_share": share, "platform": jax.default_backend()}
             )
-        results[-1]["planning_s"] = time.perf_counter() - start
+        else:
+            results.append({"planned": planned.to_dict()})
+        results[-1].update(planning_s=planning_s, planned_budgets=len(budgets_bytes))
         print(results[-1].get("no_plan") or Plan.from_dict(results[-1]["planned"]), file=sys.stderr)
     return results
 
@@ -1221,12 +1224,12 @@ def _plan_and_measure(
     except NoPlan as e:
         # An answer, not a failure: the least that any plan reached, and why.
         no_plan = {"no_plan": e.message, "least_share": e.least_share, "platform": e.platform}
-        return {**_failure_record(w, no_plan), "planning_s": budget_plans.planning_s(w)}
+        return {**_failure_record(w, no_plan), **budget_plans.planning(w)}
     except RuntimeError as e:
         # One broken strategy must not cost the others' measurements.
         return _failure_record(w, {"error": str(e)})
     if w.strategy == "plan":
-        record["planning_s"] = budget_plans.planning_s(w)
+        record.update(budget_plans.planning(w))
     return record
 
 
@@ -1289,9 +1292,10 @@ class _BudgetPlans:
             raise NoPlan(result["no_plan"], result.get("least_share"), result.get("platform"))
         return dataclasses.replace(workload, planned=result["planned"])
 
-    def planning_s(self, workload: Workload) -> float:
-        """How long planning took, up to the plan of ``workload``'s budget."""
-        return self.results[workload.budget]["planning_s"]
+    def planning(self, workload: Workload) -> dict[str, Any]:
+        """How long planning took (``planning_s``), and for how many budgets together."""
+        result = self.results[workload.budget]
+        return {k: result[k] for k in ("planning_s", "planned_budgets") if k in result}
 
 
 def plan_in_subprocess(

@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -638,7 +639,30 @@ def _measure(
 
 def _run_fields(args: argparse.Namespace, command: str | None) -> dict[str, Any]:
     """What every record of the run says of it, beyond its workload."""
-    return {"steps": args.steps, "memory_cap_gib": args.memory_cap, "command": command}
+    return {
+        "steps": args.steps,
+        "memory_cap_gib": args.memory_cap,
+        "command": command,
+        "commit": _commit(),
+    }
+
+
+def _commit() -> str | None:
+    """The code's commit: ``$JAXOFFLOAD_COMMIT`` (for a copy without its git history), or
+    the checkout's, or ``None``."""
+    if os.environ.get("JAXOFFLOAD_COMMIT"):
+        return os.environ["JAXOFFLOAD_COMMIT"]
+    root = pathlib.Path(__file__).resolve().parents[2]
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None
 
 
 def _searched(

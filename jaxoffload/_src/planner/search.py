@@ -1,30 +1,25 @@
-"""Planning: a strategy per block that fits a memory budget at the least step time.
+"""The planner's search: block costs, the front of their options, and compiled steps as the oracle.
 
-:func:`plan` takes a model (a linen one whose blocks are
-:func:`jaxoffload.linen.plannable`, or an NNX one and the class of its blocks),
-its training step and a budget, and returns a :class:`~jaxoffload.Plan`: one
-strategy value per block, which :meth:`~jaxoffload.Plan.apply` puts on the
-model. The costs come from the device (:mod:`jaxoffload._src.planner.costs`),
-and every plan returned was compiled and checked against the budget.
+A :class:`Planner` measures a model's blocks once (:mod:`~jaxoffload._src.planner.costs`),
+fits them to whole compiled steps (:mod:`~jaxoffload._src.planner.fitted`), and
+searches the front for each budget, compiling the candidates that the fit says
+fit and timing those that do. :func:`~jaxoffload._src.planner.entry.plan` is the
+call that users make.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 from flax import nnx
 
-from jaxoffload._src import nnx as offload_nnx
 from jaxoffload._src import timing
 from jaxoffload._src.errors import NoPlanFits
 from jaxoffload._src.jaxprs import format_bytes
-from jaxoffload._src.planner.apply import check_model
-from jaxoffload._src.planner.budget import check_budget
 from jaxoffload._src.planner.costs import (
     TIE,
     block_options,
@@ -45,19 +40,18 @@ from jaxoffload._src.planner.fitted import (
     weighed,
 )
 from jaxoffload._src.planner.front import front
-from jaxoffload._src.planner.messages import note, progress_printer, summary, where_it_stops
+from jaxoffload._src.planner.messages import note, summary, where_it_stops
 from jaxoffload._src.planner.plan import Plan
 from jaxoffload._src.planner.program import (
     check_discovered,
     device_bytes,
     discover,
-    explicit_mesh,
     lower_step,
     program,
 )
 from jaxoffload._src.strategies import Lean, Offload, Remat, Store, Strategy, brief, check_strategy
 
-__all__ = ["Planner", "default_options", "plan", "progress_printer"]
+__all__ = ["Planner", "default_options"]
 
 
 def default_options() -> tuple[Strategy, ...]:
@@ -72,131 +66,11 @@ def default_options() -> tuple[Strategy, ...]:
     return tuple(options)
 
 
-def plan(
-    model: Any,
-    step: Callable[..., Any],
-    *args: Any,
-    budget: int | float | Sequence[int | float],
-    blocks: Any = None,
-    options: Sequence[Strategy] | None = None,
-    donate_argnums: int | Sequence[int] = (),
-    runs: int = 5,
-    max_rounds: int = 3,
-    per_round: int = 4,
-    progress: bool | Callable[[str], None] = True,
-) -> Plan | list[Plan | NoPlanFits]:
-    """A strategy per plannable block that fits ``budget`` at the least step time.
-
-    The costs come from the device. Each distinct block is compiled and timed
-    alone under each option, its residuals are read from traces, and the host
-    link is measured once; where anything moves, each block also gets hidden
-    offloads (``Offload(window=w, max_bytes=cap)``, a cap of what the link
-    moves while the next blocks compute). For every memory target, the
-    fastest choice of one option per block is the front
-    (:func:`~jaxoffload._src.planner.front.front`). The compiled step is the
-    oracle: a model of its bytes, fitted to the plans compiled so far,
-    proposes the fastest candidates that should fit, and they are compiled,
-    several at once, until none faster is left that the model says fits.
-    The plan returned is the fastest compiled one that fits, as timed where
-    the steps time steadily; its ``estimated_bytes`` is what the model
-    fitted to the other compiled plans predicts of it.
-
-    Args:
-      model: an unbound linen Module whose blocks are
-        :func:`jaxoffload.linen.plannable`, or an NNX Module. An NNX model
-        is put back as it was when planning ends.
-      step: the training step as ``step(model, *args)``, not jitted: the
-        planner calls it with the model under each candidate plan. An NNX
-        step may update its Modules (``optimizer.update(model, grads)``).
-      *args: ``step``'s other arguments, as arrays or
-        :class:`jax.ShapeDtypeStruct`\\ s (a training state, a batch), or
-        NNX Modules such as an ``nnx.Optimizer``.
-      budget: device bytes (an int), or a share of the plain model's (a
-        float in (0, 1]). Device bytes are the compiled step's arguments and
-        temporaries. A sequence of budgets gives a list of plans, and
-        measures the costs once. The budget is per device: with arguments
-        sharded over a mesh (a batch over ``data``), the compiled bytes are
-        one device's (``memory_analysis`` of a sharded program), and under
-        Explicit mesh axes the blocks are sized and timed per device too.
-      blocks: for an NNX model, which submodules are its blocks: a Module
-        class, a tuple of them, or a function ``(path, module) -> bool``.
-        A linen model's blocks are its plannable ones.
-      options: the strategies a block may take; :func:`default_options` by
-        default.
-      donate_argnums: the arguments (after ``model``) that the training loop
-        donates, as in its ``jax.jit``: the compiled checks do the same.
-      runs: timed runs per block and option.
-      max_rounds: rounds of compiled checks per budget.
-      per_round: the candidates that one round compiles at once, each on a
-        thread of its own.
-      progress: print progress to stderr, or a function that takes each line.
-
-    Returns:
-      A :class:`Plan` whose compiled step fits ``budget``. For a sequence of
-      budgets, a list with one entry per budget: its :class:`Plan`, or, where
-      no plan fits, the :class:`NoPlanFits` that says what was reached (not
-      raised, so that the plans that fit are not lost).
-
-    Raises:
-      NoPlanFits: for a single budget, if no plan's compiled step fits; the
-        message gives the least that was reached.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, flax.linen as nn
-      >>> import jaxoffload
-      >>> Dense = jaxoffload.linen.plannable(nn.Dense)
-      >>> class Net(nn.Module):
-      ...     @nn.compact
-      ...     def __call__(self, x):
-      ...         h = nn.relu(Dense(256)(x))
-      ...         return Dense(8)(h)
-      >>> def step(model, params, x):
-      ...     return jax.grad(lambda p: model.apply(p, x).sum())(params)
-      >>> x = jnp.ones((64, 256))
-      >>> params = Net().init(jax.random.key(0), x)
-      >>> p = jaxoffload.plan(Net(), step, params, x, budget=1.0, runs=1, progress=False)
-      >>> [path for path, _ in p.blocks]
-      ['Dense_0', 'Dense_1']
-    """
-    check_model(model, "jaxoffload.plan")
-    say = progress_printer(progress)
-    # A string is a Sequence too, but one budget written wrong, not a list of them.
-    many = isinstance(budget, Sequence) and not isinstance(budget, str | bytes)
-    budgets = list(budget) if many else [budget]
-    for b in budgets:
-        check_budget(b)
-    for name, value in (("max_rounds", max_rounds), ("per_round", per_round)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}.")
-    # Batch-sharded arguments over an Explicit mesh: the blocks' traced types carry their
-    # sharding, so the blocks are timed and sized per device under that mesh.
-    mesh = explicit_mesh(args)
-    with (
-        offload_nnx.classes_kept(model) if isinstance(model, nnx.Module) else nullcontext(),
-        jax.set_mesh(mesh) if mesh is not None else nullcontext(),
-    ):
-        planner = Planner(
-            model,
-            step,
-            args,
-            options,
-            blocks=blocks,
-            runs=runs,
-            say=say,
-            donate_argnums=donate_argnums,
-        )
-        if not many:
-            return planner.plan_for(budgets[0], max_rounds=max_rounds, per_round=per_round)
-        return [_plan_or_why_not(planner, b, max_rounds, per_round) for b in budgets]
-
-
-def _plan_or_why_not(planner: Planner, budget, max_rounds, per_round) -> Plan | NoPlanFits:
-    """One budget of a list: its plan, or the :class:`NoPlanFits` that says what was reached."""
-    try:
-        return planner.plan_for(budget, max_rounds=max_rounds, per_round=per_round)
-    except NoPlanFits as error:
-        planner.say(str(error))
-        return error
+# Where a round looks for a budget: the first candidates that the line of compiled bytes
+# says fit the budget, and 5% less or more, as the line is off by a few percent.
+PROBE_SHARES = (1.0, 0.95, 1.05)
+# The plans that fit which are timed against each other: the model's fastest few.
+TIMED_FASTEST = 4
 
 
 class Planner:
@@ -243,6 +117,11 @@ class Planner:
         say("tracing the step to find the plannable blocks")
         self.paths, calls = discover(model, step, args, blocks)
         check_discovered(self.paths, calls, nnx_model=isinstance(model, nnx.Module))
+        self.compiled: dict[Plan, int] = {}  # every plan compiled, for every budget
+        self.executables: dict[Plan, Any] = {}
+        self.measured_ms: dict[Plan, float] = {}
+        self.plain = Plan(tuple((p, Store()) for p in self.paths))
+        self.arrays = program(model, step, args, self.plain)[1]
         if measured is not None:
             self.link = measured.link
             self.blocks = rescaled(measured.blocks, calls)
@@ -252,12 +131,11 @@ class Planner:
                 link = timing.measure_link()
                 self.link = (link["d2h_gbps"], link["h2d_gbps"])
                 say(f"host link: {self.link[0]:.1f} GB/s out, {self.link[1]:.1f} GB/s back")
+            # The plain step first and alone: it autotunes the kernels that the blocks'
+            # programs and the other steps share, which then compile the faster.
+            say("compiling the plain step")
+            self._compile([self.plain])
             self.blocks = cost_blocks(self.paths, calls, options, runs=runs, say=say)
-        self.compiled: dict[Plan, int] = {}  # every plan compiled, for every budget
-        self.executables: dict[Plan, Any] = {}
-        self.measured_ms: dict[Plan, float] = {}
-        self.plain = Plan(tuple((p, Store()) for p in self.paths))
-        self.arrays = program(model, step, args, self.plain)[1]
         self.hidden_ms_per_byte = 0.0 if measured is None else measured.hidden_ms_per_byte
         self.apart = frozenset() if measured is None else measured.apart
         # At another size, the kinds' byte weights that the measured planner fitted.
@@ -265,20 +143,22 @@ class Planner:
         self._put_on_front(self.prior)
         self.leanest = self._candidate(self.front[0])
         # Measured costs are checked against whole steps: every block under each option
-        # (of those that move bytes, only the first: the others are link-bound variants of
-        # it), and every block that has one under a hidden offload.
+        # (of those that move bytes, only the first: the others are link-bound variants of it),
+        # and every block that has one under a hidden offload; and the blocks stored with the
+        # code outside them lean, which tells what the outside keeps.
         kinds = [s for s in options if not s.to_host] + [s for s in options if s.to_host][:1]
         uniform = [] if measured is not None else [self.uniform(s) for s in kinds]
         choice = hidden_choice(self.choices) if uniform else None
         hidden = None if choice is None else Plan(tuple(zip(self.paths, choice)), Lean())
-        checks = [*uniform, *([hidden] if hidden else [])]
+        stored = [Plan(self.plain.blocks, Lean())] if uniform else []
+        self.checks = {*uniform, *stored, *([hidden] if hidden else [])}
         say(
-            "compiling the plain step, the leanest plan on the front"
-            + (f" and {len(checks)} more to fit the model to" if checks else "")
+            ("compiling the plain step and " if self.plain not in self.compiled else "compiling ")
+            + "the leanest plan on the front"
+            + (f" and {len(self.checks)} more to fit the model to" if self.checks else "")
         )
-        # The plain step first and alone: it autotunes the kernels that the others share.
         self._compile([self.plain])
-        self._compile([self.leanest, *checks])
+        self._compile([self.leanest, *uniform, *stored, *([hidden] if hidden else [])])
         # The step time that the model's estimates start from: the plain step's, or the
         # leanest plan's where the plain step is too large to run here.
         self.anchor = self.plain
@@ -336,10 +216,9 @@ class Planner:
             self._put_on_front(self.byte_line())
 
     def _candidate(self, point) -> Plan:
-        """The plan of a point on the front; the code outside the blocks is lean unless all store."""
+        """The plan of a point on the front, the code outside the blocks lean."""
         strategies = tuple(self.choices[b][k].strategy for b, k in enumerate(point.choice))
-        outside = Store() if all(s.is_identity for s in strategies) else Lean()
-        return Plan(tuple(zip(self.paths, strategies)), outside)
+        return Plan(tuple(zip(self.paths, strategies)), Lean())
 
     def model_bytes(self, candidate: Plan) -> float:
         """The model of the step's peak: what the blocks hold over time, not calibrated."""
@@ -348,7 +227,7 @@ class Planner:
     def byte_line(self, without: Plan | None = None) -> ByteLine:
         """Compiled bytes as a line fitted to every compiled plan but ``without``."""
         points = [
-            (kept_by_kind(self.blocks, p.strategies), got)
+            (kept_by_kind(self.blocks, p.strategies), p.outside.is_identity, got)
             for p, got in self.compiled.items()
             if p != without
         ]
@@ -357,7 +236,7 @@ class Planner:
 
     def predict(self, candidate: Plan) -> int:
         """The compiled bytes that the line fitted to the other compiled plans predicts."""
-        return self.byte_line(without=candidate)(kept_by_kind(self.blocks, candidate.strategies))
+        return self._bytes(self.byte_line(without=candidate), candidate)
 
     def _compile(self, candidates: Sequence[Plan]) -> None:
         todo = [c for c in dict.fromkeys(candidates) if c not in self.compiled]
@@ -398,54 +277,92 @@ class Planner:
         return self.step_ms(self.anchor) + self.ms(candidate) - self.ms(self.anchor)
 
     def plan_for(self, budget, *, max_rounds: int = 3, per_round: int = 4) -> Plan:
-        """The fastest plan, by the model, whose compiled step fits ``budget`` (bytes or a share).
+        """The fastest plan whose compiled step fits ``budget`` (bytes or a share of the plain step's).
 
-        The candidates are the front's plans, fastest first. Between the
-        fastest compiled one that fits and the slowest faster one that does
-        not, each round compiles up to ``per_round`` together: the fastest
-        that the model of compiled bytes says fits, and candidates evenly
-        spaced between the two, a search that does not trust the model. A
-        round finds the answer when no candidate is left between the two.
+        Raises :class:`NoPlanFits` if none does; :meth:`plans_for` says how it searches.
+        """
+        (found,) = self.plans_for([budget], max_rounds=max_rounds, per_round=per_round)
+        if isinstance(found, NoPlanFits):
+            raise found
+        return found
+
+    def plans_for(
+        self, budgets: Sequence, *, max_rounds: int = 3, per_round: int = 4
+    ) -> list[Plan | NoPlanFits]:
+        """For each budget, the fastest plan whose compiled step fits it, or why none does.
+
+        The candidates are the front's plans, fastest by the model first. For
+        each budget, between the fastest compiled one that fits and the slowest
+        faster one that does not, a round compiles up to ``per_round``: those
+        that the line of compiled bytes says fit the budget, or nearly, and
+        candidates evenly spaced between the two, a search that does not
+        trust the line. A budget is done when no candidate is left between
+        them that the model says is faster by more than the timing noise. The
+        budgets' rounds compile together, and the plan returned is the
+        fastest of the compiled ones that fit, as timed.
         """
         plain_bytes = self.compiled[self.plain]
-        budget_bytes = int(budget * plain_bytes) if isinstance(budget, float) else int(budget)
-        self.say(f"planning for {format_bytes(budget_bytes)}")
+        targets = [int(b * plain_bytes) if isinstance(b, float) else int(b) for b in budgets]
+        self.say("planning for " + ", ".join(format_bytes(t) for t in targets))
         front = {self._candidate(point) for point in self.front}
         if Store() in self.options:
             front.add(self.plain)
         # Fastest first; equal times by fewer bytes, so that the choice is the same every run.
-        candidates = sorted(front, key=lambda c: (round(self.ms(c), 3), self.model_bytes(c)))
-
-        def bounds():
-            """``(over, fit)``: the slowest faster candidate known not to fit, and the fastest that does."""
-            fits = [
-                n
-                for n, c in enumerate(candidates)
-                if self.compiled.get(c, math.inf) <= budget_bytes
-            ]
-            fit = fits[0] if fits else len(candidates)
-            over = [
-                n for n, c in enumerate(candidates[:fit]) if self.compiled.get(c, -1) > budget_bytes
-            ]
-            return (over[-1] if over else -1), fit
-
+        line = self.byte_line()
+        candidates = sorted(front, key=lambda c: (round(self.ms(c), 3), self._bytes(line, c)))
         for round_ in range(1, max_rounds + 1):
-            over, fit = bounds()
-            between = list(range(over + 1, min(fit, len(candidates))))
-            todo = [n for n in between if candidates[n] not in self.compiled]
-            if not todo:
+            line = self.byte_line()
+            probes = [self._probes(candidates, t, line, per_round) for t in targets]
+            batch = list(dict.fromkeys(c for chosen in probes for c in chosen))
+            if not batch:
                 break
-            predicted = [n for n in todo if self.predict(candidates[n]) <= budget_bytes]
-            probes = {predicted[0] if predicted else todo[-1]}
-            probes |= {todo[k * len(todo) // per_round] for k in range(1, per_round)}
-            batch = [candidates[n] for n in sorted(probes)]
             compiling = " and ".join(summary(c.strategies) for c in batch)
             self.say(f"round {round_}: compiling {compiling}")
             self._compile(batch)
-        over, fit = bounds()
+        return [self._answer(candidates, t) for t in targets]
+
+    def _fits(self, candidates: Sequence[Plan], budget_bytes: int) -> tuple[int, int]:
+        """``(over, fit)``: the slowest faster candidate known not to fit, and the fastest that does."""
+        fits = [
+            n for n, c in enumerate(candidates) if self.compiled.get(c, math.inf) <= budget_bytes
+        ]
+        fit = fits[0] if fits else len(candidates)
+        over = [
+            n for n, c in enumerate(candidates[:fit]) if self.compiled.get(c, -1) > budget_bytes
+        ]
+        return (over[-1] if over else -1), fit
+
+    def _probes(self, candidates, budget_bytes: int, line: ByteLine, per_round: int) -> list[Plan]:
+        """The candidates that a round compiles for one budget; none when it is done."""
+        over, fit = self._fits(candidates, budget_bytes)
+        faster_than = (
+            self.ms(candidates[fit]) * (1 - MEASURED_NOISE) if fit < len(candidates) else math.inf
+        )
+        todo = [
+            n
+            for n in range(over + 1, min(fit, len(candidates)))
+            if candidates[n] not in self.compiled and self.ms(candidates[n]) < faster_than
+        ]
+        if not todo:
+            return []
+        picks = []
+        for share in PROBE_SHARES:  # the line's answer, and either side of it
+            fitting = [n for n in todo if self._bytes(line, candidates[n]) <= share * budget_bytes]
+            picks += fitting[:1]
+        picks = list(dict.fromkeys(picks or [todo[-1]]))
+        spaced = (todo[k * len(todo) // per_round] for k in range(1, per_round))
+        picks += [n for n in spaced if n not in picks][: max(0, per_round - len(picks))]
+        return [candidates[n] for n in sorted(picks[:per_round])]
+
+    def _bytes(self, line: ByteLine, candidate: Plan) -> int:
+        return line(kept_by_kind(self.blocks, candidate.strategies), candidate.outside.is_identity)
+
+    def _answer(self, candidates, budget_bytes: int) -> Plan | NoPlanFits:
+        _, fit = self._fits(candidates, budget_bytes)
+        plain_bytes = self.compiled[self.plain]
         if fit == len(candidates):
             least = min(self.compiled.values())
-            raise NoPlanFits(
+            error = NoPlanFits(
                 f"no plan of {[brief(s) for s in self.options]} fits {format_bytes(budget_bytes)}: "
                 f"the least compiled was {format_bytes(least)}, {least / plain_bytes:.0%} of the "
                 f"plain step's {format_bytes(plain_bytes)}."
@@ -453,25 +370,38 @@ class Planner:
                 least_bytes=least,
                 plain_bytes=plain_bytes,
             )
+            self.say(str(error))
+            return error
         return self._chosen(self._fastest_measured(candidates[fit], budget_bytes), budget_bytes)
 
     def _fastest_measured(self, best: Plan, budget_bytes: int) -> Plan:
-        """Of every compiled plan that fits and runs, the fastest as timed in turns; of those
+        """Of the compiled plans that fit and run, the fastest as timed in turns; of those
         within 1% or their spread of it, the model's fastest, so that noise cannot flip the
-        choice. ``best``, the model's choice, stands where none can run here, or where their
-        runs spread more than :data:`~jaxoffload._src.planner.fitted.STEADY`."""
-        fits = [c for c, got in self.compiled.items() if got <= budget_bytes]
-        fits = [c for c in fits if math.isfinite(self.step_ms(c))]
-        if len(fits) <= 1:
-            return fits[0] if fits else best
-        timed = self.steps_together(fits)
-        spread = max(s for _, s in timed)
-        if spread > STEADY:  # too noisy to choose by: the model's choice stands
+        choice. Timed are the model's few fastest and the uniform plans (the points a user
+        compares with); of them, only those whose runs spread at most
+        :data:`~jaxoffload._src.planner.fitted.STEADY` are compared. ``best``, the model's
+        choice, stands where it cannot run here or is not timed steadily."""
+        by_model = lambda c: (round(self.ms(c), 3), self.compiled[c])  # noqa: E731
+        fits = sorted(
+            (c for c, got in self.compiled.items() if got <= budget_bytes and c != best),
+            key=by_model,
+        )
+        fits = [best, *(c for c in fits if math.isfinite(self.step_ms(c)))]
+        timed_plans = fits[:TIMED_FASTEST] + [c for c in fits[TIMED_FASTEST:] if c in self.checks]
+        if len(timed_plans) <= 1 or not math.isfinite(self.step_ms(best)):
             return best
-        fastest = min(ms for ms, _ in timed)
-        margin = max(MEASURED_NOISE, spread)
-        near = [c for c, (ms, _) in zip(fits, timed) if ms <= fastest * (1 + margin)]
-        return min(near, key=lambda c: (round(self.ms(c), 3), self.model_bytes(c)))
+        timed = dict(zip(timed_plans, self.steps_together(timed_plans)))
+        steady = {c: ms for c, (ms, spread) in timed.items() if spread <= STEADY}
+        self.say(
+            f"timed {len(timed)} compiled plans that fit in turns, {len(steady)} steadily: "
+            + ", ".join(f"{ms:.1f}" for ms, _ in timed.values())
+            + " ms"
+        )
+        if best not in steady:
+            return best
+        fastest = min(steady.values())
+        margin = max(MEASURED_NOISE, *(timed[c][1] for c in steady))
+        return min((c for c, ms in steady.items() if ms <= fastest * (1 + margin)), key=by_model)
 
     def _chosen(self, best: Plan, budget_bytes: int) -> Plan:
         measured = self.step_ms(best)

@@ -1,0 +1,147 @@
+"""The :func:`plan` call: a strategy per block that fits a memory budget at the least step time.
+
+:func:`plan` checks what it is given, and runs a
+:class:`~jaxoffload._src.planner.search.Planner` over the model's blocks
+for each budget. Every plan returned was compiled and checked against its
+budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxoffload._src import nnx as offload_nnx
+from jaxoffload._src.errors import NoPlanFits
+from jaxoffload._src.planner.apply import check_model
+from jaxoffload._src.planner.budget import check_budget
+from jaxoffload._src.planner.messages import progress_printer
+from jaxoffload._src.planner.plan import Plan
+from jaxoffload._src.planner.program import explicit_mesh
+from jaxoffload._src.planner.search import Planner
+from jaxoffload._src.strategies import Strategy
+
+__all__ = ["plan"]
+
+
+def plan(
+    model: Any,
+    step: Callable[..., Any],
+    *args: Any,
+    budget: int | float | Sequence[int | float],
+    blocks: Any = None,
+    options: Sequence[Strategy] | None = None,
+    donate_argnums: int | Sequence[int] = (),
+    runs: int = 5,
+    max_rounds: int = 3,
+    per_round: int = 4,
+    progress: bool | Callable[[str], None] = True,
+) -> Plan | list[Plan | NoPlanFits]:
+    """A strategy per plannable block that fits ``budget`` at the least step time.
+
+    The costs come from the device. Each distinct block is compiled and timed
+    alone under each option, its residuals are read from traces, and the host
+    link is measured once; where anything moves, each block also gets hidden
+    offloads (``Offload(window=w, max_bytes=cap)``, a cap of what the link
+    moves while the next blocks compute). For every memory target, the
+    fastest choice of one option per block is the front
+    (:func:`~jaxoffload._src.planner.front.front`). The compiled step is the
+    oracle: a line of its bytes, fitted to the plans compiled so far,
+    proposes the fastest candidates that should fit, and they are compiled,
+    several at once and for every budget together, until no candidate is
+    left that the model says is faster than the fastest that fits. The plan
+    returned is the fastest of the compiled ones that fit, as timed where
+    the steps time steadily; its ``estimated_bytes`` is what the line
+    fitted to the other compiled plans predicts of it.
+
+    Args:
+      model: an unbound linen Module whose blocks are
+        :func:`jaxoffload.linen.plannable`, or an NNX Module. An NNX model
+        is put back as it was when planning ends.
+      step: the training step as ``step(model, *args)``, not jitted: the
+        planner calls it with the model under each candidate plan. An NNX
+        step may update its Modules (``optimizer.update(model, grads)``).
+      *args: ``step``'s other arguments, as arrays or
+        :class:`jax.ShapeDtypeStruct`\\ s (a training state, a batch), or
+        NNX Modules such as an ``nnx.Optimizer``.
+      budget: device bytes (an int), or a share of the plain model's (a
+        float in (0, 1]). Device bytes are the compiled step's arguments and
+        temporaries. A sequence of budgets gives a list of plans, and
+        measures the costs once. The budget is per device: with arguments
+        sharded over a mesh (a batch over ``data``), the compiled bytes are
+        one device's (``memory_analysis`` of a sharded program), and under
+        Explicit mesh axes the blocks are sized and timed per device too.
+      blocks: for an NNX model, which submodules are its blocks: a Module
+        class, a tuple of them, or a function ``(path, module) -> bool``.
+        A linen model's blocks are its plannable ones.
+      options: the strategies a block may take; :func:`default_options` by
+        default.
+      donate_argnums: the arguments (after ``model``) that the training loop
+        donates, as in its ``jax.jit``: the compiled checks do the same.
+      runs: timed runs per block and option.
+      max_rounds: rounds of compiled checks per budget.
+      per_round: the candidates that one round compiles at once, each on a
+        thread of its own.
+      progress: print progress to stderr, or a function that takes each line.
+
+    Returns:
+      A :class:`Plan` whose compiled step fits ``budget``. For a sequence of
+      budgets, a list with one entry per budget: its :class:`Plan`, or, where
+      no plan fits, the :class:`NoPlanFits` that says what was reached (not
+      raised, so that the plans that fit are not lost).
+
+    Raises:
+      NoPlanFits: for a single budget, if no plan's compiled step fits; the
+        message gives the least that was reached.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn
+      >>> import jaxoffload
+      >>> Dense = jaxoffload.linen.plannable(nn.Dense)
+      >>> class Net(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x):
+      ...         h = nn.relu(Dense(256)(x))
+      ...         return Dense(8)(h)
+      >>> def step(model, params, x):
+      ...     return jax.grad(lambda p: model.apply(p, x).sum())(params)
+      >>> x = jnp.ones((64, 256))
+      >>> params = Net().init(jax.random.key(0), x)
+      >>> p = jaxoffload.plan(Net(), step, params, x, budget=1.0, runs=1, progress=False)
+      >>> [path for path, _ in p.blocks]
+      ['Dense_0', 'Dense_1']
+    """
+    check_model(model, "jaxoffload.plan")
+    say = progress_printer(progress)
+    # A string is a Sequence too, but one budget written wrong, not a list of them.
+    many = isinstance(budget, Sequence) and not isinstance(budget, str | bytes)
+    budgets = list(budget) if many else [budget]
+    for b in budgets:
+        check_budget(b)
+    for name, value in (("max_rounds", max_rounds), ("per_round", per_round)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    # Batch-sharded arguments over an Explicit mesh: the blocks' traced types carry their
+    # sharding, so the blocks are timed and sized per device under that mesh.
+    mesh = explicit_mesh(args)
+    with (
+        offload_nnx.classes_kept(model) if isinstance(model, nnx.Module) else nullcontext(),
+        jax.set_mesh(mesh) if mesh is not None else nullcontext(),
+    ):
+        planner = Planner(
+            model,
+            step,
+            args,
+            options,
+            blocks=blocks,
+            runs=runs,
+            say=say,
+            donate_argnums=donate_argnums,
+        )
+        if not many:
+            return planner.plan_for(budgets[0], max_rounds=max_rounds, per_round=per_round)
+        return planner.plans_for(budgets, max_rounds=max_rounds, per_round=per_round)
