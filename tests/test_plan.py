@@ -436,11 +436,13 @@ def test_block_times_are_fitted_to_the_uniform_steps_timed_beside_the_plain_one(
         for b in blocks
     ]
     assert calibrated(twins, errors)[0].cost(Offload(recompute=True)).backward_ms == 4.0
-    # Steps whose runs spread too much fit nothing.
+    # A plain step whose runs spread too much fits nothing; another step so, only itself.
     assert time_errors(blocks, [Lean(), Remat()], [(12.0, 0.2), (12.3, 0.2), (20.0, 0.2)])[::2] == (
         {},
         frozenset(),
     )
+    errors, lines, apart = time_errors(blocks, [Lean(), Remat()], [*steady[:2], (20.0, 0.2)])
+    assert errors == {} and apart == {Lean()} and "too noisy" in lines[1]
 
 
 def test_kinds_timed_apart_from_the_plain_step_are_not_tied_with_it():

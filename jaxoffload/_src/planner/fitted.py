@@ -171,30 +171,28 @@ def time_errors(
     the spread of the runs (or :data:`~jaxoffload._src.planner.costs.TIE`)
     is noise, and left out. Also returns the kinds whose steps ran apart from
     the plain one's, beyond the noise: their blocks' small differences are real.
-    Steps whose runs spread more than :data:`STEADY` (a busy CPU's) fit nothing.
+    A step whose runs spread more than :data:`STEADY` (a busy CPU's) fits
+    nothing; the plain step's, none.
     """
 
     def blocks_ms(s: Strategy) -> float:
         return sum(b.cost(s).forward_ms + b.cost(s).backward_ms for b in blocks)
 
     (plain_ms, plain_spread), *rest = timed
-    spread = max(s for _, s in timed)
-    if spread > STEADY:
-        return (
-            {},
-            [f"whole steps' runs spread {spread:.0%}: too noisy to fit the blocks to"],
-            frozenset(),
-        )
+    if plain_spread > STEADY:
+        line = f"the plain step's runs spread {plain_spread:.0%}: too noisy to fit the blocks to"
+        return {}, [line], frozenset()
     errors, lines, apart = {}, [], set()
     for strategy, (ms, spread) in zip(strategies, rest):
         model = plain_ms + blocks_ms(strategy) - blocks_ms(Store())
+        said = f"{brief(strategy)} on every block: {ms:.1f} ms measured, {model:.1f} ms from the blocks alone"
+        if spread > STEADY:
+            lines.append(f"{said}; its runs spread {spread:.0%}, too noisy to fit to")
+            continue
         if abs(ms - plain_ms) > max(spread, plain_spread, APART) * plain_ms:
             apart.add(strategy.timed_as())
         noisy = abs(ms - model) <= max(TIE, spread, plain_spread) * plain_ms
-        lines.append(
-            f"{brief(strategy)} on every block: {ms:.1f} ms measured, {model:.1f} ms from the "
-            "blocks alone" + (" (within the noise: kept)" if noisy else "")
-        )
+        lines.append(said + (" (within the noise: kept)" if noisy else ""))
         if not noisy:
             errors[strategy] = ms - model
     return errors, lines, frozenset(apart)
