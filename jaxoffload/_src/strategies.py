@@ -24,11 +24,13 @@ __all__ = [
     "Offload",
     "Remat",
     "Store",
+    "StoredCall",
     "Strategy",
     "brief",
     "check_strategy",
     "strategy_from_dict",
     "strategy_to_dict",
+    "stored_within",
 ]
 
 Function = Callable[..., Any]
@@ -109,6 +111,23 @@ class Store(Strategy):
     """
 
     is_identity = True
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredCall(Strategy):
+    """:class:`Store` as a wrapped call: jax's residuals, kept behind a call boundary.
+
+    A plan puts it on its ``Store()`` blocks where the code around them is
+    wrapped (an ``outside`` such as ``Lean()``): inlined there, a plain block
+    would be cut as part of the enclosing call, and keep what its cut keeps,
+    not what ``Store()`` says. Not a strategy to write; plans write ``Store()``.
+    """
+
+
+def stored_within(strategy: Strategy, outside: Strategy) -> Strategy:
+    """A block's strategy as applied inside code under ``outside``: a ``Store()`` block
+    inside a wrapped outside is a :class:`StoredCall`, so that the outside cannot cut it."""
+    return StoredCall() if strategy.is_identity and not outside.is_identity else strategy
 
 
 def _check_share(name: str, value: Any) -> float:

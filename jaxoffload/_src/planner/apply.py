@@ -17,7 +17,7 @@ from jaxoffload._src import context
 from jaxoffload._src import linen as offload_linen
 from jaxoffload._src import nnx as offload_nnx
 from jaxoffload._src.argnums import holds_arrays
-from jaxoffload._src.strategies import Lean, Store, Strategy
+from jaxoffload._src.strategies import Lean, Store, Strategy, stored_within
 
 __all__ = ["Discovery", "Strategies", "apply_plan", "check_model"]
 
@@ -77,6 +77,20 @@ class Discovery:
         return apply_plan(self, model)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Within:
+    """``plan`` as its blocks take it inside its ``outside`` (:func:`stored_within`)."""
+
+    plan: Strategies
+
+    @property
+    def outside(self) -> Strategy:
+        return self.plan.outside
+
+    def strategy_for(self, path: str) -> Strategy:
+        return stored_within(self.plan.strategy_for(path), self.plan.outside)
+
+
 def _apply_linen(plan: Strategies, model: nn.Module) -> nn.Module:
     """A new unbound Module of ``model``'s class name and fields, whose calls put ``plan`` in effect.
 
@@ -87,7 +101,7 @@ def _apply_linen(plan: Strategies, model: nn.Module) -> nn.Module:
     wrapped_by_static: dict[tuple[int, ...], Any] = {}
 
     def __call__(self, *args, **kwargs):
-        with context.plan_in_effect(plan):
+        with context.plan_in_effect(_Within(plan)):
             if plan.outside.is_identity:
                 return base.__call__(self, *args, **kwargs)
             # Non-array arguments (``train=True``) are static, as nn.remat's
@@ -123,6 +137,7 @@ def _apply_nnx(plan: Any, model: nnx.Module) -> nnx.Module:
             f"submodules are {known}. Plan this model with jaxoffload.plan."
         )
     for path, strategy in plan.blocks:
-        offload_nnx.wrap_instance(modules[path], strategy, (), path=path)
+        applied = stored_within(strategy, plan.outside)
+        offload_nnx.wrap_instance(modules[path], applied, (), path=path)
     offload_nnx.wrap_instance(model, plan.outside, ())
     return model

@@ -107,7 +107,10 @@ class Plan:
         :func:`jaxoffload.nnx.wrap` changes a Module instance: the submodule
         at each of the plan's paths takes its strategy, and ``model`` itself
         the ``outside`` one. Its variables, and the Optimizer that holds them,
-        are untouched; a ``Store()`` puts a block back as it was.
+        are untouched; a ``Store()`` puts a block back as it was. Inside a
+        wrapped ``outside`` (``Lean()``, say), a ``Store()`` block is a call of
+        its own that keeps what jax keeps, so that the outside's cut does not
+        reach into it.
 
         Example:
           >>> import jax, jax.numpy as jnp, flax.linen as nn

@@ -257,12 +257,17 @@ class Planner:
         return self.measured_ms[candidate]
 
     def _run(self, candidate: Plan, runs: int) -> float:
-        if self.run_limit is not None and self.compiled[candidate] > self.run_limit:
+        if not self._runs_here(candidate):
             return math.inf
         return timing.step_ms(self.executables[candidate], self.arrays, runs)
 
+    def _runs_here(self, candidate: Plan) -> bool:
+        return self.run_limit is None or self.compiled[candidate] <= self.run_limit
+
     def steps_together(self, candidates: Sequence[Plan]) -> list[tuple[float, float]]:
         """``(ms, spread)`` of each compiled candidate's step, timed in turns."""
+        for c in candidates:
+            self.step_ms(c)  # warmed up, and its own time noted for what it says
         executables = [self.executables[c] for c in candidates]
         return timing.steps_together(executables, self.arrays, TIMED_RUNS)
 
@@ -323,7 +328,22 @@ class Planner:
             compiling = " and ".join(summary(c.strategies) for c in batch)
             self.say(f"round {round_}: compiling {compiling}")
             self._compile(batch)
-        return [self._answer(candidates, t) for t in targets]
+        best = {t: self._best_fit(candidates, t) for t in targets}
+        to_time = {t: self._to_time(b, t) for t, b in best.items() if isinstance(b, Plan)}
+        # Every budget's plans timed in one turn-taking, so that each is timed once.
+        union = list(dict.fromkeys(c for plans in to_time.values() for c in plans))
+        timed = dict(zip(union, self.steps_together(union))) if len(union) > 1 else {}
+        if timed:
+            self.say(
+                f"timed {len(timed)} compiled plans that fit in turns: "
+                + ", ".join(f"{ms:.1f} ms ±{spread:.1%}" for ms, spread in timed.values())
+            )
+        return [
+            best[t]
+            if isinstance(best[t], NoPlanFits)
+            else self._chosen(self._fastest(best[t], to_time[t], timed), t)
+            for t in targets
+        ]
 
     def _fits(self, candidates: Sequence[Plan], budget_bytes: int) -> tuple[int, int]:
         """``(over, fit)``: the slowest faster candidate known not to fit, and the fastest that does."""
@@ -361,53 +381,54 @@ class Planner:
     def _bytes(self, line: ByteLine, candidate: Plan) -> int:
         return line(kept_by_kind(self.blocks, candidate.strategies), candidate.outside.is_identity)
 
-    def _answer(self, candidates, budget_bytes: int) -> Plan | NoPlanFits:
+    def _best_fit(self, candidates, budget_bytes: int) -> Plan | NoPlanFits:
+        """The model's fastest compiled candidate that fits, or why none does."""
         _, fit = self._fits(candidates, budget_bytes)
+        if fit < len(candidates):
+            return candidates[fit]
         plain_bytes = self.compiled[self.plain]
-        if fit == len(candidates):
-            least = min(self.compiled.values())
-            error = NoPlanFits(
-                f"no plan of {[brief(s) for s in self.options]} fits {format_bytes(budget_bytes)}: "
-                f"the least compiled was {format_bytes(least)}, {least / plain_bytes:.0%} of the "
-                f"plain step's {format_bytes(plain_bytes)}."
-                + where_it_stops(self.link, least / plain_bytes),
-                least_bytes=least,
-                plain_bytes=plain_bytes,
-            )
-            self.say(str(error))
-            return error
-        return self._chosen(self._fastest_measured(candidates[fit], budget_bytes), budget_bytes)
+        least = min(self.compiled.values())
+        error = NoPlanFits(
+            f"no plan of {[brief(s) for s in self.options]} fits {format_bytes(budget_bytes)}: "
+            f"the least compiled was {format_bytes(least)}, {least / plain_bytes:.0%} of the "
+            f"plain step's {format_bytes(plain_bytes)}."
+            + where_it_stops(self.link, least / plain_bytes),
+            least_bytes=least,
+            plain_bytes=plain_bytes,
+        )
+        self.say(str(error))
+        return error
 
-    def _fastest_measured(self, best: Plan, budget_bytes: int) -> Plan:
-        """``best``, the model's choice, unless a compiled plan that fits ran faster than it,
-        timed in turns, by more than 1% and both their spreads: then the fastest such.
-
-        Timed are the model's few fastest fits and the uniform plans that fit
-        (the points a user compares with). A plan whose runs spread more than
-        :data:`~jaxoffload._src.planner.fitted.STEADY` is not compared, and
-        ``best`` stands where it cannot run here or is not timed steadily."""
+    def _to_time(self, best: Plan, budget_bytes: int) -> list[Plan]:
+        """The plans that fit to time against ``best``, the model's choice: the model's few
+        fastest, and the uniform plans (the points a user compares with), that can run here."""
+        if not self._runs_here(best):
+            return []
         by_model = lambda c: (round(self.ms(c), 3), self.compiled[c])  # noqa: E731
         fits = sorted(
-            (c for c, got in self.compiled.items() if got <= budget_bytes and c != best),
+            (
+                c
+                for c, got in self.compiled.items()
+                if got <= budget_bytes and c != best and self._runs_here(c)
+            ),
             key=by_model,
         )
-        fits = [best, *(c for c in fits if math.isfinite(self.step_ms(c)))]
-        timed_plans = fits[:TIMED_FASTEST] + [c for c in fits[TIMED_FASTEST:] if c in self.checks]
-        if len(timed_plans) <= 1 or not math.isfinite(self.step_ms(best)):
+        fits = [best, *fits]
+        return fits[:TIMED_FASTEST] + [c for c in fits[TIMED_FASTEST:] if c in self.checks]
+
+    def _fastest(self, best: Plan, plans: Sequence[Plan], timed) -> Plan:
+        """``best``, unless one of ``plans`` ran faster than it, as ``timed`` in turns, by more
+        than 1% and both their spreads: then the fastest such. A plan whose runs spread more
+        than :data:`~jaxoffload._src.planner.fitted.STEADY` is not compared, and ``best``
+        stands where it is not timed steadily."""
+        if best not in timed or timed[best][1] > STEADY:
             return best
-        timed = dict(zip(timed_plans, self.steps_together(timed_plans)))
-        self.say(
-            f"timed {len(timed)} compiled plans that fit in turns: "
-            + ", ".join(f"{ms:.1f} ms ±{spread:.1%}" for ms, spread in timed.values())
-        )
         best_ms, best_spread = timed[best]
-        if best_spread > STEADY:
-            return best
-        # A plan that ran faster than the model's choice beyond both their spreads.
         faster = [
             c
-            for c, (ms, spread) in timed.items()
-            if spread <= STEADY and ms * (1 + max(MEASURED_NOISE, spread, best_spread)) < best_ms
+            for c in plans
+            if timed[c][1] <= STEADY
+            and timed[c][0] * (1 + max(MEASURED_NOISE, timed[c][1], best_spread)) < best_ms
         ]
         return min(faster, key=lambda c: timed[c][0]) if faster else best
 
