@@ -96,6 +96,25 @@ def test_a_budget_recomputes_the_product_that_saves_the_most():
     assert [v for v in everything.saved if v not in free] == []
 
 
+def test_a_depthwise_convolution_is_priced_by_its_passes_and_kept():
+    """Its few FLOPs would make it the first thing recomputed; at memory speed it costs
+    a pass over its input and output, more than keeping its output."""
+
+    def f(x, w):
+        y = jax.lax.conv_general_dilated(
+            jnp.sin(x), w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            feature_group_count=8,
+        )  # fmt: skip
+        return [jnp.cos(y), jnp.sin(x)]
+
+    jaxpr = jax.make_jaxpr(f)(jnp.ones((2, 8, 8, 8)), jnp.ones((3, 3, 1, 8))).jaxpr
+    (conv,) = [e for e in jaxpr.eqns if e.primitive.name == "conv_general_dilated"]
+    assert cut._price(conv).flops == 0 and cut._price(conv).passes > 0
+    chosen = cut.cheapest_cut(jaxpr, jaxpr.outvars, set(jaxpr.invars), max_recompute=1.0)
+    assert conv.outvars[0] in chosen.saved or jaxpr.outvars[0] in chosen.saved
+    assert not any(jaxpr.eqns[i] is conv for i in chosen.recomputed)
+
+
 def test_effects_and_unknown_primitives_are_never_recomputed():
     from jax.experimental import io_callback
 

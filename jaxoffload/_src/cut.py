@@ -16,6 +16,8 @@ Recomputation is priced by what it costs the backward pass:
 - a reduction costs a pass over its input, so its (small) output is kept;
 - a convolution or matrix product costs its FLOPs, at a rate chosen so that
   at most ``max_recompute`` of the function's forward FLOPs are recomputed;
+  but a grouped (depthwise) convolution, memory-bound, costs passes over its
+  input and output, so that its output is kept;
 - anything else (loops, effects, custom calls) is never recomputed.
 """
 
@@ -84,6 +86,10 @@ def _price(eqn) -> _Price:
         return _Price()
     if name in _PASSES:
         return _Price(passes=sum(nbytes(v.aval) for v in eqn.invars))
+    if name == "conv_general_dilated" and eqn.params["feature_group_count"] > 1:
+        # A grouped (depthwise) convolution does a few FLOPs per byte, and runs at memory
+        # speed: recomputing it costs passes over its input and output, not its FLOPs.
+        return _Price(passes=sum(nbytes(v.aval) for v in [*eqn.invars, *eqn.outvars]))
     if name in _MATMULS:
         return _Price(flops=eqn_flops(eqn))
     if name in _CALLS:

@@ -243,9 +243,10 @@ class Planner:
 
     def _compile(self, candidates: Sequence[Plan]) -> None:
         todo = [c for c in dict.fromkeys(candidates) if c not in self.compiled]
-        lowered = [
+        # Lowered as they are compiled: each compiles while the next is traced.
+        lowered = (
             lower_step(self.model, self.step, self.args, c, self.donate_argnums) for c in todo
-        ]
+        )
         for c, executable in zip(todo, timing.compile_all(lowered)):
             self.executables[c] = executable
             self.compiled[c] = device_bytes(executable)
