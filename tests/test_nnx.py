@@ -222,8 +222,9 @@ def _step(model, optimizer, x, labels):
         jaxoffload.Plan(tuple(zip(PATHS, (Lean(), Remat())))),
         jaxoffload.Plan(tuple(zip(PATHS, (Offload(), Offload(window=2)))), Lean()),
         jaxoffload.Plan(tuple(zip(PATHS, (Remat(), Remat()))), Remat()),  # plain's arithmetic
+        jaxoffload.Plan(tuple(zip(PATHS, (Store(), Lean()))), Lean()),  # a StoredCall inside
     ],
-    ids=["mixed", "offload", "remat-control"],
+    ids=["mixed", "offload", "remat-control", "stored-inside-lean"],
 )
 def test_an_applied_plan_trains_as_plain(plain, plan):
     model, losses, grads = _train_planned(plan)
