@@ -1,6 +1,9 @@
 """Where compile time goes on a GPU: one block's programs in turn and at once, whole steps too.
 
-    python benchmarks/compile_parallel_probe.py MODEL BATCH WHOLE_STEPS(0|1)
+    python benchmarks/compile_parallel_probe.py MODEL BATCH WHOLE_STEPS(0|1) [plain-first]
+
+With ``plain-first``, the plain step is compiled before the blocks' programs, as the planner
+does, to see whether its autotuned kernels make the blocks' programs cheap to compile at once.
 
 Prints timed lines; results/issue24/compile-parallel-probe.log is its output on the H200.
 """
@@ -58,6 +61,11 @@ def lowered_of(call):
     return out
 
 
+if sys.argv[4:] == ["plain-first"]:
+    t = time.perf_counter()
+    plain = Plan(tuple((p, Store()) for p in paths))
+    lower_step(m, step, (state, b), plain, (0,)).compile()
+    say(f"plain step compiled first: {time.perf_counter() - t:.1f}s")
 t = time.perf_counter()
 low = lowered_of(distinct[1])
 say(f"block 1: lowered {len(low)} in {time.perf_counter() - t:.1f}s")
