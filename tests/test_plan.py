@@ -399,6 +399,20 @@ def test_the_search_bisects_the_candidates_with_the_compiled_step_as_oracle(
         _FakePlanner(compiled, pessimistic).plan_for(29, max_rounds=3)
 
 
+def test_a_compiled_check_plan_that_fits_where_the_front_does_not_is_an_answer():
+    """Compiled bytes need not follow the front: a uniform plan may compile smaller than the
+    front's leanest, and where only it fits, it is the answer, not NoPlanFits."""
+    compiled = [100, 90, 80, 70, 60, 50, 40, 30]
+    made = _FakePlanner(compiled, compiled)
+    uniform = Plan((("Block_0", Remat()),), Lean())
+    made.plans.append(uniform)  # the slowest, and not on the front
+    made.truth[uniform] = made.guess[uniform] = made.compiled[uniform] = 20
+    made.checks = {uniform}
+    assert made.plan_for(25, max_rounds=3) == uniform
+    with pytest.raises(jaxoffload.NoPlanFits, match="the least compiled was"):
+        made.plan_for(15, max_rounds=3)
+
+
 _PLAN_IN_A_FRESH_PROCESS = """
 import sys
 sys.path[:0] = [{tests!r}, {root!r}]

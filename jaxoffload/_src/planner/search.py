@@ -314,7 +314,9 @@ class Planner:
         plain_bytes = self.compiled[self.plain]
         targets = [int(b * plain_bytes) if isinstance(b, float) else int(b) for b in budgets]
         self.say("planning for " + ", ".join(format_bytes(t) for t in targets))
-        front = {self._candidate(point) for point in self.front}
+        # The front's plans, and the checks compiled already: compiled bytes need not follow
+        # the front, and a uniform plan may compile smaller than the front's leanest.
+        front = {self._candidate(point) for point in self.front} | set(self.checks)
         if Store() in self.options:
             front.add(self.plain)
         # Fastest first; equal times by fewer bytes, so that the choice is the same every run.
