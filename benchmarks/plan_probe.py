@@ -1,7 +1,8 @@
 """Planner diagnosis in one process: block costs, plans at three budgets, and every compiled
 plan with the model's bytes and ms beside the compiled bytes and the timed ms.
 
-    OUT=folder [SHARES=0.75,0.5,0.35] python benchmarks/plan_probe.py MODEL BATCH IMAGE_SIZE
+    OUT=folder [SHARES=0.75,0.5,0.35] [BLOCK_COSTS=timed|traced] \
+        python benchmarks/plan_probe.py MODEL BATCH IMAGE_SIZE
 
 writes OUT/plan-MODEL-bBATCH-IMAGE_SIZE.jsonl (one JSON object a line: "block", "plan",
 "noplan", "all" for every compiled plan after each budget, "cand" for the uniform plans and
@@ -46,7 +47,10 @@ def emit(**kw):
     out.flush()
 
 
-P = search.Planner(m, step, (state, b), None, runs=5, say=say, donate_argnums=(0,))
+P = search.Planner(
+    m, step, (state, b), None, runs=5, say=say, donate_argnums=(0,),
+    block_costs=os.environ.get("BLOCK_COSTS", "timed"),
+)  # fmt: skip
 for blk in P.blocks:
     for s, c in blk.costs.items():
         emit(

@@ -196,6 +196,26 @@ def test_plan_fits_its_budget_and_trains_like_plain(shared_planner):
     assert any("timing block program" in line for line in lines)
 
 
+def test_traced_block_costs_take_their_times_from_flops_and_compile_no_block_program():
+    lines = []
+    made = planner.Planner(
+        PLANNABLE, step, ARGS, None, runs=1, say=lines.append, block_costs="traced"
+    )
+    assert any("by their FLOPs" in line for line in lines)
+    assert not any("timing block program" in line for line in lines)
+    plain_ms = made.step_ms(made.plain)
+    for block in made.blocks:
+        store, remat = block.cost(Store()), block.cost(Remat())
+        assert remat.forward_ms == store.forward_ms > 0
+        assert remat.backward_ms > store.backward_ms > 0  # it recomputes the forward pass
+    total = sum(b.cost(Store()).forward_ms + b.cost(Store()).backward_ms for b in made.blocks)
+    assert 0 < total <= plain_ms  # the blocks' share of the plain step, by FLOPs
+    plan = made.plan_for(1.0)
+    assert plan.compiled_bytes <= plan.budget_bytes
+    with pytest.raises(ValueError, match="'timed' or 'traced'"):
+        planner.Planner(PLANNABLE, step, ARGS, None, runs=1, say=print, block_costs="flops")
+
+
 def test_no_plan_fits_says_what_was_reached(shared_planner):
     made, _ = shared_planner
     with pytest.raises(jaxoffload.NoPlanFits, match="the least compiled was"):

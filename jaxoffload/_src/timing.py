@@ -20,6 +20,7 @@ import numpy as np
 
 __all__ = [
     "compile_all",
+    "forward_and_backward",
     "measure_link",
     "median_ms",
     "step_ms",
@@ -179,6 +180,15 @@ def vjp_programs(fun, structs):
 
     The arguments are zeros of ``structs``, and the cotangents zeros of the outputs.
     """
+    both, cotangent_structs = forward_and_backward(fun, structs)
+    args = [zeros(s) for s in structs]
+    cotangents = [zeros(c) for c in cotangent_structs]
+    return jax.jit(fun), jax.jit(both), tuple(args), (args, cotangents)
+
+
+def forward_and_backward(fun, structs):
+    """``(both, cotangent_structs)``: ``both(args, cotangents)`` runs ``fun``'s forward pass
+    and its backward pass on cotangents of its float outputs, of ``cotangent_structs``."""
     out_structs = jax.eval_shape(fun, *structs)
     floats = [jax.dtypes.issubdtype(o.dtype, np.inexact) for o in out_structs]
 
@@ -190,6 +200,4 @@ def vjp_programs(fun, structs):
         ]
         return vjp_fun(full)
 
-    args = [zeros(s) for s in structs]
-    cotangents = [zeros(o) for f, o in zip(floats, out_structs) if f]
-    return jax.jit(fun), jax.jit(both), tuple(args), (args, cotangents)
+    return both, [o for f, o in zip(floats, out_structs) if f]

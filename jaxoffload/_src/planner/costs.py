@@ -20,7 +20,7 @@ from jaxoffload._src.jaxprs import eqn_flops, nbytes, struct_of
 from jaxoffload._src.planner.front import Option
 from jaxoffload._src.residuals import trace_vjp
 from jaxoffload._src.strategies import Store, Strategy
-from jaxoffload._src.timing import compile_all, timed_together, vjp_programs
+from jaxoffload._src.timing import compile_all, forward_and_backward, timed_together, vjp_programs
 from jaxoffload._src.transfers import without_host_placement
 
 __all__ = [
@@ -31,6 +31,8 @@ __all__ = [
     "estimate_peak_bytes",
     "estimate_step_ms",
     "rescaled",
+    "step_flops",
+    "traced_blocks",
 ]
 
 
@@ -211,6 +213,45 @@ def cost_blocks(paths, calls, options, *, runs, say) -> list[BlockCosts]:
     return _costs_of(paths, calls, dict(zip(distinct, times)))
 
 
+def traced_blocks(paths, calls, options, *, ms_per_flop: float, say) -> list[BlockCosts]:
+    """Each block's cost under each option, its times from its traced FLOPs: nothing is compiled.
+
+    A block's forward pass takes ``ms_per_flop`` per FLOP of its matrix
+    products and convolutions (the plain step's measured ms over its FLOPs,
+    say), and its backward pass as much per FLOP of the forward and backward
+    passes together, recomputation included, less the forward pass's. What
+    FLOPs miss (a lean cut's elementwise work, memory-bound kernels) is for
+    the fit to whole steps to add (:func:`~jaxoffload._src.planner.fitted.calibrated`).
+    """
+    costed = list(dict.fromkeys([Store(), *(s.costed() for s in options)]))
+    distinct = _distinct(calls)
+    say(
+        f"costing block programs by their FLOPs: {len(distinct)} distinct, {len(costed)} strategies"
+    )
+    times = {}
+    with without_host_placement():
+        for program, call in distinct.items():
+            fun = jex_core.jaxpr_as_fun(call.forward)
+            structs = [struct_of(v.aval, rebind=True) for v in call.forward.jaxpr.invars]
+            forward = step_flops(call.forward.jaxpr)
+            times[program] = {}
+            for s in costed:
+                wrapped = transform.wrap(fun, s.timed_as(), device_argnums=call.device_inputs)
+                both, cotangents = forward_and_backward(wrapped, structs)
+                total = step_flops(jax.make_jaxpr(both)(list(structs), cotangents).jaxpr)
+                times[program][s] = (
+                    forward * ms_per_flop,
+                    max(0, total - forward) * ms_per_flop,
+                    0.0,
+                )
+    return _costs_of(paths, calls, times)
+
+
+def step_flops(jaxpr) -> int:
+    """The FLOPs of ``jaxpr``'s matrix products and convolutions, those nested in calls too."""
+    return sum(eqn_flops(e) for e in jaxpr.eqns)
+
+
 def rescaled(measured: Sequence[BlockCosts], calls) -> list[BlockCosts]:
     """``measured``'s blocks at another size (batch or image): bytes traced anew, times scaled.
 
@@ -243,7 +284,7 @@ def _distinct(calls) -> dict[tuple, Any]:
 
 def _size(call) -> float:
     """What a block's time scales with: its forward FLOPs, or its input bytes without them."""
-    flops = sum(eqn_flops(e) for e in call.forward.jaxpr.eqns)
+    flops = step_flops(call.forward.jaxpr)
     return float(flops or sum(nbytes(v.aval) for v in call.forward.jaxpr.invars))
 
 

@@ -26,6 +26,8 @@ from jaxoffload._src.planner.costs import (
     cost_blocks,
     estimate_peak_bytes,
     rescaled,
+    step_flops,
+    traced_blocks,
 )
 from jaxoffload._src.planner.fitted import (
     MEASURED_NOISE,
@@ -100,11 +102,17 @@ class Planner:
         donate_argnums=(),
         measured: Planner | None = None,
         run_limit: int | None = None,
+        block_costs: str = "timed",
     ):
         """``measured``: a Planner of the same model and step at another size, whose block
         costs are rescaled to this one's (:func:`~jaxoffload._src.planner.costs.rescaled`)
         rather than measured again. ``run_limit``: the most compiled bytes of a step that
-        is run here to be timed; by default, 90% of the device's memory."""
+        is run here to be timed; by default, 90% of the device's memory. ``block_costs``:
+        ``"timed"``, each distinct block program compiled and timed alone, or ``"traced"``,
+        its times from its FLOPs at the plain step's ms per FLOP, which compiles nothing
+        more (:func:`~jaxoffload._src.planner.costs.traced_blocks`)."""
+        if block_costs not in ("timed", "traced"):
+            raise ValueError(f"block_costs is 'timed' or 'traced', got {block_costs!r}.")
         self.model, self.step, self.args, self.say = model, step, args, say
         self.donate_argnums = donate_argnums
         if run_limit is None:
@@ -138,7 +146,13 @@ class Planner:
             # programs and the other steps share, which then compile the faster.
             say("compiling the plain step")
             self._compile([self.plain])
-            self.blocks = cost_blocks(self.paths, calls, options, runs=runs, say=say)
+            per_flop = self._ms_per_flop() if block_costs == "traced" else None
+            if per_flop is None:
+                self.blocks = cost_blocks(self.paths, calls, options, runs=runs, say=say)
+            else:
+                self.blocks = traced_blocks(
+                    self.paths, calls, options, ms_per_flop=per_flop, say=say
+                )
         self.hidden_ms_per_byte = 0.0 if measured is None else measured.hidden_ms_per_byte
         self.apart = frozenset() if measured is None else measured.apart
         # At another size, the kinds' byte weights that the measured planner fitted.
@@ -175,6 +189,17 @@ class Planner:
         )
         if uniform and math.isfinite(plain_ms):
             self._calibrate(uniform, hidden)
+
+    def _ms_per_flop(self) -> float | None:
+        """The plain step's measured ms over the FLOPs of its matrix products and
+        convolutions, counted as the blocks' are; ``None`` if either is unknown."""
+        fun, arrays, _ = program(self.model, self.step, self.args, self.plain)
+        flops = step_flops(jax.make_jaxpr(fun)(*arrays).jaxpr)
+        ms = self.step_ms(self.plain)
+        if flops <= 0 or not math.isfinite(ms):
+            self.say("the plain step's FLOPs or time are unknown here: timing block programs")
+            return None
+        return ms / flops
 
     def uniform(self, strategy: Strategy) -> Plan:
         """Every block under ``strategy``; the code outside them lean unless it stores."""
