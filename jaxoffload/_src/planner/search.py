@@ -132,7 +132,7 @@ class Planner:
         self.executables: dict[Plan, Any] = {}
         self.measured_ms: dict[Plan, float] = {}
         self.plain = Plan(tuple((p, Store()) for p in self.paths))
-        self.arrays = program(model, step, args, self.plain)[1]
+        plain_fun, self.arrays, _ = program(model, step, args, self.plain)
         if measured is not None:
             self.link = measured.link
             self.blocks = rescaled(measured.blocks, calls)
@@ -146,7 +146,7 @@ class Planner:
             # programs and the other steps share, which then compile the faster.
             say("compiling the plain step")
             self._compile([self.plain])
-            per_flop = self._ms_per_flop() if block_costs == "traced" else None
+            per_flop = self._ms_per_flop(plain_fun) if block_costs == "traced" else None
             if per_flop is None:
                 self.blocks = cost_blocks(self.paths, calls, options, runs=runs, say=say)
             else:
@@ -168,14 +168,14 @@ class Planner:
         choice = hidden_choice(self.choices) if uniform else None
         hidden = None if choice is None else Plan(tuple(zip(self.paths, choice)), Lean())
         stored = [Plan(self.plain.blocks, Lean())] if uniform else []
-        self.checks = {*uniform, *stored, *([hidden] if hidden else [])}
+        self.checks = list(dict.fromkeys([*uniform, *stored, *([hidden] if hidden else [])]))
         say(
             ("compiling the plain step and " if self.plain not in self.compiled else "compiling ")
             + "the leanest plan on the front"
             + (f" and {len(self.checks)} more to fit the model to" if self.checks else "")
         )
         self._compile([self.plain])
-        self._compile([self.leanest, *uniform, *stored, *([hidden] if hidden else [])])
+        self._compile([self.leanest, *self.checks])
         # The step time that the model's estimates start from: the plain step's, or the
         # leanest plan's where the plain step is too large to run here.
         self.anchor = self.plain
@@ -190,11 +190,10 @@ class Planner:
         if uniform and math.isfinite(plain_ms):
             self._calibrate(uniform, hidden)
 
-    def _ms_per_flop(self) -> float | None:
+    def _ms_per_flop(self, plain_fun) -> float | None:
         """The plain step's measured ms over the FLOPs of its matrix products and
         convolutions, counted as the blocks' are; ``None`` if either is unknown."""
-        fun, arrays, _ = program(self.model, self.step, self.args, self.plain)
-        flops = step_flops(jax.make_jaxpr(fun)(*arrays).jaxpr)
+        flops = step_flops(jax.make_jaxpr(plain_fun)(*self.arrays).jaxpr)
         ms = self.step_ms(self.plain)
         if flops <= 0 or not math.isfinite(ms):
             self.say("the plain step's FLOPs or time are unknown here: timing block programs")
@@ -326,7 +325,8 @@ class Planner:
     ) -> list[Plan | NoPlanFits]:
         """For each budget, the fastest plan whose compiled step fits it, or why none does.
 
-        The candidates are the front's plans, fastest by the model first. For
+        The candidates are the front's plans and the uniform ones compiled to
+        check the model, fastest by the model first. For
         each budget, between the fastest compiled one that fits and the slowest
         faster one that does not, a round compiles up to ``per_round``: those
         that the line of compiled bytes says fit the budget, or nearly, and
@@ -348,7 +348,6 @@ class Planner:
         line = self.byte_line()
         candidates = sorted(front, key=lambda c: (round(self.ms(c), 3), self._bytes(line, c)))
         for round_ in range(1, max_rounds + 1):
-            line = self.byte_line()
             probes = [self._probes(candidates, t, line, per_round) for t in targets]
             batch = list(dict.fromkeys(c for chosen in probes for c in chosen))
             if not batch:
@@ -356,6 +355,7 @@ class Planner:
             compiling = " and ".join(summary(c.strategies) for c in batch)
             self.say(f"round {round_}: compiling {compiling}")
             self._compile(batch)
+            line = self.byte_line()  # through the plans just compiled too
         best = {t: self._best_fit(candidates, t) for t in targets}
         to_time = {t: self._to_time(b, t) for t, b in best.items() if isinstance(b, Plan)}
         # Every budget's plans timed in one turn-taking, so that each is timed once.
