@@ -212,7 +212,7 @@ def test_traced_block_costs_take_their_times_from_flops_and_compile_no_block_pro
     assert 0 < total <= plain_ms  # the blocks' share of the plain step, by FLOPs
     plan = made.plan_for(1.0)
     assert plan.compiled_bytes <= plan.budget_bytes
-    with pytest.raises(ValueError, match="'timed' or 'traced'"):
+    with pytest.raises(ValueError, match=r"block_costs is one of \('timed', 'traced'\)"):
         planner.Planner(PLANNABLE, step, ARGS, None, runs=1, say=print, block_costs="flops")
 
 
@@ -352,6 +352,28 @@ def test_hidden_offloads_move_only_what_the_next_blocks_compute_hides():
         added = 1e-6 * after.moved_bytes if after.strategy.max_bytes is not None else 0.0
         assert after.ms == pytest.approx(before.ms + added)
     assert hidden_choice([[o for o in c if o.strategy.max_bytes is None] for c in choices]) is None
+
+
+def test_hidden_offloads_that_would_move_only_crumbs_are_no_options():
+    options = (Store(), Lean(), Offload())
+    blocks = _blocks(n=3, kept=4_000_000, lean=2_500_000, host=2_000_000)
+    # The residual is over what the next blocks hide (1.6 MB, or 3.2 MB over two): only
+    # the 4 KB beside it would go.
+    crumbs = [
+        dataclasses.replace(
+            b,
+            costs={
+                **b.costs,
+                Offload(): dataclasses.replace(
+                    b.costs[Offload()], host_bytes=4_004_000, host_sizes=(4_000_000, 4_000)
+                ),
+            },
+        )
+        for b in blocks
+    ]
+    choices = block_options(crumbs, options, (2.0, 2.0))
+    assert not [o for c in choices for o in c if o.strategy.max_bytes is not None]
+    assert hidden_choice(choices) is None
 
 
 class _FakePlanner(planner.Planner):

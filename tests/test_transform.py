@@ -525,3 +525,29 @@ def test_a_cap_that_moves_nothing_says_so_and_why():
     )
     # The largest residual that fits goes first: the 256-byte w does not, the 128-byte ones do.
     assert [r.nbytes for r in moved if r.placement == "pinned_host"] == [128]
+
+
+def test_a_call_is_selected_once_per_program_and_strategy_and_constants_count():
+    from jaxoffload._src import residuals
+
+    residuals._SELECTIONS.clear()
+    f, params, x = _layer("residual_block")
+    lean = wrap(f, Lean())
+
+    def two_calls(params, x):  # one program, called twice
+        y, _ = lean(params, x)
+        return lean(params, y)[0].sum()
+
+    jax.grad(two_calls)(params, x)
+    assert len(residuals._SELECTIONS) == 1
+    jax.grad(lambda p, x: wrap(f, Lean(max_recompute=0.0))(p, x)[0].sum())(params, x)
+    assert len(residuals._SELECTIONS) == 2  # another strategy: another selection
+
+    # Programs that differ only in a constant's value are not one program.
+    def scaled(c):
+        return wrap(lambda x: jnp.sin(x) * c, Lean())
+
+    x = normal(2, (4, 5))
+    for c in (np.full(5, 2.0, np.float32), np.full(5, 3.0, np.float32)):
+        got = jax.grad(lambda x, c=c: scaled(c)(x).sum())(x)
+        np.testing.assert_allclose(got, np.cos(x) * c, rtol=1e-6)

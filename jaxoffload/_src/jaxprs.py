@@ -16,6 +16,7 @@ __all__ = [
     "eqn_flops",
     "equations",
     "evaluate",
+    "fingerprint",
     "format_bytes",
     "live_vars",
     "nbytes",
@@ -115,6 +116,30 @@ def uses_after(jaxpr: Any) -> Callable[[Any, int], bool]:
 def debug_info(invars: Sequence[Any]) -> Any:
     """The debug info of a jaxpr that jaxoffload builds from parts of a traced one."""
     return jex_core.DebugInfo("jaxoffload", "<residuals>", ("",) * len(invars), None)
+
+
+# Constants up to this many elements are told apart by value; larger ones by identity.
+_CONSTANT_BY_VALUE = 2**16
+
+
+def fingerprint(closed: Any) -> tuple | None:
+    """A key equal for closed jaxprs that compute the same; ``None`` if a constant is a tracer.
+
+    The program's text names its variables in order, so two traces of one
+    function print alike. A large constant counts by identity: whatever is
+    keyed by it must keep it alive. A tracer of an enclosing trace is never a
+    key: it dies with that trace.
+    """
+    consts = []
+    for c in closed.consts:
+        if isinstance(c, jax.core.Tracer):
+            return None
+        if np.size(c) <= _CONSTANT_BY_VALUE:
+            array = np.asarray(c)
+            consts.append((array.shape, str(array.dtype), array.tobytes()))
+        else:
+            consts.append(("id", id(c)))
+    return str(closed.jaxpr), tuple(consts)
 
 
 def sub_function(jaxpr, consts, invars, outvars) -> Callable[..., list[Any]]:

@@ -16,7 +16,7 @@ import jax
 from jax.extend import core as jex_core
 
 from jaxoffload._src import timing
-from jaxoffload._src.jaxprs import struct_of
+from jaxoffload._src.jaxprs import fingerprint, struct_of
 from jaxoffload._src.strategies import Strategy
 
 __all__ = ["fastest_enough"]
@@ -37,12 +37,16 @@ def fastest_enough(
       wrap: :func:`jaxoffload._src.transform.wrap`, which lives above this
         module: the programs timed are the wrapped call under each fallback.
     """
-    key = (str(closed), device_argnums, strategy)
-    if key not in _CHOSEN:
+    program = fingerprint(closed)
+    key = (program, device_argnums, strategy)
+    if program is None or key not in _CHOSEN:
         candidates = strategy.fallbacks()
         times = time_candidates(candidates, closed, device_argnums, wrap)
         limit = (1 + strategy.max_slowdown) * times[-1]
-        _CHOSEN[key] = next(c for c, ms in zip(candidates, times) if ms <= limit)
+        chosen = next(c for c, ms in zip(candidates, times) if ms <= limit)
+        if program is None:  # a constant is a tracer: this call is not seen again
+            return chosen
+        _CHOSEN[key] = chosen
     return _CHOSEN[key]
 
 

@@ -10,6 +10,7 @@ describe the result for people.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -22,6 +23,7 @@ from jaxoffload._src import cut as cut_lib
 from jaxoffload._src import rewrite
 from jaxoffload._src.jaxprs import (
     eqn_flops,
+    fingerprint,
     format_bytes,
     live_vars,
     nbytes,
@@ -30,7 +32,16 @@ from jaxoffload._src.jaxprs import (
 )
 from jaxoffload._src.strategies import Strategy
 
-__all__ = ["OffloadedCall", "Residual", "Selection", "VjpTrace", "describe", "select", "trace_vjp"]
+__all__ = [
+    "OffloadedCall",
+    "Residual",
+    "Selection",
+    "VjpTrace",
+    "describe",
+    "select",
+    "select_once",
+    "trace_vjp",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +282,32 @@ def select(
         forward, backward, bool(recomputed), tuple(residuals), tuple(to_host),
         traced.vjp_tree, traced.out_tree, len(traced.outputs), tuple(notes), flops, fun,
     )  # fmt: skip
+
+
+# Selections by what decides them, so that a model's repeated blocks, and a planner's
+# steps under many plans, trace each distinct call under each strategy once.
+_SELECTIONS: collections.OrderedDict[tuple, Selection] = collections.OrderedDict()
+_SELECTIONS_KEPT = 256
+
+
+def select_once(
+    closed, out_tree, call, dynamic, kwargs, strategy: Strategy, device_leaves: Mapping[int, str]
+) -> Selection:
+    """:func:`select`, made once per distinct call: ``call`` replays ``closed``, its closed
+    jaxpr, and unflattens its outputs to ``out_tree``, which with the inputs' structure,
+    ``device_leaves`` and ``strategy`` decide the selection."""
+    program = fingerprint(closed)
+    if program is None:
+        return select(call, dynamic, kwargs, strategy, device_leaves)
+    inputs = jax.tree.structure((dynamic, kwargs))
+    key = (program, inputs, out_tree, tuple(sorted(device_leaves.items())), strategy)
+    if key in _SELECTIONS:
+        _SELECTIONS.move_to_end(key)
+        return _SELECTIONS[key]
+    _SELECTIONS[key] = select(call, dynamic, kwargs, strategy, device_leaves)
+    if len(_SELECTIONS) > _SELECTIONS_KEPT:
+        _SELECTIONS.popitem(last=False)
+    return _SELECTIONS[key]
 
 
 def _cheapest(jaxpr, needed, out_atoms, params, strategy) -> cut_lib.Cut:

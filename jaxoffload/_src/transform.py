@@ -21,7 +21,7 @@ from jax.extend import core as jex_core
 
 from jaxoffload._src import context, jaxprs, measured, targets, transfers
 from jaxoffload._src.argnums import Argnums, check_argnums, holds_arrays, positional_names
-from jaxoffload._src.residuals import describe, select
+from jaxoffload._src.residuals import describe, select_once
 from jaxoffload._src.strategies import Offload, Strategy, check_strategy
 
 __all__ = [
@@ -437,7 +437,9 @@ def _custom_call(traced: TracedCall, strategy: Strategy, fun) -> Any:
     run = jax.custom_vjp(run)
 
     def run_fwd(dynamic, kwargs, gates):
-        kept = chosen["kept"] = select(call, dynamic, kwargs, strategy, device_leaves)
+        kept = chosen["kept"] = select_once(
+            traced.closed, traced.out_tree, call, dynamic, kwargs, strategy, device_leaves
+        )
         context.record_call(lambda: describe(call, kept, dynamic, kwargs, device_leaves))
         if strategy.to_host:
             transfers.say_if_nothing_moves(fun, kept)

@@ -42,7 +42,7 @@ from jaxoffload import (
     offloaded_calls,
 )
 from jaxoffload._src.jaxprs import equations
-from jaxoffload._src.planner import Planner, measure_link, median_ms, zeros
+from jaxoffload._src.planner import BLOCK_COSTS, Planner, measure_link, median_ms, zeros
 from jaxoffload._src.report import analyze, requested_host_transfers, with_twin
 from jaxoffload._src.strategies import brief
 from jaxoffload._src.transfers import without_host_placement
@@ -51,6 +51,7 @@ from jaxoffload.bench.hidden import plan_hidden_offload
 
 __all__ = [
     "ACCUMULATED_STRATEGIES",
+    "BLOCK_COSTS",  # from jaxoffload._src.planner
     "COMPUTE_TWIN",
     "PLANNED_STRATEGIES",
     "STRATEGIES",
@@ -144,6 +145,8 @@ class Workload:
         ``blocks``; set by the planner of ``"offload-hidden"``.
       budget: for the ``"plan"`` strategy, the budget as a share of the
         ``"none"`` run's runtime peak.
+      block_costs: for ``"plan"``, how the planner costs the blocks:
+        ``"timed"`` or ``"traced"`` (see :func:`jaxoffload.plan`).
       planned: for ``"plan"``, the :class:`jaxoffload.Plan` as
         :meth:`~jaxoffload.Plan.to_dict` writes it; set by
         :func:`plan_budgets_in_subprocess`.
@@ -164,6 +167,7 @@ class Workload:
     window: int | tuple[int, ...] = 1
     plan: tuple[str, ...] | None = None
     budget: float | None = None
+    block_costs: str = "timed"
     planned: dict[str, Any] | None = None
     micro_batch: int | None = None
     num_devices: int = 1
@@ -244,6 +248,8 @@ class Workload:
             )
         if not 0 < self.budget <= 1:
             raise ValueError(f"budget is a share of 'none's peak in (0, 1], got {self.budget}.")
+        if self.block_costs not in BLOCK_COSTS:
+            raise ValueError(f"block_costs is one of {BLOCK_COSTS}, got {self.block_costs!r}.")
 
     def _check_block_strategies(self) -> None:
         """The model takes the strategy, its blocks and its windows."""
@@ -580,7 +586,15 @@ def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[
         print(f"[plan] {time.perf_counter() - start:6.1f} s  {line}", file=sys.stderr, flush=True)
 
     shared = Planner(
-        model, step, (state, batch), None, blocks=blocks, runs=5, say=say, donate_argnums=(0,)
+        model,
+        step,
+        (state, batch),
+        None,
+        blocks=blocks,
+        runs=5,
+        say=say,
+        donate_argnums=(0,),
+        block_costs=workload.block_costs,
     )
     results = []
     found = shared.plans_for([int(b) for b in budgets_bytes], max_rounds=3)

@@ -147,6 +147,14 @@ def _add_workload_arguments(bench: argparse.ArgumentParser) -> None:
         help="also plan the model (jaxoffload.plan) at each budget, as shares of 'none's "
         "peak, e.g. 0.75,0.5,0.35,0.25, and measure each plan (plain-Flax models)",
     )
+    bench.add_argument(
+        "--block-costs",
+        choices=benchmark.BLOCK_COSTS,
+        default="timed",
+        help="how --budget's planner costs the blocks: each distinct block program compiled "
+        "and timed alone (timed), or from its traced FLOPs at the plain step's ms per FLOP "
+        "(traced, which compiles no block program)",
+    )
 
 
 def _add_run_arguments(bench: argparse.ArgumentParser) -> None:
@@ -392,7 +400,7 @@ def _workloads(args: argparse.Namespace, strategies: list[str]) -> list[benchmar
                 micro_batch=args.micro_batch if s in benchmark.ACCUMULATED_STRATEGIES else None,
             )
             for s in strategies
-        ] + [workload("plan", budget=b) for b in args.budget]
+        ] + [workload("plan", budget=b, block_costs=args.block_costs) for b in args.budget]
     except ValueError as e:
         raise BenchError(str(e)) from None
 

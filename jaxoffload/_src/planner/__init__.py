@@ -16,6 +16,7 @@ from jaxoffload._src.planner.fit import Fit as Fit
 from jaxoffload._src.planner.fit import largest_size as largest_size
 from jaxoffload._src.planner.plan import Plan as Plan
 from jaxoffload._src.planner.program import compiled_bytes as compiled_bytes
+from jaxoffload._src.planner.search import BLOCK_COSTS as BLOCK_COSTS
 from jaxoffload._src.planner.search import Planner as Planner
 from jaxoffload._src.planner.search import default_options as default_options
 from jaxoffload._src.timing import measure_link as measure_link

@@ -371,6 +371,10 @@ def _time_programs(calls, strategies, runs) -> list[dict[Strategy, tuple[float, 
 # The share of the link's time that hidden transfers may take: the rest is slack for
 # the compute's own memory traffic and for timing noise.
 HIDDEN_SHARE = 0.8
+# What a hidden offload moves, at the least, of what its base would move uncapped: a cap
+# below every large residual moves only crumbs (a BatchNorm's statistics), and its call
+# boundary and transfers buy nothing.
+HIDDEN_LEAST_SHARE = 0.05
 
 
 def block_options(
@@ -387,7 +391,8 @@ def block_options(
     gets hidden offloads: ``Offload`` with window ``w`` and a byte cap of what
     the link moves, in :data:`HIDDEN_SHARE` of the time, while the next
     ``w - 1`` blocks compute, forward and backward, so that the move costs
-    almost nothing; on top of the lean cut, and of recomputation. Where a
+    almost nothing; on top of the lean cut, and of recomputation; where that
+    moves at least :data:`HIDDEN_LEAST_SHARE` of what the uncapped offload would. Where a
     whole step showed that it does not, ``hidden_ms_per_byte`` is what each
     byte such an offload moves was measured to cost. Options of one block
     within their timing noise count as equally fast, but for the kinds in
@@ -435,7 +440,8 @@ def _hidden_offloads(blocks, i, options, link) -> list[Strategy]:
             backward = sum(b.cost(Store()).backward_ms for b in later)
             cap = int(HIDDEN_SHARE * min(link[0] * forward, link[1] * backward) * 1e6)
             capped = base.with_cap(window, cap)
-            if capped is not None and blocks[i].cost(capped).host_bytes > 0:
+            least = HIDDEN_LEAST_SHARE * blocks[i].cost(base).host_bytes
+            if capped is not None and blocks[i].cost(capped).host_bytes >= max(least, 1):
                 hidden.append(capped)
     return hidden
 

@@ -39,6 +39,7 @@ def plan(
     runs: int = 5,
     max_rounds: int = 3,
     per_round: int = 4,
+    block_costs: str = "timed",
     progress: bool | Callable[[str], None] = True,
 ) -> Plan | list[Plan | NoPlanFits]:
     """A strategy per plannable block that fits ``budget`` at the least step time.
@@ -86,6 +87,10 @@ def plan(
       max_rounds: rounds of compiled checks per budget.
       per_round: the candidates that one round compiles at once, each on a
         thread of its own.
+      block_costs: ``"timed"``, each distinct block program compiled and timed
+        alone under each option; or ``"traced"``, its times from its traced
+        FLOPs at the plain step's measured ms per FLOP, which compiles no
+        block program (faster to plan; the fit to whole steps corrects both).
       progress: print progress to stderr, or a function that takes each line.
 
     Returns:
@@ -141,6 +146,7 @@ def plan(
             runs=runs,
             say=say,
             donate_argnums=donate_argnums,
+            block_costs=block_costs,
         )
         if not many:
             return planner.plan_for(budgets[0], max_rounds=max_rounds, per_round=per_round)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,7 +54,11 @@ from jaxoffload._src.planner.program import (
 )
 from jaxoffload._src.strategies import Lean, Offload, Remat, Store, Strategy, brief, check_strategy
 
-__all__ = ["Planner", "default_options"]
+__all__ = ["BLOCK_COSTS", "Planner", "default_options"]
+
+# How a planner costs its blocks: each distinct block program compiled and timed alone, or
+# its traced FLOPs at the plain step's measured ms per FLOP.
+BLOCK_COSTS = ("timed", "traced")
 
 
 def default_options() -> tuple[Strategy, ...]:
@@ -111,8 +116,8 @@ class Planner:
         ``"timed"``, each distinct block program compiled and timed alone, or ``"traced"``,
         its times from its FLOPs at the plain step's ms per FLOP, which compiles nothing
         more (:func:`~jaxoffload._src.planner.costs.traced_blocks`)."""
-        if block_costs not in ("timed", "traced"):
-            raise ValueError(f"block_costs is 'timed' or 'traced', got {block_costs!r}.")
+        if block_costs not in BLOCK_COSTS:
+            raise ValueError(f"block_costs is one of {BLOCK_COSTS}, got {block_costs!r}.")
         self.model, self.step, self.args, self.say = model, step, args, say
         self.donate_argnums = donate_argnums
         if run_limit is None:
@@ -267,13 +272,24 @@ class Planner:
 
     def _compile(self, candidates: Sequence[Plan]) -> None:
         todo = [c for c in dict.fromkeys(candidates) if c not in self.compiled]
-        # Lowered as they are compiled: each compiles while the next is traced.
-        lowered = (
-            lower_step(self.model, self.step, self.args, c, self.donate_argnums) for c in todo
-        )
-        for c, executable in zip(todo, timing.compile_all(lowered)):
+        if not todo:
+            return
+        start, tracing = time.perf_counter(), 0.0
+
+        def lowered():  # each compiles while the next is traced
+            nonlocal tracing
+            for c in todo:
+                began = time.perf_counter()
+                yield lower_step(self.model, self.step, self.args, c, self.donate_argnums)
+                tracing += time.perf_counter() - began
+
+        for c, executable in zip(todo, timing.compile_all(lowered())):
             self.executables[c] = executable
             self.compiled[c] = device_bytes(executable)
+        self.say(
+            f"compiled {len(todo)} in {time.perf_counter() - start:.1f} s, "
+            f"{tracing:.1f} s of it tracing"
+        )
 
     def step_ms(self, candidate: Plan, runs: int = 3) -> float:
         """The compiled candidate's step time, run on zeros; ``inf`` if it cannot run here."""
