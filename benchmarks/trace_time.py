@@ -40,4 +40,6 @@ for shift in range(3):
     traced = jax.jit(fun, donate_argnums=donate).trace(*arrays)
     mid = time.perf_counter()
     traced.lower()
-    print(f"plan {shift}: traced in {mid - start:.2f} s, lowered in {time.perf_counter() - mid:.2f} s")
+    print(
+        f"plan {shift}: traced in {mid - start:.2f} s, lowered in {time.perf_counter() - mid:.2f} s"
+    )
