@@ -143,6 +143,26 @@ def test_out_of_memory_records(monkeypatch, tmp_path):
     assert "out of memory" in console.export_text()
 
 
+def test_a_step_compiled_first_is_measured_from_the_cache_and_a_compile_peak_is_said():
+    # On a GPU, compiling autotunes on the device: its peak must not be the step's.
+    from rich.console import Console
+
+    from jaxoffload.bench import benchmark
+
+    workload = benchmark.Workload("flax-resnet18", 2, 32, "float32", "none")
+    (record,) = benchmark.measure_all([workload], steps=1, compile_first=True)
+    assert record["compiled_from_cache"] is True
+    gib = 2**30
+    records = [
+        {"strategy": "lean", "peak_bytes_in_use": 9 * gib, "compile_peak_bytes": 9 * gib},
+        {"strategy": "remat", "peak_bytes_in_use": 5 * gib, "compile_peak_bytes": gib},
+    ]
+    console = Console(width=200, record=True, file=open(os.devnull, "w"))
+    cli._say_notes(records, console)
+    said = console.export_text()
+    assert "runtime peak of lean was reached while compiling" in said and "remat" not in said
+
+
 def test_copies_that_free_little_are_said(monkeypatch, tmp_path, capsys):
     from jaxoffload.bench import benchmark
 

@@ -489,6 +489,16 @@ def _say_notes(records: list[dict[str, Any]], console: Any) -> None:
                 f"{_name(r)} ({r['accumulation_steps']} micro-batches of {r['micro_batch']}): grad "
                 f"err {r['grad_rel_err']:.1e} {r['grad_rel_err_note']}."
             )
+    compiled_high = [
+        _name(r)
+        for r in records
+        if r.get("compile_peak_bytes") and r["compile_peak_bytes"] >= r["peak_bytes_in_use"]
+    ]
+    if compiled_high:
+        console.print(
+            f"[yellow]note:[/] the runtime peak of {', '.join(compiled_high)} was reached while "
+            "compiling (autotuning), not by the step: compare their compiled bytes."
+        )
     flagged = gradient_flags(records)
     if flagged:
         control = next(r for r in records if r["strategy"] == GRADIENT_CONTROL)["grad_rel_err"]
@@ -635,6 +645,8 @@ def _measure(
             on_record=on_record,
             measured=list(kept.values()),
             reference=str(reference),
+            # A GPU autotunes while compiling, on the device: not in the measured peak.
+            compile_first=device["platform"] != "cpu",
         )
         if "plan" in searched:
             records.append(
