@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -790,9 +791,9 @@ def measure(
     initial = None
     if reference is not None or workload.micro_batch is not None:
         initial = jax.device_get(state[:2]), jax.tree.map(lambda a: a.sharding, state[:2])
-    hits = _CACHE_HITS[0]
+    hits = _cache_hits()[0]
     compiled, report = _compile_and_analyze(step, state, batch)
-    from_cache = _CACHE_HITS[0] > hits if os.environ.get(_CACHE_DIR) else None
+    from_cache = _cache_hits()[0] > hits if os.environ.get(_CACHE_DIR) else None
     compile_peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
     twin = None
     if report.moved:
@@ -845,12 +846,18 @@ def _compile_and_analyze(step, state, batch):
 # jax's persistent compilation cache, by the environment variables that set it: a child that
 # compiles a step leaves it there for the child that measures it.
 _CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"
-_CACHE_HITS = [0]
-jax.monitoring.register_event_listener(
-    lambda event, **_: _CACHE_HITS.__setitem__(
-        0, _CACHE_HITS[0] + (event == "/jax/compilation_cache/cache_hits")
-    )
-)
+
+
+@functools.cache
+def _cache_hits() -> list[int]:
+    """This process's count of persistent-cache hits, counted from the first call on."""
+    hits = [0]
+
+    def count(event: str, **_: Any) -> None:
+        hits[0] += event == "/jax/compilation_cache/cache_hits"
+
+    jax.monitoring.register_event_listener(count)
+    return hits
 
 
 def cache_env(folder: str) -> dict[str, str]:
