@@ -391,6 +391,7 @@ class _FakePlanner(planner.Planner):
         self.plain = self.plans[0]
         self.compiled = {self.plain: compiled_bytes[0], self.plans[-1]: compiled_bytes[-1]}
         self.compiles, self.checks, self.run_limit = 0, set(), None
+        self.measured_ms, self.timed = {}, []
 
     def _candidate(self, point):
         return self.plans[point]
@@ -410,9 +411,13 @@ class _FakePlanner(planner.Planner):
             self.compiled[c] = self.truth[c]
 
     def step_ms(self, candidate):
+        return self.measured_ms.setdefault(candidate, self.ms(candidate))
+
+    def estimated_ms(self, candidate):
         return self.ms(candidate)
 
     def steps_together(self, candidates):
+        self.timed = list(candidates)
         return [(self.ms(c), 0.0) for c in candidates]
 
     def _chosen(self, best, budget_bytes):
@@ -453,6 +458,22 @@ def test_a_compiled_check_plan_that_fits_where_the_front_does_not_is_an_answer()
     assert made.plan_for(25, max_rounds=3) == uniform
     with pytest.raises(jaxoffload.NoPlanFits, match="the least compiled was"):
         made.plan_for(15, max_rounds=3)
+
+
+def test_only_plans_near_the_fastest_are_timed_in_turns():
+    """A uniform check that fits but ran far slower alone (an Offload() at 6x the step) is
+    not timed against the choice; the choice's next fastest, within 5% by the model, are."""
+    compiled = [100, 90, 80, 70, 60, 50, 40, 30]
+    made = _FakePlanner(compiled, compiled)
+    made.ms = lambda c: 100.0 + made.plans.index(c)  # 1% apart
+    slow = Plan((("Block_0", Offload()),), Lean())
+    made.plans.append(slow)
+    made.truth[slow] = made.guess[slow] = made.compiled[slow] = 20
+    made.checks = {slow}
+    made.measured_ms[slow] = 600.0  # as the fit's checks timed it
+    assert made.plan_for(65, max_rounds=3) == made.plans[4]
+    fitting = [c for c in made.plans[4:8] if c in made.compiled]
+    assert len(fitting) >= 2 and made.timed == fitting  # the slow check left out
 
 
 _PLAN_IN_A_FRESH_PROCESS = """

@@ -78,6 +78,9 @@ def default_options() -> tuple[Strategy, ...]:
 PROBE_SHARES = (1.0, 0.95, 1.05)
 # The plans that fit which are timed against each other: the model's fastest few.
 TIMED_FASTEST = 4
+# Of those, only the ones that a run or the model puts within this share of the fastest:
+# a plan 5% slower does not win a turn-taking won by 1%, and each timed plan costs seconds.
+TIMED_WITHIN = 0.05
 # Runs of each whole step timed in turns: on an H200, ResNet-50's steps of 40 ms spread
 # by 2% over 5 runs, too much to fit to; a run costs a step, against seconds to compile one.
 TIMED_RUNS = 11
@@ -445,7 +448,9 @@ class Planner:
 
     def _to_time(self, best: Plan, budget_bytes: int) -> list[Plan]:
         """The plans that fit to time against ``best``, the model's choice: the model's few
-        fastest, and the uniform plans (the points a user compares with), that can run here."""
+        fastest, and the uniform plans (the points a user compares with), that can run here,
+        each within :data:`TIMED_WITHIN` of the fastest of them, as timed alone if it was
+        (:meth:`known_ms`) or by the model."""
         if not self._runs_here(best):
             return []
         by_model = lambda c: (round(self.ms(c), 3), self.compiled[c])  # noqa: E731
@@ -458,7 +463,13 @@ class Planner:
             key=by_model,
         )
         fits = [best, *fits]
-        return fits[:TIMED_FASTEST] + [c for c in fits[TIMED_FASTEST:] if c in self.checks]
+        fits = fits[:TIMED_FASTEST] + [c for c in fits[TIMED_FASTEST:] if c in self.checks]
+        fastest = min(self.known_ms(c) for c in fits)
+        return [c for c in fits if c == best or self.known_ms(c) <= (1 + TIMED_WITHIN) * fastest]
+
+    def known_ms(self, candidate: Plan) -> float:
+        """The candidate's step as timed alone, if it was; else the model's estimate."""
+        return self.measured_ms.get(candidate) or self.estimated_ms(candidate)
 
     def _fastest(self, best: Plan, plans: Sequence[Plan], timed) -> Plan:
         """``best``, unless one of ``plans`` ran faster than it, as ``timed`` in turns, by more
