@@ -385,6 +385,14 @@ class Planner:
                 f"timed {len(timed)} compiled plans that fit in turns: "
                 + ", ".join(f"{ms:.1f} ms ±{spread:.1%}" for ms, spread in timed.values())
             )
+        if len(self.compiled) > 1:
+            self.say(
+                "compiled against predicted from the others: "
+                + ", ".join(
+                    f"{summary(c.strategies)} {format_bytes(got)} {self.predict(c) / got - 1:+.0%}"
+                    for c, got in sorted(self.compiled.items(), key=lambda item: -item[1])
+                )
+            )
         return [
             best[t]
             if isinstance(best[t], NoPlanFits)
