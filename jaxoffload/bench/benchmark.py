@@ -561,7 +561,9 @@ def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[
     Returns:
       One ``{"planned": Plan.to_dict()}`` per budget, or ``{"no_plan": message}``
       where no plan fits; each with ``planning_s``, the seconds that planning
-      every budget took (they are planned together), and ``planned_budgets``.
+      every budget took (they are planned together), and ``planned_budgets``;
+      the first also with ``planner_points``, every plan compiled
+      (:meth:`~jaxoffload._src.planner.search.Planner.compiled_points`).
     """
     dtype = jnp.dtype(workload.dtype)
     blocks = None
@@ -615,6 +617,8 @@ def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[
             results.append({"planned": planned.to_dict()})
         results[-1].update(planning_s=planning_s, planned_budgets=len(budgets_bytes))
         print(results[-1].get("no_plan") or Plan.from_dict(results[-1]["planned"]), file=sys.stderr)
+    # What was compiled, once, with the first budget's result: for fitting byte models offline.
+    results[0]["planner_points"] = shared.compiled_points()
     return results
 
 
@@ -1379,9 +1383,11 @@ class _BudgetPlans:
         return dataclasses.replace(workload, planned=result["planned"])
 
     def planning(self, workload: Workload) -> dict[str, Any]:
-        """How long planning took (``planning_s``), and for how many budgets together."""
+        """How long planning took (``planning_s``), and for how many budgets together; the
+        first budget's also with the plans that planning compiled (``planner_points``)."""
         result = self.results[workload.budget]
-        return {k: result[k] for k in ("planning_s", "planned_budgets") if k in result}
+        keys = ("planning_s", "planned_budgets", "planner_points")
+        return {k: result[k] for k in keys if k in result}
 
 
 def plan_in_subprocess(

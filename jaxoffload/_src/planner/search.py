@@ -273,6 +273,30 @@ class Planner:
         """The compiled bytes that the line fitted to the other compiled plans predicts."""
         return self._bytes(self.byte_line(without=candidate), candidate)
 
+    def compiled_points(self) -> dict[str, Any]:
+        """Every plan compiled so far, with what the model said of it: to fit other models of
+        compiled bytes to, offline. ``blocks``: per block, each option's kept bytes (its
+        device residuals and inputs, as :func:`~jaxoffload._src.planner.fitted.kept_by_kind`
+        counts them); ``plans``: per compiled plan, its blocks' strategies and the code
+        outside them (as :func:`~jaxoffload._src.strategies.brief` writes them), its compiled
+        bytes, the line's prediction from the other plans, the uncalibrated peak model, and
+        its step in ms where it was timed."""
+        blocks = [
+            {brief(s): kept_by_kind([b], [s])[s.costed()] for s in b.costs} for b in self.blocks
+        ]
+        plans = [
+            {
+                "strategies": [brief(s) for s in c.strategies],
+                "outside": brief(c.outside),
+                "compiled_bytes": got,
+                "predicted_bytes": self.predict(c) if len(self.compiled) > 1 else None,
+                "model_bytes": self.model_bytes(c),
+                "step_ms": self.measured_ms.get(c),
+            }
+            for c, got in self.compiled.items()
+        ]
+        return {"paths": list(self.paths), "blocks": blocks, "plans": plans}
+
     def _compile(self, candidates: Sequence[Plan]) -> None:
         todo = [c for c in dict.fromkeys(candidates) if c not in self.compiled]
         if not todo:
@@ -316,14 +340,9 @@ class Planner:
         return timing.steps_together(executables, self.arrays, TIMED_RUNS)
 
     def ms(self, candidate: Plan) -> float:
-        """The blocks' time in the candidate's step, by the model: each option's, ties made equal."""
-        total = 0.0
-        for block, options, s in zip(self.blocks, self.choices, candidate.strategies):
-            cost = block.cost(s)  # a strategy not among the options: as measured
-            total += next(
-                (o.ms for o in options if o.strategy == s), cost.forward_ms + cost.backward_ms
-            )
-        return total
+        """The blocks' time in the candidate's step, by the model: each option's, ties made
+        equal; a strategy not among the options, as measured."""
+        return sum(self._block_ms(b, s) for b, s in enumerate(candidate.strategies))
 
     def estimated_ms(self, candidate: Plan) -> float:
         """The step's time by the model: the anchor's measured, with each block's change added."""
@@ -350,8 +369,12 @@ class Planner:
         faster one that does not, a round compiles up to ``per_round``: those
         that the line of compiled bytes says fit the budget, or nearly, and
         candidates evenly spaced between the two, a search that does not
-        trust the line. A budget is done when no candidate is left between
-        them that the model says is faster by more than the timing noise. The
+        trust the line. Where the front has no candidate left between them,
+        the round walks from the one that fits towards a faster one instead,
+        block by block (:meth:`_between`): the compiled step, not the line,
+        then says where on that path the budget falls. A budget is done when no candidate is
+        left between them that the model says is faster by more than the
+        timing noise. The
         budgets' rounds compile together, and the plan returned is the
         fastest of the compiled ones that fit, as timed.
         """
@@ -367,8 +390,16 @@ class Planner:
         line = self.byte_line()
         candidates = sorted(front, key=lambda c: (round(self.ms(c), 3), self._bytes(line, c)))
         for round_ in range(1, max_rounds + 1):
-            probes = [self._probes(candidates, t, line, per_round) for t in targets]
+            probes = [
+                self._probes(candidates, t, line, per_round)
+                or self._between(candidates, t, line, per_round)
+                for t in targets
+            ]
             batch = list(dict.fromkeys(c for chosen in probes for c in chosen))
+            candidates = sorted(
+                set(candidates) | set(batch),
+                key=lambda c: (round(self.ms(c), 3), self._bytes(line, c)),
+            )
             if not batch:
                 break
             compiling = " and ".join(summary(c.strategies) for c in batch)
@@ -432,6 +463,69 @@ class Planner:
         spaced = (todo[k * len(todo) // per_round] for k in range(1, per_round))
         picks += [n for n in spaced if n not in picks][: max(0, per_round - len(picks))]
         return [candidates[n] for n in sorted(picks[:per_round])]
+
+    def _between(self, candidates, budget_bytes: int, line: ByteLine, per_round: int) -> list[Plan]:
+        """Plans on the way from the fastest compiled one that fits to a faster one, for a
+        round to compile where the front has none left between them: to the slowest
+        faster one that does not fit, or, once the two are a block apart, to the fastest
+        candidate (:meth:`_walk`)."""
+        over, fit = self._fits(candidates, budget_bytes)
+        if fit >= len(candidates):
+            return []
+        towards = ([candidates[over]] if over >= 0 else []) + [candidates[0]]
+        for fast in towards:
+            plans = self._walk(candidates[fit], fast, budget_bytes, line, per_round)
+            if plans:
+                return plans
+        return []
+
+    def _walk(self, slow: Plan, fast: Plan, budget_bytes: int, line: ByteLine, per_round: int):
+        """Uncompiled plans from ``slow`` (compiled, and fits) towards ``fast``.
+
+        The blocks where the two differ switch one at a time from ``slow``'s strategy
+        to ``fast``'s, most time saved per byte added first, as in a knapsack. The
+        plans are the greedy knapsack's answer (each switch in turn that the line,
+        anchored at ``slow``'s compiled bytes, says still fits) and the path's plans
+        evenly spaced, which do not trust the line.
+        """
+        if self.ms(fast) >= self.ms(slow) * (1 - MEASURED_NOISE):
+            return []
+        gains = []
+        for b, (was, to) in enumerate(zip(slow.strategies, fast.strategies)):
+            saved = self._block_ms(b, was) - self._block_ms(b, to) if was != to else 0.0
+            if saved > 0:
+                added = self._block_bytes(line, b, to) - self._block_bytes(line, b, was)
+                gains.append((-saved / max(added, 1), b, added))
+
+        def switched(blocks):
+            strategies = list(slow.strategies)
+            for b in blocks:
+                strategies[b] = fast.strategies[b]
+            return Plan(tuple(zip(self.paths, strategies)), slow.outside)
+
+        order = [b for _, b, _ in sorted(gains)]
+        path = [switched(order[:k]) for k in range(1, len(order) + 1)]
+        room, greedy = budget_bytes - self.compiled[slow], []
+        for _, b, added in sorted(gains):
+            if added <= room:
+                greedy.append(b)
+                room -= added
+        spaced = [path[k * len(path) // (per_round + 1)] for k in range(1, per_round + 1)]
+        plans = [switched(greedy)] if greedy else []
+        plans += [c for c in spaced if c not in plans]
+        return [c for c in plans if c not in self.compiled][:per_round]
+
+    def _block_ms(self, block: int, strategy: Strategy) -> float:
+        """Block ``block``'s time under ``strategy``, as :meth:`ms` counts it."""
+        cost = self.blocks[block].cost(strategy)
+        return next(
+            (o.ms for o in self.choices[block] if o.strategy == strategy),
+            cost.forward_ms + cost.backward_ms,
+        )
+
+    def _block_bytes(self, line: ByteLine, block: int, strategy: Strategy) -> int:
+        """What block ``block`` keeps under ``strategy``, as ``line`` weighs its kind."""
+        return line(kept_by_kind(self.blocks[block : block + 1], [strategy]))
 
     def _bytes(self, line: ByteLine, candidate: Plan) -> int:
         return line(kept_by_kind(self.blocks, candidate.strategies), candidate.outside.is_identity)
