@@ -102,7 +102,7 @@ say("uniform plans, and Lean(max_slowdown=0.03) and Lean(max_recompute=0.0)")
 for s in P.options:
     if s.window == 1 and s.max_bytes is None:  # the planner compiled these to fit its model to
         c = P.uniform(s)
-        P._compile([c])
+        P.compile([c])
         emit(kind="cand", name=brief(s), **fields(c), measured_ms=P.step_ms(c))
 # The Lean variants are no options of the planner's: timed here, kept out of its compiled plans.
 extras = [P.uniform(Lean(max_slowdown=0.03)), P.uniform(Lean(max_recompute=0.0))]

@@ -209,8 +209,7 @@ def test_the_planner_gives_every_plan_it_compiled_with_what_its_model_said(share
         (tuple(p["strategies"]), p["outside"]): p["compiled_bytes"] for p in points["plans"]
     }
     assert compiled == {
-        (tuple(map(brief, c.strategies)), brief(c.outside)): got
-        for c, got in made.compiled.items()
+        (tuple(map(brief, c.strategies)), brief(c.outside)): got for c, got in made.compiled.items()
     }
     assert all(p["predicted_bytes"] > 0 and p["model_bytes"] > 0 for p in points["plans"])
     assert any(line.startswith("compiled against predicted") for line in lines)
@@ -413,7 +412,7 @@ class _FakePlanner(planner.Planner):
         self.compiles, self.checks, self.run_limit = 0, set(), None
         self.measured_ms, self.timed = {}, []
 
-    def _candidate(self, point):
+    def candidate(self, point):
         return self.plans[point]
 
     def ms(self, candidate):
@@ -422,19 +421,19 @@ class _FakePlanner(planner.Planner):
     def byte_line(self, without=None):
         return None
 
-    def _bytes(self, line, candidate):
+    def line_bytes(self, line, candidate):
         return self.guess[candidate]
 
     def _plan_of(self, strategy):
         return next(p for p in self.plans if p.strategies == (strategy,))
 
-    def _block_ms(self, block, strategy):
+    def block_ms(self, block, strategy):
         return self.ms(self._plan_of(strategy))
 
-    def _block_bytes(self, line, block, strategy):
+    def block_bytes(self, line, block, strategy):
         return self.guess[self._plan_of(strategy)]
 
-    def _compile(self, candidates):
+    def compile(self, candidates):
         for c in candidates:
             self.compiles += 1
             self.compiled[c] = self.truth[c]
@@ -449,7 +448,7 @@ class _FakePlanner(planner.Planner):
         self.timed = list(candidates)
         return [(self.ms(c), 0.0) for c in candidates]
 
-    def _chosen(self, best, budget_bytes):
+    def chosen(self, best, budget_bytes):
         return best
 
 
@@ -522,27 +521,27 @@ class _AdditivePlanner(planner.Planner):
         uniform = Plan(tuple((p, Remat()) for p in self.paths), Lean())
         self.front, self.checks = [self.plain, uniform], [uniform]
         self.compiled, self.measured_ms, self.compiles = {}, {}, 0
-        self._compile([self.plain, uniform])
+        self.compile([self.plain, uniform])
 
     def truth(self, candidate):
         return 100 + sum(self.table[s][1][b] for b, s in enumerate(candidate.strategies))
 
-    def _candidate(self, point):
+    def candidate(self, point):
         return point
 
-    def _block_ms(self, block, strategy):
+    def block_ms(self, block, strategy):
         return self.table[strategy][0][block]
 
-    def _block_bytes(self, line, block, strategy):
+    def block_bytes(self, line, block, strategy):
         return int(self.table[strategy][1][block] * (1.5 if strategy == Remat() else 1))
 
-    def _bytes(self, line, candidate):
-        return 100 + sum(self._block_bytes(line, b, s) for b, s in enumerate(candidate.strategies))
+    def line_bytes(self, line, candidate):
+        return 100 + sum(self.block_bytes(line, b, s) for b, s in enumerate(candidate.strategies))
 
     def byte_line(self, without=None):
         return None
 
-    def _compile(self, candidates):
+    def compile(self, candidates):
         for c in candidates:
             self.compiles += c not in self.compiled
             self.compiled[c] = self.truth(c)
@@ -556,7 +555,7 @@ class _AdditivePlanner(planner.Planner):
     def steps_together(self, candidates):
         return [(self.ms(c), 0.0) for c in candidates]
 
-    def _chosen(self, best, budget_bytes):
+    def chosen(self, best, budget_bytes):
         return best
 
 

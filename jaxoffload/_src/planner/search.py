@@ -9,6 +9,7 @@ call that users make.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import time
@@ -21,6 +22,7 @@ from flax import nnx
 from jaxoffload._src import timing
 from jaxoffload._src.errors import NoPlanFits
 from jaxoffload._src.jaxprs import format_bytes
+from jaxoffload._src.planner import rounds
 from jaxoffload._src.planner.costs import (
     TIE,
     block_options,
@@ -31,8 +33,6 @@ from jaxoffload._src.planner.costs import (
     traced_blocks,
 )
 from jaxoffload._src.planner.fitted import (
-    MEASURED_NOISE,
-    STEADY,
     ByteLine,
     calibrated,
     fit_bytes,
@@ -43,7 +43,7 @@ from jaxoffload._src.planner.fitted import (
     weighed,
 )
 from jaxoffload._src.planner.front import front
-from jaxoffload._src.planner.messages import note, summary, where_it_stops
+from jaxoffload._src.planner.messages import note, summary
 from jaxoffload._src.planner.plan import Plan
 from jaxoffload._src.planner.program import (
     check_discovered,
@@ -73,14 +73,6 @@ def default_options() -> tuple[Strategy, ...]:
     return tuple(options)
 
 
-# Where a round looks for a budget: the first candidates that the line of compiled bytes
-# says fit the budget, and 5% less or more, as the line is off by a few percent.
-PROBE_SHARES = (1.0, 0.95, 1.05)
-# The plans that fit which are timed against each other: the model's fastest few.
-TIMED_FASTEST = 4
-# Of those, only the ones that a run or the model puts within this share of the fastest:
-# a plan 5% slower does not win a turn-taking won by 1%, and each timed plan costs seconds.
-TIMED_WITHIN = 0.05
 # Runs of each whole step timed in turns: on an H200, ResNet-50's steps of 40 ms spread
 # by 2% over 5 runs, too much to fit to; a run costs a step, against seconds to compile one.
 TIMED_RUNS = 11
@@ -138,6 +130,7 @@ class Planner:
         check_discovered(self.paths, calls, nnx_model=isinstance(model, nnx.Module))
         self.compiled: dict[Plan, int] = {}  # every plan compiled, for every budget
         self.executables: dict[Plan, Any] = {}
+        self.lowered: dict[Plan, Any] = {}  # traced and lowered, not compiled yet
         self.measured_ms: dict[Plan, float] = {}
         self.plain = Plan(tuple((p, Store()) for p in self.paths))
         plain_fun, self.arrays, _ = program(model, step, args, self.plain)
@@ -151,9 +144,15 @@ class Planner:
                 self.link = (link["d2h_gbps"], link["h2d_gbps"])
                 say(f"host link: {self.link[0]:.1f} GB/s out, {self.link[1]:.1f} GB/s back")
             # The plain step first and alone: it autotunes the kernels that the blocks'
-            # programs and the other steps share, which then compile the faster.
-            say("compiling the plain step")
-            self._compile([self.plain])
+            # programs and the other steps share, which then compile the faster. XLA
+            # compiles outside Python's lock, so the uniform checks are traced meanwhile.
+            say("compiling the plain step, and tracing the uniform plans meanwhile")
+            self._lower([self.plain])  # traced here: only one thread traces at a time
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                compiling = pool.submit(self.compile, [self.plain])
+                checks = [*self._uniform_checks(), Plan(self.plain.blocks, Lean())]
+                self._lower([c for c in checks if c != self.plain])
+                compiling.result()
             per_flop = self._ms_per_flop(plain_fun) if block_costs == "traced" else None
             if per_flop is None:
                 self.blocks = cost_blocks(self.paths, calls, options, runs=runs, say=say)
@@ -166,13 +165,12 @@ class Planner:
         # At another size, the kinds' byte weights that the measured planner fitted.
         self.prior = None if measured is None else measured.byte_line()
         self._put_on_front(self.prior)
-        self.leanest = self._candidate(self.front[0])
+        self.leanest = self.candidate(self.front[0])
         # Measured costs are checked against whole steps: every block under each option
         # (of those that move bytes, only the first: the others are link-bound variants of it),
         # and every block that has one under a hidden offload; and the blocks stored with the
         # code outside them lean, which tells what the outside keeps.
-        kinds = [s for s in options if not s.to_host] + [s for s in options if s.to_host][:1]
-        uniform = [] if measured is not None else [self.uniform(s) for s in kinds]
+        uniform = [] if measured is not None else self._uniform_checks()
         choice = hidden_choice(self.choices) if uniform else None
         hidden = None if choice is None else Plan(tuple(zip(self.paths, choice)), Lean())
         stored = [Plan(self.plain.blocks, Lean())] if uniform else []
@@ -182,8 +180,8 @@ class Planner:
             + "the leanest plan on the front"
             + (f" and {len(self.checks)} more to fit the model to" if self.checks else "")
         )
-        self._compile([self.plain])
-        self._compile([self.leanest, *self.checks])
+        self.compile([self.plain])
+        self.compile([self.leanest, *self.checks])
         # The step time that the model's estimates start from: the plain step's, or the
         # leanest plan's where the plain step is too large to run here.
         self.anchor = self.plain
@@ -207,6 +205,13 @@ class Planner:
             self.say("the plain step's FLOPs or time are unknown here: timing block programs")
             return None
         return ms / flops
+
+    def _uniform_checks(self) -> list[Plan]:
+        """The uniform plans that check the model: under each option that computes, and the
+        first that moves bytes (the others are link-bound variants of it)."""
+        kinds = [s for s in self.options if not s.to_host]
+        kinds += [s for s in self.options if s.to_host][:1]
+        return [self.uniform(s) for s in kinds]
 
     def uniform(self, strategy: Strategy) -> Plan:
         """Every block under ``strategy``; the code outside them lean unless it stores."""
@@ -250,7 +255,7 @@ class Planner:
             )
             self._put_on_front(self.byte_line())
 
-    def _candidate(self, point) -> Plan:
+    def candidate(self, point) -> Plan:
         """The plan of a point on the front, the code outside the blocks lean."""
         strategies = tuple(self.choices[b][k].strategy for b, k in enumerate(point.choice))
         return Plan(tuple(zip(self.paths, strategies)), Lean())
@@ -271,7 +276,7 @@ class Planner:
 
     def predict(self, candidate: Plan) -> int:
         """The compiled bytes that the line fitted to the other compiled plans predicts."""
-        return self._bytes(self.byte_line(without=candidate), candidate)
+        return self.line_bytes(self.byte_line(without=candidate), candidate)
 
     def compiled_points(self) -> dict[str, Any]:
         """Every plan compiled so far, with what the model said of it: to fit other models of
@@ -297,15 +302,28 @@ class Planner:
         ]
         return {"paths": list(self.paths), "blocks": blocks, "plans": plans}
 
-    def _compile(self, candidates: Sequence[Plan]) -> None:
+    def _lower(self, candidates: Sequence[Plan]) -> None:
+        """Traces and lowers the candidates not compiled or lowered yet, for a later compile."""
+        for c in dict.fromkeys(candidates):
+            if c not in self.compiled and c not in self.lowered:
+                self.lowered[c] = lower_step(
+                    self.model, self.step, self.args, c, self.donate_argnums
+                )
+
+    def compile(self, candidates: Sequence[Plan]) -> None:
         todo = [c for c in dict.fromkeys(candidates) if c not in self.compiled]
         if not todo:
             return
         start, tracing = time.perf_counter(), 0.0
+        # Those lowered already first: they compile while the others are traced.
+        todo.sort(key=lambda c: c not in self.lowered)
 
         def lowered():  # each compiles while the next is traced
             nonlocal tracing
             for c in todo:
+                if c in self.lowered:
+                    yield self.lowered.pop(c)
+                    continue
                 began = time.perf_counter()
                 yield lower_step(self.model, self.step, self.args, c, self.donate_argnums)
                 tracing += time.perf_counter() - began
@@ -325,11 +343,11 @@ class Planner:
         return self.measured_ms[candidate]
 
     def _run(self, candidate: Plan, runs: int) -> float:
-        if not self._runs_here(candidate):
+        if not self.runs_here(candidate):
             return math.inf
         return timing.step_ms(self.executables[candidate], self.arrays, runs)
 
-    def _runs_here(self, candidate: Plan) -> bool:
+    def runs_here(self, candidate: Plan) -> bool:
         return self.run_limit is None or self.compiled[candidate] <= self.run_limit
 
     def steps_together(self, candidates: Sequence[Plan]) -> list[tuple[float, float]]:
@@ -342,7 +360,7 @@ class Planner:
     def ms(self, candidate: Plan) -> float:
         """The blocks' time in the candidate's step, by the model: each option's, ties made
         equal; a strategy not among the options, as measured."""
-        return sum(self._block_ms(b, s) for b, s in enumerate(candidate.strategies))
+        return sum(self.block_ms(b, s) for b, s in enumerate(candidate.strategies))
 
     def estimated_ms(self, candidate: Plan) -> float:
         """The step's time by the model: the anchor's measured, with each block's change added."""
@@ -361,161 +379,11 @@ class Planner:
     def plans_for(
         self, budgets: Sequence, *, max_rounds: int = 3, per_round: int = 4
     ) -> list[Plan | NoPlanFits]:
-        """For each budget, the fastest plan whose compiled step fits it, or why none does.
+        """For each budget, the fastest plan whose compiled step fits it, or why none does:
+        the rounds of :func:`~jaxoffload._src.planner.rounds.plans_for`."""
+        return rounds.plans_for(self, budgets, max_rounds=max_rounds, per_round=per_round)
 
-        The candidates are the front's plans and the uniform ones compiled to
-        check the model, fastest by the model first. For
-        each budget, between the fastest compiled one that fits and the slowest
-        faster one that does not, a round compiles up to ``per_round``: those
-        that the line of compiled bytes says fit the budget, or nearly, and
-        candidates evenly spaced between the two, a search that does not
-        trust the line. Where the front has no candidate left between them,
-        the round walks from the one that fits towards a faster one instead,
-        block by block (:meth:`_between`): the compiled step, not the line,
-        then says where on that path the budget falls. A budget is done when no candidate is
-        left between them that the model says is faster by more than the
-        timing noise. The
-        budgets' rounds compile together, and the plan returned is the
-        fastest of the compiled ones that fit, as timed.
-        """
-        plain_bytes = self.compiled[self.plain]
-        targets = [int(b * plain_bytes) if isinstance(b, float) else int(b) for b in budgets]
-        self.say("planning for " + ", ".join(format_bytes(t) for t in targets))
-        # The front's plans, and the checks compiled already: compiled bytes need not follow
-        # the front, and a uniform plan may compile smaller than the front's leanest.
-        front = {self._candidate(point) for point in self.front} | set(self.checks)
-        if Store() in self.options:
-            front.add(self.plain)
-        # Fastest first; equal times by fewer bytes, so that the choice is the same every run.
-        line = self.byte_line()
-        candidates = sorted(front, key=lambda c: (round(self.ms(c), 3), self._bytes(line, c)))
-        for round_ in range(1, max_rounds + 1):
-            probes = [
-                self._probes(candidates, t, line, per_round)
-                or self._between(candidates, t, line, per_round)
-                for t in targets
-            ]
-            batch = list(dict.fromkeys(c for chosen in probes for c in chosen))
-            candidates = sorted(
-                set(candidates) | set(batch),
-                key=lambda c: (round(self.ms(c), 3), self._bytes(line, c)),
-            )
-            if not batch:
-                break
-            compiling = " and ".join(summary(c.strategies) for c in batch)
-            self.say(f"round {round_}: compiling {compiling}")
-            self._compile(batch)
-            line = self.byte_line()  # through the plans just compiled too
-        best = {t: self._best_fit(candidates, t) for t in targets}
-        to_time = {t: self._to_time(b, t) for t, b in best.items() if isinstance(b, Plan)}
-        # Every budget's plans timed in one turn-taking, so that each is timed once.
-        union = list(dict.fromkeys(c for plans in to_time.values() for c in plans))
-        timed = dict(zip(union, self.steps_together(union))) if len(union) > 1 else {}
-        if timed:
-            self.say(
-                f"timed {len(timed)} compiled plans that fit in turns: "
-                + ", ".join(f"{ms:.1f} ms ±{spread:.1%}" for ms, spread in timed.values())
-            )
-        if len(self.compiled) > 1:
-            self.say(
-                "compiled against predicted from the others: "
-                + ", ".join(
-                    f"{summary(c.strategies)} {format_bytes(got)} {self.predict(c) / got - 1:+.0%}"
-                    for c, got in sorted(self.compiled.items(), key=lambda item: -item[1])
-                )
-            )
-        return [
-            best[t]
-            if isinstance(best[t], NoPlanFits)
-            else self._chosen(self._fastest(best[t], to_time[t], timed), t)
-            for t in targets
-        ]
-
-    def _fits(self, candidates: Sequence[Plan], budget_bytes: int) -> tuple[int, int]:
-        """``(over, fit)``: the slowest faster candidate known not to fit, and the fastest that does."""
-        fits = [
-            n for n, c in enumerate(candidates) if self.compiled.get(c, math.inf) <= budget_bytes
-        ]
-        fit = fits[0] if fits else len(candidates)
-        over = [
-            n for n, c in enumerate(candidates[:fit]) if self.compiled.get(c, -1) > budget_bytes
-        ]
-        return (over[-1] if over else -1), fit
-
-    def _probes(self, candidates, budget_bytes: int, line: ByteLine, per_round: int) -> list[Plan]:
-        """The candidates that a round compiles for one budget; none when it is done."""
-        over, fit = self._fits(candidates, budget_bytes)
-        faster_than = (
-            self.ms(candidates[fit]) * (1 - MEASURED_NOISE) if fit < len(candidates) else math.inf
-        )
-        todo = [
-            n
-            for n in range(over + 1, min(fit, len(candidates)))
-            if candidates[n] not in self.compiled and self.ms(candidates[n]) < faster_than
-        ]
-        if not todo:
-            return []
-        picks = []
-        for share in PROBE_SHARES:  # the line's answer, and either side of it
-            fitting = [n for n in todo if self._bytes(line, candidates[n]) <= share * budget_bytes]
-            picks += fitting[:1]
-        picks = list(dict.fromkeys(picks or [todo[-1]]))
-        spaced = (todo[k * len(todo) // per_round] for k in range(1, per_round))
-        picks += [n for n in spaced if n not in picks][: max(0, per_round - len(picks))]
-        return [candidates[n] for n in sorted(picks[:per_round])]
-
-    def _between(self, candidates, budget_bytes: int, line: ByteLine, per_round: int) -> list[Plan]:
-        """Plans on the way from the fastest compiled one that fits to a faster one, for a
-        round to compile where the front has none left between them: to the slowest
-        faster one that does not fit, or, once the two are a block apart, to the fastest
-        candidate (:meth:`_walk`)."""
-        over, fit = self._fits(candidates, budget_bytes)
-        if fit >= len(candidates):
-            return []
-        towards = ([candidates[over]] if over >= 0 else []) + [candidates[0]]
-        for fast in towards:
-            plans = self._walk(candidates[fit], fast, budget_bytes, line, per_round)
-            if plans:
-                return plans
-        return []
-
-    def _walk(self, slow: Plan, fast: Plan, budget_bytes: int, line: ByteLine, per_round: int):
-        """Uncompiled plans from ``slow`` (compiled, and fits) towards ``fast``.
-
-        The blocks where the two differ switch one at a time from ``slow``'s strategy
-        to ``fast``'s, most time saved per byte added first, as in a knapsack. The
-        plans are the greedy knapsack's answer (each switch in turn that the line,
-        anchored at ``slow``'s compiled bytes, says still fits) and the path's plans
-        evenly spaced, which do not trust the line.
-        """
-        if self.ms(fast) >= self.ms(slow) * (1 - MEASURED_NOISE):
-            return []
-        gains = []
-        for b, (was, to) in enumerate(zip(slow.strategies, fast.strategies)):
-            saved = self._block_ms(b, was) - self._block_ms(b, to) if was != to else 0.0
-            if saved > 0:
-                added = self._block_bytes(line, b, to) - self._block_bytes(line, b, was)
-                gains.append((-saved / max(added, 1), b, added))
-
-        def switched(blocks):
-            strategies = list(slow.strategies)
-            for b in blocks:
-                strategies[b] = fast.strategies[b]
-            return Plan(tuple(zip(self.paths, strategies)), slow.outside)
-
-        order = [b for _, b, _ in sorted(gains)]
-        path = [switched(order[:k]) for k in range(1, len(order) + 1)]
-        room, greedy = budget_bytes - self.compiled[slow], []
-        for _, b, added in sorted(gains):
-            if added <= room:
-                greedy.append(b)
-                room -= added
-        spaced = [path[k * len(path) // (per_round + 1)] for k in range(1, per_round + 1)]
-        plans = [switched(greedy)] if greedy else []
-        plans += [c for c in spaced if c not in plans]
-        return [c for c in plans if c not in self.compiled][:per_round]
-
-    def _block_ms(self, block: int, strategy: Strategy) -> float:
+    def block_ms(self, block: int, strategy: Strategy) -> float:
         """Block ``block``'s time under ``strategy``, as :meth:`ms` counts it."""
         cost = self.blocks[block].cost(strategy)
         return next(
@@ -523,73 +391,18 @@ class Planner:
             cost.forward_ms + cost.backward_ms,
         )
 
-    def _block_bytes(self, line: ByteLine, block: int, strategy: Strategy) -> int:
+    def block_bytes(self, line: ByteLine, block: int, strategy: Strategy) -> int:
         """What block ``block`` keeps under ``strategy``, as ``line`` weighs its kind."""
         return line(kept_by_kind(self.blocks[block : block + 1], [strategy]))
 
-    def _bytes(self, line: ByteLine, candidate: Plan) -> int:
+    def line_bytes(self, line: ByteLine, candidate: Plan) -> int:
         return line(kept_by_kind(self.blocks, candidate.strategies), candidate.outside.is_identity)
-
-    def _best_fit(self, candidates, budget_bytes: int) -> Plan | NoPlanFits:
-        """The model's fastest compiled candidate that fits, or why none does."""
-        _, fit = self._fits(candidates, budget_bytes)
-        if fit < len(candidates):
-            return candidates[fit]
-        plain_bytes = self.compiled[self.plain]
-        least = min(self.compiled.values())
-        error = NoPlanFits(
-            f"no plan of {[brief(s) for s in self.options]} fits {format_bytes(budget_bytes)}: "
-            f"the least compiled was {format_bytes(least)}, {least / plain_bytes:.0%} of the "
-            f"plain step's {format_bytes(plain_bytes)}."
-            + where_it_stops(self.link, least / plain_bytes),
-            least_bytes=least,
-            plain_bytes=plain_bytes,
-        )
-        self.say(str(error))
-        return error
-
-    def _to_time(self, best: Plan, budget_bytes: int) -> list[Plan]:
-        """The plans that fit to time against ``best``, the model's choice: the model's few
-        fastest, and the uniform plans (the points a user compares with), that can run here,
-        each within :data:`TIMED_WITHIN` of the fastest of them, as timed alone if it was
-        (:meth:`known_ms`) or by the model."""
-        if not self._runs_here(best):
-            return []
-        by_model = lambda c: (round(self.ms(c), 3), self.compiled[c])  # noqa: E731
-        fits = sorted(
-            (
-                c
-                for c, got in self.compiled.items()
-                if got <= budget_bytes and c != best and self._runs_here(c)
-            ),
-            key=by_model,
-        )
-        fits = [best, *fits]
-        fits = fits[:TIMED_FASTEST] + [c for c in fits[TIMED_FASTEST:] if c in self.checks]
-        fastest = min(self.known_ms(c) for c in fits)
-        return [c for c in fits if c == best or self.known_ms(c) <= (1 + TIMED_WITHIN) * fastest]
 
     def known_ms(self, candidate: Plan) -> float:
         """The candidate's step as timed alone, if it was; else the model's estimate."""
         return self.measured_ms.get(candidate) or self.estimated_ms(candidate)
 
-    def _fastest(self, best: Plan, plans: Sequence[Plan], timed) -> Plan:
-        """``best``, unless one of ``plans`` ran faster than it, as ``timed`` in turns, by more
-        than 1% and both their spreads: then the fastest such. A plan whose runs spread more
-        than :data:`~jaxoffload._src.planner.fitted.STEADY` is not compared, and ``best``
-        stands where it is not timed steadily."""
-        if best not in timed or timed[best][1] > STEADY:
-            return best
-        best_ms, best_spread = timed[best]
-        faster = [
-            c
-            for c in plans
-            if timed[c][1] <= STEADY
-            and timed[c][0] * (1 + max(MEASURED_NOISE, timed[c][1], best_spread)) < best_ms
-        ]
-        return min(faster, key=lambda c: timed[c][0]) if faster else best
-
-    def _chosen(self, best: Plan, budget_bytes: int) -> Plan:
+    def chosen(self, best: Plan, budget_bytes: int) -> Plan:
         measured = self.step_ms(best)
         # What the model says of it from every other plan compiled: a prediction, as a plan
         # compiled in the first batch had none made before.

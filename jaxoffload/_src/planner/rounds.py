@@ -1,0 +1,247 @@
+"""A budget's rounds: compiled candidates between what fits and what does not, then timed.
+
+:func:`plans_for` searches a :class:`~jaxoffload._src.planner.search.Planner`'s candidates
+for every budget together: the line of compiled bytes proposes, the compiler says what
+fits, and the clock which of those is fastest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from jaxoffload._src.errors import NoPlanFits
+from jaxoffload._src.jaxprs import format_bytes
+from jaxoffload._src.planner.fitted import MEASURED_NOISE, STEADY, ByteLine
+from jaxoffload._src.planner.messages import summary, where_it_stops
+from jaxoffload._src.planner.plan import Plan
+from jaxoffload._src.strategies import Store, brief
+
+__all__ = ["plans_for"]
+
+# Where a round looks for a budget: the first candidates that the line of compiled bytes
+# says fit the budget, and 5% less or more, as the line is off by a few percent.
+PROBE_SHARES = (1.0, 0.95, 1.05)
+# The plans that fit which are timed against each other: the model's fastest few.
+TIMED_FASTEST = 4
+# Of those, only the ones that a run or the model puts within this share of the fastest:
+# a plan 5% slower does not win a turn-taking won by 1%, and each timed plan costs seconds.
+TIMED_WITHIN = 0.05
+
+
+def plans_for(
+    planner, budgets: Sequence, *, max_rounds: int = 3, per_round: int = 4
+) -> list[Plan | NoPlanFits]:
+    """For each budget, the fastest plan whose compiled step fits it, or why none does.
+
+    The candidates are the front's plans and the uniform ones compiled to check
+    the model, fastest by the model first. For each budget, between the fastest
+    compiled one that fits and the slowest faster one that does not, a round
+    compiles up to ``per_round``: those that the line of compiled bytes says fit
+    the budget, or nearly, and candidates evenly spaced between the two, a
+    search that does not trust the line. Where the front has no candidate left
+    between them, the round walks from the one that fits towards a faster one
+    instead, block by block (:func:`_between`): the compiled step, not the
+    line, then says where on that path the budget falls. A budget is done when
+    no candidate is left between them that the model says is faster by more
+    than the timing noise. The budgets' rounds compile together, and the plan
+    returned is the fastest of the compiled ones that fit, as timed.
+    """
+    plain_bytes = planner.compiled[planner.plain]
+    targets = [int(b * plain_bytes) if isinstance(b, float) else int(b) for b in budgets]
+    planner.say("planning for " + ", ".join(format_bytes(t) for t in targets))
+    # The front's plans, and the checks compiled already: compiled bytes need not follow
+    # the front, and a uniform plan may compile smaller than the front's leanest.
+    front = {planner.candidate(point) for point in planner.front} | set(planner.checks)
+    if Store() in planner.options:
+        front.add(planner.plain)
+    line = planner.byte_line()
+
+    def by_model(c):  # fastest first; equal times by fewer bytes, the same choice every run
+        return round(planner.ms(c), 3), planner.line_bytes(line, c)
+
+    candidates = sorted(front, key=by_model)
+    for round_ in range(1, max_rounds + 1):
+        probes = [
+            _probes(planner, candidates, t, line, per_round)
+            or _between(planner, candidates, t, line, per_round)
+            for t in targets
+        ]
+        batch = list(dict.fromkeys(c for chosen in probes for c in chosen))
+        candidates = sorted(set(candidates) | set(batch), key=by_model)
+        if not batch:
+            break
+        compiling = " and ".join(summary(c.strategies) for c in batch)
+        planner.say(f"round {round_}: compiling {compiling}")
+        planner.compile(batch)
+        line = planner.byte_line()  # through the plans just compiled too
+    best = {t: _best_fit(planner, candidates, t) for t in targets}
+    to_time = {t: _to_time(planner, b, t) for t, b in best.items() if isinstance(b, Plan)}
+    # Every budget's plans timed in one turn-taking, so that each is timed once.
+    union = list(dict.fromkeys(c for plans in to_time.values() for c in plans))
+    timed = dict(zip(union, planner.steps_together(union))) if len(union) > 1 else {}
+    if timed:
+        planner.say(
+            f"timed {len(timed)} compiled plans that fit in turns: "
+            + ", ".join(f"{ms:.1f} ms ±{spread:.1%}" for ms, spread in timed.values())
+        )
+    if len(planner.compiled) > 1:
+        planner.say(
+            "compiled against predicted from the others: "
+            + ", ".join(
+                f"{summary(c.strategies)} {format_bytes(got)} {planner.predict(c) / got - 1:+.0%}"
+                for c, got in sorted(planner.compiled.items(), key=lambda item: -item[1])
+            )
+        )
+    return [
+        best[t]
+        if isinstance(best[t], NoPlanFits)
+        else planner.chosen(_fastest(planner, best[t], to_time[t], timed), t)
+        for t in targets
+    ]
+
+
+def _fits(planner, candidates: Sequence[Plan], budget_bytes: int) -> tuple[int, int]:
+    """``(over, fit)``: the slowest faster candidate known not to fit, and the fastest that does."""
+    fits = [
+        n for n, c in enumerate(candidates) if planner.compiled.get(c, math.inf) <= budget_bytes
+    ]
+    fit = fits[0] if fits else len(candidates)
+    over = [n for n, c in enumerate(candidates[:fit]) if planner.compiled.get(c, -1) > budget_bytes]
+    return (over[-1] if over else -1), fit
+
+
+def _probes(planner, candidates, budget_bytes: int, line: ByteLine, per_round: int) -> list[Plan]:
+    """The candidates that a round compiles for one budget; none when it is done."""
+    over, fit = _fits(planner, candidates, budget_bytes)
+    faster_than = (
+        planner.ms(candidates[fit]) * (1 - MEASURED_NOISE) if fit < len(candidates) else math.inf
+    )
+    todo = [
+        n
+        for n in range(over + 1, min(fit, len(candidates)))
+        if candidates[n] not in planner.compiled and planner.ms(candidates[n]) < faster_than
+    ]
+    if not todo:
+        return []
+    picks = []
+    for share in PROBE_SHARES:  # the line's answer, and either side of it
+        fitting = [
+            n for n in todo if planner.line_bytes(line, candidates[n]) <= share * budget_bytes
+        ]
+        picks += fitting[:1]
+    picks = list(dict.fromkeys(picks or [todo[-1]]))
+    spaced = (todo[k * len(todo) // per_round] for k in range(1, per_round))
+    picks += [n for n in spaced if n not in picks][: max(0, per_round - len(picks))]
+    return [candidates[n] for n in sorted(picks[:per_round])]
+
+
+def _between(planner, candidates, budget_bytes: int, line: ByteLine, per_round: int) -> list[Plan]:
+    """Plans on the way from the fastest compiled one that fits to a faster one, for a
+    round to compile where the front has none left between them: to the slowest
+    faster one that does not fit, or, once the two are a block apart, to the fastest
+    candidate (:func:`_walk`)."""
+    over, fit = _fits(planner, candidates, budget_bytes)
+    if fit >= len(candidates):
+        return []
+    towards = ([candidates[over]] if over >= 0 else []) + [candidates[0]]
+    for fast in towards:
+        plans = _walk(planner, candidates[fit], fast, budget_bytes, line, per_round)
+        if plans:
+            return plans
+    return []
+
+
+def _walk(planner, slow: Plan, fast: Plan, budget_bytes: int, line: ByteLine, per_round: int):
+    """Uncompiled plans from ``slow`` (compiled, and fits) towards ``fast``.
+
+    The blocks where the two differ switch one at a time from ``slow``'s strategy
+    to ``fast``'s, most time saved per byte added first, as in a knapsack. The
+    plans are the greedy knapsack's answer (each switch in turn that the line,
+    anchored at ``slow``'s compiled bytes, says still fits) and the path's plans
+    evenly spaced, which do not trust the line.
+    """
+    if planner.ms(fast) >= planner.ms(slow) * (1 - MEASURED_NOISE):
+        return []
+    gains = []
+    for b, (was, to) in enumerate(zip(slow.strategies, fast.strategies)):
+        saved = planner.block_ms(b, was) - planner.block_ms(b, to) if was != to else 0.0
+        if saved > 0:
+            added = planner.block_bytes(line, b, to) - planner.block_bytes(line, b, was)
+            gains.append((-saved / max(added, 1), b, added))
+
+    def switched(blocks):
+        strategies = list(slow.strategies)
+        for b in blocks:
+            strategies[b] = fast.strategies[b]
+        return Plan(tuple(zip(planner.paths, strategies)), slow.outside)
+
+    order = [b for _, b, _ in sorted(gains)]
+    path = [switched(order[:k]) for k in range(1, len(order) + 1)]
+    room, greedy = budget_bytes - planner.compiled[slow], []
+    for _, b, added in sorted(gains):
+        if added <= room:
+            greedy.append(b)
+            room -= added
+    spaced = [path[k * len(path) // (per_round + 1)] for k in range(1, per_round + 1)]
+    plans = [switched(greedy)] if greedy else []
+    plans += [c for c in spaced if c not in plans]
+    return [c for c in plans if c not in planner.compiled][:per_round]
+
+
+def _best_fit(planner, candidates, budget_bytes: int) -> Plan | NoPlanFits:
+    """The model's fastest compiled candidate that fits, or why none does."""
+    _, fit = _fits(planner, candidates, budget_bytes)
+    if fit < len(candidates):
+        return candidates[fit]
+    plain_bytes = planner.compiled[planner.plain]
+    least = min(planner.compiled.values())
+    error = NoPlanFits(
+        f"no plan of {[brief(s) for s in planner.options]} fits {format_bytes(budget_bytes)}: "
+        f"the least compiled was {format_bytes(least)}, {least / plain_bytes:.0%} of the "
+        f"plain step's {format_bytes(plain_bytes)}."
+        + where_it_stops(planner.link, least / plain_bytes),
+        least_bytes=least,
+        plain_bytes=plain_bytes,
+    )
+    planner.say(str(error))
+    return error
+
+
+def _to_time(planner, best: Plan, budget_bytes: int) -> list[Plan]:
+    """The plans that fit to time against ``best``, the model's choice: the model's few
+    fastest, and the uniform plans (the points a user compares with), that can run here,
+    each within :data:`TIMED_WITHIN` of the fastest of them, as timed alone if it was
+    (:meth:`~jaxoffload._src.planner.search.Planner.known_ms`) or by the model."""
+    if not planner.runs_here(best):
+        return []
+    by_model = lambda c: (round(planner.ms(c), 3), planner.compiled[c])  # noqa: E731
+    fits = sorted(
+        (
+            c
+            for c, got in planner.compiled.items()
+            if got <= budget_bytes and c != best and planner.runs_here(c)
+        ),
+        key=by_model,
+    )
+    fits = [best, *fits]
+    fits = fits[:TIMED_FASTEST] + [c for c in fits[TIMED_FASTEST:] if c in planner.checks]
+    fastest = min(planner.known_ms(c) for c in fits)
+    return [c for c in fits if c == best or planner.known_ms(c) <= (1 + TIMED_WITHIN) * fastest]
+
+
+def _fastest(planner, best: Plan, plans: Sequence[Plan], timed) -> Plan:
+    """``best``, unless one of ``plans`` ran faster than it, as ``timed`` in turns, by more
+    than 1% and both their spreads: then the fastest such. A plan whose runs spread more
+    than :data:`~jaxoffload._src.planner.fitted.STEADY` is not compared, and ``best``
+    stands where it is not timed steadily."""
+    if best not in timed or timed[best][1] > STEADY:
+        return best
+    best_ms, best_spread = timed[best]
+    faster = [
+        c
+        for c in plans
+        if timed[c][1] <= STEADY
+        and timed[c][0] * (1 + max(MEASURED_NOISE, timed[c][1], best_spread)) < best_ms
+    ]
+    return min(faster, key=lambda c: timed[c][0]) if faster else best
