@@ -177,6 +177,8 @@ def _walk(planner, slow: Plan, fast: Plan, budget_bytes: int, line: ByteLine, pe
         return Plan(tuple(zip(planner.paths, strategies)), slow.outside)
 
     order = [b for _, b, _ in sorted(gains)]
+    if not order:
+        return []
     path = [switched(order[:k]) for k in range(1, len(order) + 1)]
     room, greedy = budget_bytes - planner.compiled[slow], []
     for _, b, added in sorted(gains):
