@@ -163,7 +163,15 @@ def test_a_step_compiled_first_is_measured_from_the_cache_and_a_compile_peak_is_
     assert "runtime peak of lean was reached while compiling" in said and "remat" not in said
 
 
+def _compiled_first_here(monkeypatch):
+    """On a faked GPU the bench compiles each step in a child first: a stand-in for that
+    child, where the step's measurement is a stand-in too (the real one is tested in
+    test_a_step_compiled_first_is_measured_from_the_cache_and_a_compile_peak_is_said)."""
+    monkeypatch.setattr(benchmark, "compile_in_subprocess", lambda w, env: {"compile_s": 0.0})
+
+
 def test_copies_that_free_little_are_said(monkeypatch, tmp_path, capsys):
+    _compiled_first_here(monkeypatch)
     from jaxoffload.bench import benchmark
 
     def fake(workload, *, steps, reference, env, **options):
@@ -417,6 +425,7 @@ def test_an_interrupted_run_keeps_its_records_and_resumes_with_the_rest(
 def test_grad_accum_and_devices_reach_the_workloads_the_notes_and_resume(
     monkeypatch, tmp_path, capsys
 ):
+    _compiled_first_here(monkeypatch)
     measured = []
 
     def fake(workload, *, steps, reference, env, **options):
@@ -490,6 +499,7 @@ def _fake_size_search(monkeypatch, searches, fail=()):
 def test_size_searches_reach_each_uniform_strategy_and_the_planned_model(
     monkeypatch, tmp_path, capsys
 ):
+    _compiled_first_here(monkeypatch)
     searches = []
     _fake_size_search(monkeypatch, searches)
     monkeypatch.setattr(
@@ -540,6 +550,7 @@ def test_size_searches_reach_each_uniform_strategy_and_the_planned_model(
 def test_resumed_size_searches_keep_what_was_found_and_search_the_rest(
     monkeypatch, tmp_path, capsys
 ):
+    _compiled_first_here(monkeypatch)
     searches, measured = [], []
 
     def fake_measure(workload, *, reference, **_):
