@@ -163,6 +163,36 @@ def test_a_step_compiled_first_is_measured_from_the_cache_and_a_compile_peak_is_
     assert "runtime peak of lean was reached while compiling" in said and "remat" not in said
 
 
+def test_planning_compiles_into_a_cold_cache_of_its_own_that_its_plans_load_from(monkeypatch):
+    from jaxoffload.bench import benchmark
+
+    seen = []
+    planned = jaxoffload.Plan((("Block_0", jaxoffload.Lean()),)).to_dict()
+    monkeypatch.setattr(
+        benchmark,
+        "plan_budgets_in_subprocess",
+        lambda w, budgets, env: seen.append(("plan", env)) or [{"planned": planned}],
+    )
+    monkeypatch.setattr(
+        benchmark, "compile_in_subprocess", lambda w, env: seen.append(("compile", env)) or {}
+    )
+    monkeypatch.setattr(
+        benchmark,
+        "measure_in_subprocess",
+        lambda w, **k: {"strategy": w.strategy, "step_time_ms": 1.0, "compiled_temp_bytes": 8,
+                        "compiled_argument_bytes": 0, "peak_bytes_in_use": 8},
+    )  # fmt: skip
+    workloads = [
+        benchmark.Workload("flax-resnet18", 2, 32, "float32", "none"),
+        benchmark.Workload("flax-resnet18", 2, 32, "float32", "plan", budget=0.5),
+    ]
+    benchmark.measure_all(workloads, steps=1, env={"A": "1"}, compile_first=True)
+    (none, _), (plan, _), (planned, _) = [(env[benchmark._CACHE_DIR], kind) for kind, env in seen]
+    assert [kind for kind, _ in seen] == ["compile", "plan", "compile"]
+    assert plan == planned != none  # planning's cache is its own, cold, and the plan's
+    assert all(env["A"] == "1" for _, env in seen)
+
+
 def _compiled_first_here(monkeypatch):
     """On a faked GPU the bench compiles each step in a child first: a stand-in for that
     child, where the step's measurement is a stand-in too (the real one is tested in

@@ -1256,23 +1256,35 @@ def measure_all(
       compile_first: compile each step in a process of its own first, into a
         persistent compilation cache that the measuring process loads it
         from (:func:`compile_only`): on a GPU, so that the runtime peak is the
-        step's, not its compile's.
+        step's, not its compile's. Planning compiles into a cache of its own
+        (empty when it starts), from which the plans' steps are then loaded.
     """
     if not workloads or workloads[0].strategy != "none":
         raise ValueError("the first workload must use the 'none' strategy: it is the reference.")
     kept = {(r["strategy"], r.get("budget")): r for r in measured}
-    budget_plans = _BudgetPlans(workloads, kept, env)
     records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as folder:
+        cache = planned = None
+        if compile_first:
+            cache = cache_env(os.path.join(folder, "compiled"))
+            # Planning compiles into a cache of its own, cold as a user's, from which the
+            # plans it returns are loaded rather than compiled again.
+            planned = cache_env(os.path.join(folder, "planned"))
+        budget_plans = _BudgetPlans(workloads, kept, {**(env or {}), **planned} if planned else env)
         reference = reference or os.path.join(folder, "reference_gradient.npz")
         for w in workloads:
             record = kept.get((w.strategy, w.budget))
             if record is None:
                 if on_start is not None:
                     on_start(w)
-                cache = cache_env(os.path.join(folder, "compiled")) if compile_first else None
                 record = _plan_and_measure(
-                    w, records, budget_plans, steps=steps, reference=reference, env=env, cache=cache
+                    w,
+                    records,
+                    budget_plans,
+                    steps=steps,
+                    reference=reference,
+                    env=env,
+                    cache=planned if w.strategy == "plan" else cache,
                 )
             records.append(record)
             if w is workloads[0] and "step_time_ms" not in record:
