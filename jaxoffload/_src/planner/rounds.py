@@ -68,9 +68,9 @@ def plans_for(
             for t in targets
         ]
         batch = list(dict.fromkeys(c for chosen in probes for c in chosen))
-        candidates = sorted(set(candidates) | set(batch), key=by_model)
         if not batch:
             break
+        candidates = sorted(set(candidates) | set(batch), key=by_model)
         compiling = " and ".join(summary(c.strategies) for c in batch)
         planner.say(f"round {round_}: compiling {compiling}")
         planner.compile(batch)
@@ -176,12 +176,13 @@ def _walk(planner, slow: Plan, fast: Plan, budget_bytes: int, line: ByteLine, pe
             strategies[b] = fast.strategies[b]
         return Plan(tuple(zip(planner.paths, strategies)), slow.outside)
 
-    order = [b for _, b, _ in sorted(gains)]
+    ranked = sorted(gains)
+    order = [b for _, b, _ in ranked]
     if not order:
         return []
     path = [switched(order[:k]) for k in range(1, len(order) + 1)]
     room, greedy = budget_bytes - planner.compiled[slow], []
-    for _, b, added in sorted(gains):
+    for _, b, added in ranked:
         if added <= room:
             greedy.append(b)
             room -= added

@@ -150,7 +150,7 @@ class Planner:
             self._lower([self.plain])  # traced here: only one thread traces at a time
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 compiling = pool.submit(self.compile, [self.plain])
-                checks = [*self._uniform_checks(), Plan(self.plain.blocks, Lean())]
+                checks = [*self._uniform_checks(), self._stored_check()]
                 self._lower([c for c in checks if c != self.plain])
                 compiling.result()
             per_flop = self._ms_per_flop(plain_fun) if block_costs == "traced" else None
@@ -173,7 +173,7 @@ class Planner:
         uniform = [] if measured is not None else self._uniform_checks()
         choice = hidden_choice(self.choices) if uniform else None
         hidden = None if choice is None else Plan(tuple(zip(self.paths, choice)), Lean())
-        stored = [Plan(self.plain.blocks, Lean())] if uniform else []
+        stored = [self._stored_check()] if uniform else []
         self.checks = list(dict.fromkeys([*uniform, *stored, *([hidden] if hidden else [])]))
         say(
             ("compiling the plain step and " if self.plain not in self.compiled else "compiling ")
@@ -212,6 +212,10 @@ class Planner:
         kinds = [s for s in self.options if not s.to_host]
         kinds += [s for s in self.options if s.to_host][:1]
         return [self.uniform(s) for s in kinds]
+
+    def _stored_check(self) -> Plan:
+        """Every block stored and the code outside them lean: what the outside keeps."""
+        return Plan(self.plain.blocks, Lean())
 
     def uniform(self, strategy: Strategy) -> Plan:
         """Every block under ``strategy``; the code outside them lean unless it stores."""
@@ -306,9 +310,10 @@ class Planner:
         """Traces and lowers the candidates not compiled or lowered yet, for a later compile."""
         for c in dict.fromkeys(candidates):
             if c not in self.compiled and c not in self.lowered:
-                self.lowered[c] = lower_step(
-                    self.model, self.step, self.args, c, self.donate_argnums
-                )
+                self.lowered[c] = self._lowered_step(c)
+
+    def _lowered_step(self, candidate: Plan):
+        return lower_step(self.model, self.step, self.args, candidate, self.donate_argnums)
 
     def compile(self, candidates: Sequence[Plan]) -> None:
         todo = [c for c in dict.fromkeys(candidates) if c not in self.compiled]
@@ -325,7 +330,7 @@ class Planner:
                     yield self.lowered.pop(c)
                     continue
                 began = time.perf_counter()
-                yield lower_step(self.model, self.step, self.args, c, self.donate_argnums)
+                yield self._lowered_step(c)
                 tracing += time.perf_counter() - began
 
         for c, executable in zip(todo, timing.compile_all(lowered())):
