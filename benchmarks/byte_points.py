@@ -1,0 +1,113 @@
+"""Compiled bytes of many mixed plans, for fitting models of a step's peak offline.
+
+    OUT=folder [PLANS=40] [SEED=0] python benchmarks/byte_points.py MODEL BATCH IMAGE_SIZE
+
+Builds the planner of the bench's plain-Flax MODEL (traced block costs), then
+compiles PLANS plans it would not propose by itself: random mixes of Store,
+Lean, Remat and the blocks' hidden offloads, and runs of Remat from the first
+or the last block. Writes OUT/points-MODEL-bBATCH-IMAGE_SIZE.json: every
+block's costs under each option (its residual, edge, host and recomputed
+bytes, as :mod:`jaxoffload._src.planner.costs` traces them), and every plan
+compiled, with its strategies (as ``brief`` writes them) and compiled bytes.
+Compile-only apart from the planner's own few timed steps. A GPU tool, not a test.
+"""
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from jaxoffload import Lean, Remat, Store
+from jaxoffload._src.planner.plan import Plan
+from jaxoffload._src.planner.search import Planner
+from jaxoffload._src.strategies import brief
+from jaxoffload.bench import benchmark
+
+model, batch, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+count, seed = int(os.environ.get("PLANS", 40)), int(os.environ.get("SEED", 0))
+w = benchmark.Workload(model=model, batch=batch, image_size=size, dtype="bfloat16", strategy="none")
+m = benchmark.linen_model(w, plannable=True)
+_, state, b, _ = benchmark.training(w, m, abstract=True)
+
+
+def step(model, state, batch):
+    return benchmark.training(w, model, abstract=None)[0](state, batch)
+
+
+start = time.perf_counter()
+
+
+def say(line):
+    print(f"[{time.perf_counter() - start:6.1f}] {line}", file=sys.stderr, flush=True)
+
+
+P = Planner(
+    m, step, (state, b), None, runs=3, say=say, donate_argnums=(0,), block_costs="traced"
+)  # fmt: skip
+n = len(P.paths)
+rng = np.random.default_rng(seed)
+hidden = [[o.strategy for o in options if o.strategy.max_bytes] for options in P.choices]
+
+
+def plan(strategies, outside=None):
+    return Plan(tuple(zip(P.paths, strategies)), outside or Lean())
+
+
+plans = []
+for k in range(1, n):  # runs of Remat from either end, the rest Lean
+    if k % max(1, n // 6) == 0:
+        plans.append(plan([Remat()] * k + [Lean()] * (n - k)))
+        plans.append(plan([Lean()] * (n - k) + [Remat()] * k))
+while len(plans) < count:
+    shares = rng.dirichlet(np.ones(4))  # Store, Lean, Remat, a hidden offload
+    picks = []
+    for i in range(n):
+        kind = rng.choice(4, p=shares)
+        if kind == 3 and hidden[i]:
+            picks.append(hidden[i][rng.integers(len(hidden[i]))])
+        else:
+            picks.append([Store(), Lean(), Remat(), Lean()][kind])
+    plans.append(plan(picks, Store() if rng.random() < 0.2 else Lean()))
+plans = list(dict.fromkeys(plans))[:count]
+
+
+def write():
+    blocks = [
+        {
+            "path": blk.path,
+            "edges": [blk.input_bytes, blk.output_bytes],
+            "costs": {
+                brief(s): {
+                    "device": c.device_bytes,
+                    "input": c.input_bytes,
+                    "output": c.output_bytes,
+                    "host": c.host_bytes,
+                    "recompute": c.recompute_bytes,
+                    "ms": c.forward_ms + c.backward_ms,
+                }
+                for s, c in ((s, blk.cost(s)) for s in [*blk.costs, *hidden[i]])
+            },
+        }
+        for i, blk in enumerate(P.blocks)
+    ]
+    compiled = [
+        {
+            "strategies": [brief(s) for s in c.strategies],
+            "outside": brief(c.outside),
+            "compiled_bytes": got,
+            "step_ms": P.measured_ms.get(c),
+        }
+        for c, got in P.compiled.items()
+    ]
+    path = os.path.join(os.environ["OUT"], f"points-{model}-b{batch}-{size}.json")
+    with open(path, "w") as f:
+        json.dump({"model": model, "batch": batch, "blocks": blocks, "plans": compiled}, f)
+
+
+write()
+for first in range(0, len(plans), 8):
+    P.compile(plans[first : first + 8])
+    write()
+say(f"done: {len(P.compiled)} plans compiled")
