@@ -280,13 +280,13 @@ def test_estimates_are_predictions_within_15_percent_of_the_compiled_bytes(share
 
     XLA:CPU's bytes barely follow the residuals (Remat compiles larger than
     Store here), so the fit is checked against stand-in compiled bytes that
-    weigh each kind's kept bytes differently, as XLA:GPU's do, wobbling by 5%;
-    the GPU records check it against XLA:GPU's.
+    weigh each category of bytes alive at the peak differently, as XLA:GPU's
+    do, wobbling by 5%; the GPU records check it against XLA:GPU's.
     """
     import copy
     import itertools
 
-    from jaxoffload._src.planner.fitted import kept_by_kind
+    from jaxoffload._src.planner.peak import live_bytes
 
     made, _ = shared_planner
     stand_in = copy.copy(made)
@@ -294,18 +294,14 @@ def test_estimates_are_predictions_within_15_percent_of_the_compiled_bytes(share
         Plan(tuple(zip(PATHS, choice)), Lean())
         for choice in itertools.product([Store(), Lean(), Remat()], repeat=len(PATHS))
     ]
-    weight = {Store(): 0.4, Lean(): 0.9, Remat(): 1.3}
+    weight = {"Store()": 0.3, "Lean()": 0.9, "recomputed": 0.4, "edges": 0.6, "kept edges": 0.7}
     wobble = [1.0, 1.05, 0.95, 1.02, 0.98]
-    stand_in.compiled = {
-        p: int(
-            (
-                300_000
-                + sum(weight[k] * b for k, b in kept_by_kind(made.blocks, p.strategies).items())
-            )
-            * wobble[n % 5]
-        )
-        for n, p in enumerate(plans)
-    }
+
+    def compiled(p):
+        live = live_bytes(made.blocks, p.strategies)
+        return 300_000 + max(sum(weight.get(k, 1.0) * n for k, n in at.items()) for at in live)
+
+    stand_in.compiled = {p: int(compiled(p) * wobble[n % 5]) for n, p in enumerate(plans)}
     for p, got in stand_in.compiled.items():
         if len(stand_in.compiled) > 1:
             assert abs(stand_in.predict(p) - got) <= 0.15 * got
@@ -418,10 +414,10 @@ class _FakePlanner(planner.Planner):
     def ms(self, candidate):
         return float(self.plans.index(candidate))  # fastest first
 
-    def byte_line(self, without=None):
+    def peak_model(self, without=None):
         return None
 
-    def line_bytes(self, line, candidate):
+    def peak_bytes(self, model, candidate):
         return self.guess[candidate]
 
     def _plan_of(self, strategy):
@@ -430,7 +426,7 @@ class _FakePlanner(planner.Planner):
     def block_ms(self, block, strategy):
         return self.ms(self._plan_of(strategy))
 
-    def block_bytes(self, line, block, strategy):
+    def block_bytes(self, model, block, strategy):
         return self.guess[self._plan_of(strategy)]
 
     def compile(self, candidates):
@@ -532,13 +528,13 @@ class _AdditivePlanner(planner.Planner):
     def block_ms(self, block, strategy):
         return self.table[strategy][0][block]
 
-    def block_bytes(self, line, block, strategy):
+    def block_bytes(self, model, block, strategy):
         return int(self.table[strategy][1][block] * (1.5 if strategy == Remat() else 1))
 
-    def line_bytes(self, line, candidate):
-        return 100 + sum(self.block_bytes(line, b, s) for b, s in enumerate(candidate.strategies))
+    def peak_bytes(self, model, candidate):
+        return 100 + sum(self.block_bytes(model, b, s) for b, s in enumerate(candidate.strategies))
 
-    def byte_line(self, without=None):
+    def peak_model(self, without=None):
         return None
 
     def compile(self, candidates):
@@ -665,38 +661,91 @@ def test_kinds_timed_apart_from_the_plain_step_are_not_tied_with_it():
 
 
 def test_one_compiled_point_takes_the_weights_fitted_at_another_size():
-    """A size search's planner has compiled few plans when it estimates another: the line
+    """A size search's planner has compiled few plans when it estimates another: the model
     through them takes the weights fitted where more were compiled, not the traced bytes'."""
-    from jaxoffload._src.planner.fitted import ByteLine, fit_bytes
+    from jaxoffload._src.planner.peak import PeakModel, fit_peak
 
-    prior = ByteLine(2e9, {Store(): 0.3, Remat(): 0.5}, stored_outside=1e9, scale=10e9)
-    store = {Store(): 26e9}  # traced: far more than the 10.7e9 compiled
-    line = fit_bytes([(store, True, int(10.7e9))], [Store(), Remat()], 20e9, prior)
-    assert line.weights == prior.weights
-    assert line.stored_outside == pytest.approx(2e9)  # at twice the size, twice the bytes
-    assert line(store, True) == pytest.approx(10.7e9, rel=1e-6)
-    assert line({Remat(): 3e9}) > 0  # a lean plan's estimate stays a size
-    # Without the prior, the traced bytes' weight would put a lean plan below zero.
-    assert fit_bytes([(store, True, int(10.7e9))], [Store(), Remat()], 10.7e9)({Remat(): 3e9}) < 0
+    prior = PeakModel(2e9, {"Store()": 0.3, "recomputed": 0.5}, stored_outside=1e9, scale=10e9)
+    store = [{"Store()": int(26e9)}]  # traced: far more than the 10.7e9 compiled
+    model = fit_peak([(store, True, False, int(10.7e9))], 20e9, prior)
+    assert model.weights == prior.weights
+    assert model.stored_outside == pytest.approx(2e9)  # at twice the size, twice the bytes
+    assert model(store, True) == pytest.approx(10.7e9, rel=1e-6)
+    assert model([{"recomputed": int(3e9)}]) > 0  # a lean plan's estimate stays a size
 
 
-def test_the_line_tells_what_the_code_outside_the_blocks_keeps_when_it_stores():
-    """ResNet-50's stem stores over a GiB at b256: a plan with a lean outside holds that
-    less, which a line of the blocks' bytes alone puts on every plan's rest."""
-    from jaxoffload._src.planner.fitted import fit_bytes
+def _stand_in_points(blocks, plans, weight, rest=2e9, stored_outside=0.0):
+    """``(live, stores, moves, compiled)`` of each ``(strategies, stores)``, the compiled
+    bytes a weighed peak over time, as XLA:GPU's are."""
+    from jaxoffload._src.planner.peak import live_bytes
 
-    kinds = [Store(), Lean(), Remat()]
-    weight = {Store(): 0.4, Lean(): 0.8, Remat(): 1.0}
+    points = []
+    for strategies, stores in plans:
+        live = live_bytes(blocks, strategies)
+        peak = max(sum(weight[k] * n for k, n in at.items()) for at in live)
+        moves = any(s.to_host for s in strategies)
+        points.append((live, stores, moves, int(rest + stored_outside * stores + peak)))
+    return points
 
-    def compiled(kept, stores):
-        return int(2e9 + 1.5e9 * stores + sum(weight[k] * b for k, b in kept.items()))
 
-    uniform = [({k: 10e9 if k == Store() else 4e9}, False) for k in kinds]
-    points = [
-        (kept, stores, compiled(kept, stores))
-        for kept, stores in [*uniform, ({Store(): 10e9}, True)]
-    ]
-    line = fit_bytes(points, kinds, 6e9)
-    assert line.stored_outside == pytest.approx(1.5e9, rel=0.05)
-    mixed = {Store(): 5e9, Lean(): 2e9}
-    assert line(mixed) == pytest.approx(compiled(mixed, False), rel=0.05)
+def _pyramid(n=6):
+    """Blocks whose residuals halve from the first to the last, as a CNN's do."""
+    blocks = []
+    for i in range(n):
+        size = 2**30 >> i
+        costs = {
+            Store(): BlockCost(4 * size, size, 0, 0, 0, 1.0, 2.0),
+            Lean(): BlockCost(size, size, 0, 0, 0, 1.0, 2.2),
+            Remat(): BlockCost(0, size, 0, 0, 4 * size, 1.0, 3.0),
+            Offload(): BlockCost(0, 0, 0, 2 * size, 0, 1.0, 2.0),
+        }
+        blocks.append(BlockCosts(f"Block_{i}", size, size // 2, costs))
+    return blocks
+
+
+WEIGHTS = {
+    "Store()": 0.3,
+    "Lean()": 0.8,
+    "Remat()": 0.5,
+    "Offload()": 0.2,
+    "recomputed": 0.35,
+    "edges": 0.6,
+    "kept edges": 0.9,
+    "in flight": 1.2,
+}
+
+
+def test_the_peak_model_sees_where_recomputing_the_first_blocks_leaves_the_peak():
+    """Recomputing the early, large blocks moves the peak into their backward pass, where
+    a sum of what the blocks keep cannot see it (it overstated such plans by 43-111% on
+    ResNet-50 and MobileNetV2). Fitted to the uniform plans alone, the model predicts
+    plans that recompute the first k blocks, or the last k, within 5%."""
+    from jaxoffload._src.planner.peak import fit_peak
+
+    blocks = _pyramid()
+    n = len(blocks)
+    uniform = [([s] * n, False) for s in (Store(), Lean(), Remat())] + [([Store()] * n, True)]
+    fitted = fit_peak(_stand_in_points(blocks, uniform, WEIGHTS, stored_outside=1e9), 2**33)
+    assert fitted.stored_outside == pytest.approx(1e9, rel=0.1)
+    mixed = [([Remat()] * k + [Lean()] * (n - k), False) for k in range(1, n)]
+    mixed += [([Lean()] * (n - k) + [Remat()] * k, False) for k in range(1, n)]
+    for live, stores, _, got in _stand_in_points(blocks, mixed, WEIGHTS, stored_outside=1e9):
+        assert fitted(live, stores) == pytest.approx(got, rel=0.05)
+
+
+def test_plans_that_move_bytes_do_not_pull_the_weights_of_those_that_do_not():
+    """XLA's host offloads compile less like their trace than the rest: plans that move
+    are fitted after the others, with the others' weights held."""
+    from jaxoffload._src.planner.peak import fit_peak
+
+    blocks = _pyramid()
+    n = len(blocks)
+    staying = [([s] * n, False) for s in (Store(), Lean(), Remat())]
+    points = _stand_in_points(blocks, staying, WEIGHTS)
+    alone = fit_peak(points, 2**33)
+    # An offload that compiled twice as large as its weighed trace says.
+    ((live, stores, moves, got),) = _stand_in_points(blocks, [([Offload()] * n, False)], WEIGHTS)
+    together = fit_peak([*points, (live, stores, moves, 2 * got)], 2**33)
+    assert moves and together.rest == alone.rest
+    assert all(together.weights[k] == w for k, w in alone.weights.items())
+    assert together(live) > alone(live)  # the moving plan's own weights took its bytes

@@ -1,19 +1,19 @@
 """Planning: a strategy per block that fits a memory budget at the least step time.
 
 ``plan.py`` is the value, ``apply.py`` puts it on a model, ``program.py`` compiles a
-step under it, ``costs.py`` says what blocks cost and models the step, ``fitted.py``
-fits that to compiled steps, ``search.py`` searches, ``entry.py`` is the ``plan()``
+step under it, ``costs.py`` says what blocks cost and models the step's time, ``peak.py``
+its peak, ``fitted.py`` fits the time to compiled steps, ``search.py`` searches, ``entry.py`` is the ``plan()``
 call, and ``fit.py`` finds the largest size that fits.
 """
 
 from jaxoffload._src.errors import NoPlanFits as NoPlanFits
 from jaxoffload._src.planner.costs import BlockCost as BlockCost
 from jaxoffload._src.planner.costs import BlockCosts as BlockCosts
-from jaxoffload._src.planner.costs import estimate_peak_bytes as estimate_peak_bytes
 from jaxoffload._src.planner.costs import estimate_step_ms as estimate_step_ms
 from jaxoffload._src.planner.entry import plan as plan
 from jaxoffload._src.planner.fit import Fit as Fit
 from jaxoffload._src.planner.fit import largest_size as largest_size
+from jaxoffload._src.planner.peak import estimate_peak_bytes as estimate_peak_bytes
 from jaxoffload._src.planner.plan import Plan as Plan
 from jaxoffload._src.planner.program import compiled_bytes as compiled_bytes
 from jaxoffload._src.planner.search import BLOCK_COSTS as BLOCK_COSTS

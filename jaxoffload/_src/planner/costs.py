@@ -1,9 +1,9 @@
 """What each block costs under each strategy, measured on the device, and a model of the step.
 
 Each distinct block program is timed alone under each strategy
-(:mod:`jaxoffload._src.timing`), and its residuals are read from traces. The models of the
-step's peak (:func:`estimate_peak_bytes`) and time (:func:`estimate_step_ms`)
-combine them.
+(:mod:`jaxoffload._src.timing`), and its residuals are read from traces. The model of the
+step's time (:func:`estimate_step_ms`) combines them; that of its peak is
+:mod:`~jaxoffload._src.planner.peak`'s.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ __all__ = [
     "BlockCosts",
     "block_options",
     "cost_blocks",
-    "estimate_peak_bytes",
     "estimate_step_ms",
     "rescaled",
     "step_flops",
@@ -86,45 +85,6 @@ class BlockCosts:
             host_bytes=sum(moved),
             host_sizes=tuple(moved),
         )
-
-
-def estimate_peak_bytes(blocks: Sequence[BlockCosts], choice: Sequence[Strategy]) -> int:
-    """The most device bytes that the blocks' residuals and work hold at once, over the step.
-
-    A model of time, not a sum: the forward pass runs the blocks in order,
-    each adding what it keeps; the backward pass runs them in reverse, each
-    holding what it keeps, what it fetched, what it recomputes and the
-    gradients at its edges, while the blocks before it hold theirs. An
-    activation between two blocks counts once, if either keeps it. With an
-    ``Offload`` window ``w``, a block's device copies live until ``w - 1``
-    blocks later, and its fetched residuals from the backward pass of the
-    block ``w - 1`` later. What the rest of the step holds (parameters,
-    gradients, the stem) is a constant that :func:`plan` measures.
-    """
-    c = [b.cost(s) for b, s in zip(blocks, choice)]
-    w = [s.window for s in choice]
-    n = len(c)
-    kept, host = [], [x.host_bytes for x in c]
-    for k in range(n):
-        boundary = c[k].input_bytes > 0 or (k > 0 and c[k - 1].output_bytes > 0)
-        kept.append(c[k].device_bytes + (blocks[k].input_bytes if boundary else 0))
-
-    def in_flight(i):  # host bytes of earlier blocks whose transfers overlap block i
-        return sum(host[j] for j in range(max(0, i - max(w) + 1), i) if j + w[j] > i)
-
-    peak = live = 0.0
-    for i in range(n):
-        edges = blocks[i].input_bytes + blocks[i].output_bytes
-        running = edges + c[i].device_bytes + host[i]
-        peak = max(peak, live + in_flight(i) + running)
-        live += kept[i]
-    live += c[-1].output_bytes if n else 0
-    for i in reversed(range(n)):
-        live -= kept[i]
-        edges = blocks[i].input_bytes + blocks[i].output_bytes
-        work = kept[i] + host[i] + c[i].recompute_bytes + edges
-        peak = max(peak, live + in_flight(i) + work)
-    return int(peak)
 
 
 def estimate_step_ms(

@@ -51,12 +51,12 @@ def plan(
     moves while the next blocks compute). For every memory target, the
     fastest choice of one option per block is the front
     (:func:`~jaxoffload._src.planner.front.front`). The compiled step is the
-    oracle: a line of its bytes, fitted to the plans compiled so far,
-    proposes the fastest candidates that should fit, and they are compiled,
+    oracle: a model of its peak over time, fitted to the plans compiled so
+    far (:mod:`~jaxoffload._src.planner.peak`), proposes the fastest candidates that should fit, and they are compiled,
     several at once and for every budget together, until no candidate is
     left that the model says is faster than the fastest that fits. The plan
     returned is the fastest of the compiled ones that fit, as timed where
-    the steps time steadily; its ``estimated_bytes`` is what the line
+    the steps time steadily; its ``estimated_bytes`` is what the model
     fitted to the other compiled plans predicts of it.
 
     Args:

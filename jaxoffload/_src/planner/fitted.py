@@ -1,9 +1,9 @@
-"""The planner's models fitted to whole compiled steps: bytes by a line, times by a scale.
+"""The planner's model of time fitted to whole compiled steps, and its options weighed.
 
-A block measured alone is not a block in a step. XLA fuses some traced
-residuals away and adds buffers of its own, and fuses and schedules across
-the whole program; so the planner compiles and times whole steps, and fits
-its models of bytes and time to them.
+A block measured alone is not a block in a step: XLA fuses and schedules
+across the whole program. So the planner times whole steps, and scales its
+blocks' times to them; its model of bytes is fitted in
+:mod:`~jaxoffload._src.planner.peak`.
 """
 
 from __future__ import annotations
@@ -11,27 +11,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import numpy as np
-
 from jaxoffload._src.planner.costs import TIE, BlockCosts
 from jaxoffload._src.planner.front import Option
+from jaxoffload._src.planner.peak import PeakModel, kept_bytes
 from jaxoffload._src.strategies import Store, Strategy, brief
 
 __all__ = [
-    "ByteLine",
     "calibrated",
-    "fit_bytes",
     "hidden_choice",
     "hidden_ms_per_byte",
-    "kept_by_kind",
     "time_errors",
     "weighed",
 ]
-
-# How strongly the byte weights are pulled (see fit_bytes), against the compiled plans'
-# squared errors in units of the plain step's bytes.
-SHARED_WEIGHT_PULL = 1e-4
-KIND_WEIGHT_PULL = 1e-2
 
 # Two whole steps whose timed runs are this share apart, or more than their spread, differ.
 MEASURED_NOISE = 0.01
@@ -44,87 +35,16 @@ APART = 0.0025
 STEADY = 0.02
 
 
-@dataclasses.dataclass(frozen=True)
-class ByteLine:
-    """Compiled bytes as ``rest + sum(weights[kind] * kept[kind])``, and ``stored_outside``
-    more where the code outside the blocks stores its residuals rather than cutting them.
-
-    The outside is a model's stem and head: ResNet-50's stem alone keeps
-    tensors of 112x112x64 per image. ``scale`` is the plain step's bytes, that
-    a line fitted at one size rescales ``stored_outside`` by at another.
-    """
-
-    rest: float
-    weights: dict[Strategy, float]
-    stored_outside: float = 0.0
-    scale: float = 1.0
-
-    def __call__(self, kept: dict[Strategy, int], outside_stores: bool = False) -> int:
-        kept_part = sum(self.weights.get(k, 1.0) * b for k, b in kept.items())
-        return int(self.rest + kept_part + self.stored_outside * outside_stores)
-
-
-def kept_by_kind(
-    blocks: Sequence[BlockCosts], strategies: Sequence[Strategy]
-) -> dict[Strategy, int]:
-    """Per kind of strategy (as costed), the bytes its blocks keep between the passes."""
-    sums: dict[Strategy, int] = {}
-    for block, s in zip(blocks, strategies):
-        cost = block.cost(s)
-        sums[s.costed()] = sums.get(s.costed(), 0) + cost.device_bytes + cost.input_bytes
-    return sums
-
-
-def fit_bytes(
-    points: Sequence[tuple[dict[Strategy, int], bool, int]],
-    kinds: Sequence[Strategy],
-    scale: float,
-    prior: ByteLine | None = None,
-) -> ByteLine:
-    """The line through ``(kept by kind, outside stores, compiled bytes)`` points, by least squares.
-
-    Traced residuals are not XLA's buffers: ResNet-50's uniform plans compiled
-    to between a third and a half of their traced residuals on an H200, over
-    2.5 GiB of the rest of the step. The fit has one weight shared by every
-    kind, pulled towards 1 (the traced bytes) only as far as one point needs
-    for an answer, and each kind's difference from it, pulled towards 0, so
-    that a kind no point tells apart takes the shared weight; what the outside
-    keeps when it stores is pulled towards 0 too. ``scale`` (the plain step's
-    bytes, say) sets the units in which the pulls count. A few points cannot
-    tell the rest from the weights: with a ``prior`` (a line fitted at another
-    size), the line takes the prior's weights, and fits only its rest.
-    """
-    if prior is not None:
-        stored_outside = prior.stored_outside * scale / prior.scale
-        without_rest = ByteLine(0.0, prior.weights, stored_outside, scale)
-        rest = np.mean([got - without_rest(kept, stores) for kept, stores, got in points])
-        return dataclasses.replace(without_rest, rest=float(rest))
-    rows, ys = [], []
-    for kept, stores, got in points:
-        row = [kept.get(k, 0) / scale for k in kinds]
-        rows.append([1.0, float(stores), sum(row), *row])
-        ys.append(got / scale)
-    pulls = [(KIND_WEIGHT_PULL, 0.0), (SHARED_WEIGHT_PULL, 1.0)]
-    pulls += [(KIND_WEIGHT_PULL, 0.0)] * len(kinds)
-    for column, (pull, target) in enumerate(pulls, start=1):
-        rows.append([np.sqrt(pull) * (j == column) for j in range(len(kinds) + 3)])
-        ys.append(np.sqrt(pull) * target)
-    solution = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)[0]
-    rest, stored_outside, shared = solution[:3]
-    weights = {k: max(0.0, float(shared + d)) for k, d in zip(kinds, solution[3:])}
-    return ByteLine(float(rest) * scale, weights, max(0.0, float(stored_outside)) * scale, scale)
-
-
-def weighed(choices: Sequence[Sequence[Option]], line: ByteLine) -> list[list[Option]]:
-    """The blocks' options with their kept bytes as ``line`` weighs their kind's."""
+def weighed(choices: Sequence[Sequence[Option]], blocks, model: PeakModel) -> list[list[Option]]:
+    """The blocks' options with their kept bytes as ``model`` weighs them."""
     return [
         [
             dataclasses.replace(
-                o, kept_bytes=int(o.kept_bytes * line.weights.get(o.strategy.costed(), 1.0))
+                o, kept_bytes=int(kept_bytes(b.cost(o.strategy), o.strategy, model.weights))
             )
             for o in options
         ]
-        for options in choices
+        for b, options in zip(blocks, choices)
     ]
 
 

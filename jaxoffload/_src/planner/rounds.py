@@ -1,7 +1,7 @@
 """A budget's rounds: compiled candidates between what fits and what does not, then timed.
 
 :func:`plans_for` searches a :class:`~jaxoffload._src.planner.search.Planner`'s candidates
-for every budget together: the line of compiled bytes proposes, the compiler says what
+for every budget together: the model of compiled bytes proposes, the compiler says what
 fits, and the clock which of those is fastest.
 """
 
@@ -12,15 +12,16 @@ from collections.abc import Sequence
 
 from jaxoffload._src.errors import NoPlanFits
 from jaxoffload._src.jaxprs import format_bytes
-from jaxoffload._src.planner.fitted import MEASURED_NOISE, STEADY, ByteLine
+from jaxoffload._src.planner.fitted import MEASURED_NOISE, STEADY
 from jaxoffload._src.planner.messages import summary, where_it_stops
+from jaxoffload._src.planner.peak import PeakModel
 from jaxoffload._src.planner.plan import Plan
 from jaxoffload._src.strategies import Store, brief
 
 __all__ = ["plans_for"]
 
-# Where a round looks for a budget: the first candidates that the line of compiled bytes
-# says fit the budget, and 5% less or more, as the line is off by a few percent.
+# Where a round looks for a budget: the first candidates that the model of compiled bytes
+# says fit the budget, and 5% less or more, as the model is off by a few percent.
 PROBE_SHARES = (1.0, 0.95, 1.05)
 # The plans that fit which are timed against each other: the model's fastest few.
 TIMED_FASTEST = 4
@@ -37,12 +38,12 @@ def plans_for(
     The candidates are the front's plans and the uniform ones compiled to check
     the model, fastest by the model first. For each budget, between the fastest
     compiled one that fits and the slowest faster one that does not, a round
-    compiles up to ``per_round``: those that the line of compiled bytes says fit
+    compiles up to ``per_round``: those that the model of compiled bytes says fit
     the budget, or nearly, and candidates evenly spaced between the two, a
-    search that does not trust the line. Where the front has no candidate left
+    search that does not trust the model. Where the front has no candidate left
     between them, the round walks from the one that fits towards a faster one
     instead, block by block (:func:`_between`): the compiled step, not the
-    line, then says where on that path the budget falls. A budget is done when
+    model, then says where on that path the budget falls. A budget is done when
     no candidate is left between them that the model says is faster by more
     than the timing noise. The budgets' rounds compile together, and the plan
     returned is the fastest of the compiled ones that fit, as timed.
@@ -55,16 +56,16 @@ def plans_for(
     front = {planner.candidate(point) for point in planner.front} | set(planner.checks)
     if Store() in planner.options:
         front.add(planner.plain)
-    line = planner.byte_line()
+    model = planner.peak_model()
 
     def by_model(c):  # fastest first; equal times by fewer bytes, the same choice every run
-        return round(planner.ms(c), 3), planner.line_bytes(line, c)
+        return round(planner.ms(c), 3), planner.peak_bytes(model, c)
 
     candidates = sorted(front, key=by_model)
     for round_ in range(1, max_rounds + 1):
         probes = [
-            _probes(planner, candidates, t, line, per_round)
-            or _between(planner, candidates, t, line, per_round)
+            _probes(planner, candidates, t, model, per_round)
+            or _between(planner, candidates, t, model, per_round)
             for t in targets
         ]
         batch = list(dict.fromkeys(c for chosen in probes for c in chosen))
@@ -74,7 +75,7 @@ def plans_for(
         compiling = " and ".join(summary(c.strategies) for c in batch)
         planner.say(f"round {round_}: compiling {compiling}")
         planner.compile(batch)
-        line = planner.byte_line()  # through the plans just compiled too
+        model = planner.peak_model()  # through the plans just compiled too
     best = {t: _best_fit(planner, candidates, t) for t in targets}
     to_time = {t: _to_time(planner, b, t) for t, b in best.items() if isinstance(b, Plan)}
     # Every budget's plans timed in one turn-taking, so that each is timed once.
@@ -111,7 +112,7 @@ def _fits(planner, candidates: Sequence[Plan], budget_bytes: int) -> tuple[int, 
     return (over[-1] if over else -1), fit
 
 
-def _probes(planner, candidates, budget_bytes: int, line: ByteLine, per_round: int) -> list[Plan]:
+def _probes(planner, candidates, budget_bytes: int, model: PeakModel, per_round: int) -> list[Plan]:
     """The candidates that a round compiles for one budget; none when it is done."""
     over, fit = _fits(planner, candidates, budget_bytes)
     faster_than = (
@@ -125,9 +126,9 @@ def _probes(planner, candidates, budget_bytes: int, line: ByteLine, per_round: i
     if not todo:
         return []
     picks = []
-    for share in PROBE_SHARES:  # the line's answer, and either side of it
+    for share in PROBE_SHARES:  # the model's answer, and either side of it
         fitting = [
-            n for n in todo if planner.line_bytes(line, candidates[n]) <= share * budget_bytes
+            n for n in todo if planner.peak_bytes(model, candidates[n]) <= share * budget_bytes
         ]
         picks += fitting[:1]
     picks = list(dict.fromkeys(picks or [todo[-1]]))
@@ -136,7 +137,9 @@ def _probes(planner, candidates, budget_bytes: int, line: ByteLine, per_round: i
     return [candidates[n] for n in sorted(picks[:per_round])]
 
 
-def _between(planner, candidates, budget_bytes: int, line: ByteLine, per_round: int) -> list[Plan]:
+def _between(
+    planner, candidates, budget_bytes: int, model: PeakModel, per_round: int
+) -> list[Plan]:
     """Plans on the way from the fastest compiled one that fits to a faster one, for a
     round to compile where the front has none left between them: to the slowest
     faster one that does not fit, or, once the two are a block apart, to the fastest
@@ -146,20 +149,20 @@ def _between(planner, candidates, budget_bytes: int, line: ByteLine, per_round: 
         return []
     towards = ([candidates[over]] if over >= 0 else []) + [candidates[0]]
     for fast in towards:
-        plans = _walk(planner, candidates[fit], fast, budget_bytes, line, per_round)
+        plans = _walk(planner, candidates[fit], fast, budget_bytes, model, per_round)
         if plans:
             return plans
     return []
 
 
-def _walk(planner, slow: Plan, fast: Plan, budget_bytes: int, line: ByteLine, per_round: int):
+def _walk(planner, slow: Plan, fast: Plan, budget_bytes: int, model: PeakModel, per_round: int):
     """Uncompiled plans from ``slow`` (compiled, and fits) towards ``fast``.
 
     The blocks where the two differ switch one at a time from ``slow``'s strategy
     to ``fast``'s, most time saved per byte added first, as in a knapsack. The
-    plans are the greedy knapsack's answer (each switch in turn that the line,
+    plans are the greedy knapsack's answer (each switch in turn that the model,
     anchored at ``slow``'s compiled bytes, says still fits) and the path's plans
-    evenly spaced, which do not trust the line.
+    evenly spaced, which do not trust the model.
     """
     if planner.ms(fast) >= planner.ms(slow) * (1 - MEASURED_NOISE):
         return []
@@ -167,8 +170,8 @@ def _walk(planner, slow: Plan, fast: Plan, budget_bytes: int, line: ByteLine, pe
     for b, (was, to) in enumerate(zip(slow.strategies, fast.strategies)):
         saved = planner.block_ms(b, was) - planner.block_ms(b, to) if was != to else 0.0
         if saved > 0:
-            added = planner.block_bytes(line, b, to) - planner.block_bytes(line, b, was)
-            gains.append((-saved / max(added, 1), b, added))
+            added = planner.block_bytes(model, b, to) - planner.block_bytes(model, b, was)
+            gains.append((-saved / max(added, 1), b))
 
     def switched(blocks):
         strategies = list(slow.strategies)
@@ -176,16 +179,17 @@ def _walk(planner, slow: Plan, fast: Plan, budget_bytes: int, line: ByteLine, pe
             strategies[b] = fast.strategies[b]
         return Plan(tuple(zip(planner.paths, strategies)), slow.outside)
 
-    ranked = sorted(gains)
-    order = [b for _, b, _ in ranked]
+    order = [b for _, b in sorted(gains)]
     if not order:
         return []
     path = [switched(order[:k]) for k in range(1, len(order) + 1)]
-    room, greedy = budget_bytes - planner.compiled[slow], []
-    for _, b, added in ranked:
-        if added <= room:
+    # What the model says each plan adds to slow's compiled bytes: the peak is not a sum
+    # of the blocks' bytes, so each switch is weighed in the plan it joins.
+    room = budget_bytes - planner.compiled[slow] + planner.peak_bytes(model, slow)
+    greedy = []
+    for b in order:
+        if planner.peak_bytes(model, switched([*greedy, b])) <= room:
             greedy.append(b)
-            room -= added
     spaced = [path[k * len(path) // (per_round + 1)] for k in range(1, per_round + 1)]
     plans = [switched(greedy)] if greedy else []
     plans += [c for c in spaced if c not in plans]

@@ -27,23 +27,26 @@ from jaxoffload._src.planner.costs import (
     TIE,
     block_options,
     cost_blocks,
-    estimate_peak_bytes,
     rescaled,
     step_flops,
     traced_blocks,
 )
 from jaxoffload._src.planner.fitted import (
-    ByteLine,
     calibrated,
-    fit_bytes,
     hidden_choice,
     hidden_ms_per_byte,
-    kept_by_kind,
     time_errors,
     weighed,
 )
 from jaxoffload._src.planner.front import front
 from jaxoffload._src.planner.messages import note, summary
+from jaxoffload._src.planner.peak import (
+    PeakModel,
+    estimate_peak_bytes,
+    fit_peak,
+    kept_bytes,
+    live_bytes,
+)
 from jaxoffload._src.planner.plan import Plan
 from jaxoffload._src.planner.program import (
     check_discovered,
@@ -132,6 +135,7 @@ class Planner:
         self.executables: dict[Plan, Any] = {}
         self.lowered: dict[Plan, Any] = {}  # traced and lowered, not compiled yet
         self.measured_ms: dict[Plan, float] = {}
+        self._live: dict[tuple[Strategy, ...], list[dict[str, int]]] = {}
         self.plain = Plan(tuple((p, Store()) for p in self.paths))
         plain_fun, self.arrays, _ = program(model, step, args, self.plain)
         if measured is not None:
@@ -162,8 +166,8 @@ class Planner:
                 )
         self.hidden_ms_per_byte = 0.0 if measured is None else measured.hidden_ms_per_byte
         self.apart = frozenset() if measured is None else measured.apart
-        # At another size, the kinds' byte weights that the measured planner fitted.
-        self.prior = None if measured is None else measured.byte_line()
+        # At another size, the byte weights that the measured planner fitted.
+        self.prior = None if measured is None else measured.peak_model()
         self._put_on_front(self.prior)
         self.leanest = self.candidate(self.front[0])
         # Measured costs are checked against whole steps: every block under each option
@@ -222,13 +226,13 @@ class Planner:
         outside = Store() if strategy.is_identity else Lean()
         return Plan(tuple((p, strategy) for p in self.paths), outside)
 
-    def _put_on_front(self, line: ByteLine | None = None) -> None:
-        """The front of the blocks' options, their kept bytes weighed by ``line`` if given."""
+    def _put_on_front(self, model: PeakModel | None = None) -> None:
+        """The front of the blocks' options, their kept bytes weighed by ``model`` if given."""
         self.choices = block_options(
             self.blocks, self.options, self.link, self.hidden_ms_per_byte, self.apart
         )
-        if line is not None:
-            self.choices = weighed(self.choices, line)
+        if model is not None:
+            self.choices = weighed(self.choices, self.blocks, model)
         self.front = front(self.choices)
 
     def _calibrate(self, uniform: Sequence[Plan], hidden: Plan | None) -> None:
@@ -249,7 +253,7 @@ class Planner:
             for line in lines:
                 self.say(line)
             self.blocks = calibrated(self.blocks, errors)
-        self._put_on_front(self.byte_line())
+        self._put_on_front(self.peak_model())
         if hidden is not None and math.isfinite(self.step_ms(hidden)):
             error = self.step_ms(hidden) - self.estimated_ms(hidden)
             self.say(f"hidden offloads: {self.step_ms(hidden):.1f} ms, {error:+.1f} over the model")
@@ -257,41 +261,48 @@ class Planner:
             self.hidden_ms_per_byte = hidden_ms_per_byte(
                 self.blocks, hidden.strategies, error - noise
             )
-            self._put_on_front(self.byte_line())
+            self._put_on_front(self.peak_model())
 
     def candidate(self, point) -> Plan:
         """The plan of a point on the front, the code outside the blocks lean."""
         strategies = tuple(self.choices[b][k].strategy for b, k in enumerate(point.choice))
         return Plan(tuple(zip(self.paths, strategies)), Lean())
 
+    def live(self, candidate: Plan) -> list[dict[str, int]]:
+        """What the candidate's blocks hold at each point of the step, by category
+        (:func:`~jaxoffload._src.planner.peak.live_bytes`), worked out once."""
+        if candidate.strategies not in self._live:
+            self._live[candidate.strategies] = live_bytes(self.blocks, candidate.strategies)
+        return self._live[candidate.strategies]
+
     def model_bytes(self, candidate: Plan) -> float:
-        """The model of the step's peak: what the blocks hold over time, not calibrated."""
+        """The model of the step's peak, every traced byte as one: not fitted."""
         return float(estimate_peak_bytes(self.blocks, candidate.strategies))
 
-    def byte_line(self, without: Plan | None = None) -> ByteLine:
-        """Compiled bytes as a line fitted to every compiled plan but ``without``."""
+    def peak_model(self, without: Plan | None = None) -> PeakModel:
+        """The model of compiled bytes fitted to every compiled plan but ``without``."""
         points = [
-            (kept_by_kind(self.blocks, p.strategies), p.outside.is_identity, got)
+            (self.live(p), p.outside.is_identity, any(s.to_host for s in p.strategies), got)
             for p, got in self.compiled.items()
             if p != without
         ]
         scale = float(self.compiled.get(self.plain) or max(self.compiled.values()))
-        return fit_bytes(points, list(self.blocks[0].costs), scale, self.prior)
+        return fit_peak(points, scale, self.prior)
 
     def predict(self, candidate: Plan) -> int:
-        """The compiled bytes that the line fitted to the other compiled plans predicts."""
-        return self.line_bytes(self.byte_line(without=candidate), candidate)
+        """The compiled bytes that the model fitted to the other compiled plans predicts."""
+        return self.peak_bytes(self.peak_model(without=candidate), candidate)
 
     def compiled_points(self) -> dict[str, Any]:
         """Every plan compiled so far, with what the model said of it: to fit other models of
         compiled bytes to, offline. ``blocks``: per block, each option's kept bytes (its
-        device residuals and inputs, as :func:`~jaxoffload._src.planner.fitted.kept_by_kind`
-        counts them); ``plans``: per compiled plan, its blocks' strategies and the code
-        outside them (as :func:`~jaxoffload._src.strategies.brief` writes them), its compiled
-        bytes, the line's prediction from the other plans, the uncalibrated peak model, and
-        its step in ms where it was timed."""
+        device residuals and inputs, as traced); ``plans``: per compiled plan, its blocks'
+        strategies and the code outside them (as :func:`~jaxoffload._src.strategies.brief`
+        writes them), its compiled bytes, the model's prediction from the other plans, the
+        unfitted peak model, and its step in ms where it was timed."""
         blocks = [
-            {brief(s): kept_by_kind([b], [s])[s.costed()] for s in b.costs} for b in self.blocks
+            {brief(s): c.device_bytes + c.input_bytes for s, c in b.costs.items()}
+            for b in self.blocks
         ]
         plans = [
             {
@@ -396,12 +407,13 @@ class Planner:
             cost.forward_ms + cost.backward_ms,
         )
 
-    def block_bytes(self, line: ByteLine, block: int, strategy: Strategy) -> int:
-        """What block ``block`` keeps under ``strategy``, as ``line`` weighs its kind."""
-        return line(kept_by_kind(self.blocks[block : block + 1], [strategy]))
+    def block_bytes(self, model: PeakModel, block: int, strategy: Strategy) -> int:
+        """What block ``block`` keeps under ``strategy``, as ``model`` weighs it."""
+        return int(kept_bytes(self.blocks[block].cost(strategy), strategy, model.weights))
 
-    def line_bytes(self, line: ByteLine, candidate: Plan) -> int:
-        return line(kept_by_kind(self.blocks, candidate.strategies), candidate.outside.is_identity)
+    def peak_bytes(self, model: PeakModel, candidate: Plan) -> int:
+        """The candidate's compiled bytes, as ``model`` predicts them."""
+        return model(self.live(candidate), candidate.outside.is_identity)
 
     def known_ms(self, candidate: Plan) -> float:
         """The candidate's step as timed alone, if it was; else the model's estimate."""
