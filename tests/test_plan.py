@@ -500,6 +500,29 @@ def test_only_plans_near_the_fastest_are_timed_in_turns():
     assert len(fitting) >= 2 and made.timed == fitting  # the slow check left out
 
 
+def test_a_model_that_has_proved_itself_spares_the_compiles_it_rules_out(monkeypatch):
+    """After the first round, a candidate that the model puts over the budget by more than
+    it has overstated any plan it proposed is not compiled: with a model within 1% of 40
+    candidates' compiled bytes (not monotone in their speed), the same answer from fewer
+    compiles than a search that trusts it not at all."""
+    from jaxoffload._src.planner import rounds
+
+    compiled = [1000 - 20 * k + (35 if k % 3 == 0 else 0) for k in range(40)]
+    predicted = [int(b * (1.01 if k % 2 else 0.995)) for k, b in enumerate(compiled)]
+    budget = 640
+    fastest_fit = next(k for k, b in enumerate(compiled) if b <= budget)
+
+    def search():
+        made = _FakePlanner(compiled, predicted)
+        return made.plan_for(budget, max_rounds=3), made
+
+    found, trusting = search()
+    monkeypatch.setattr(rounds, "OVERSTATED_MARGIN", float("inf"))
+    same, doubting = search()
+    assert found == same == trusting.plans[fastest_fit]
+    assert trusting.compiles < doubting.compiles
+
+
 class _AdditivePlanner(planner.Planner):
     """Blocks that each take Store() or Remat(), at stand-in per-block times and bytes.
 

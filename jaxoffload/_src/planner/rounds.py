@@ -7,6 +7,7 @@ fits, and the clock which of those is fastest.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -28,6 +29,10 @@ TIMED_FASTEST = 4
 # Of those, only the ones that a run or the model puts within this share of the fastest:
 # a plan 5% slower does not win a turn-taking won by 1%, and each timed plan costs seconds.
 TIMED_WITHIN = 0.05
+# A candidate that the model puts over a budget by more than it has overstated any plan it
+# proposed (of those that move bytes, or of those that do not), and this share more, cannot
+# fit it; the first round, with nothing proposed yet, rules out none.
+OVERSTATED_MARGIN = 0.03
 
 
 def plans_for(
@@ -43,10 +48,13 @@ def plans_for(
     search that does not trust the model. Where the front has no candidate left
     between them, the round walks from the one that fits towards a faster one
     instead, block by block (:func:`_between`): the compiled step, not the
-    model, then says where on that path the budget falls. A budget is done when
-    no candidate is left between them that the model says is faster by more
-    than the timing noise. The budgets' rounds compile together, and the plan
-    returned is the fastest of the compiled ones that fit, as timed.
+    model, then says where on that path the budget falls. After the first
+    round, a candidate that the model puts over the budget by more than it has
+    overstated any plan that it proposed and that compiled (and
+    :data:`OVERSTATED_MARGIN` more) is not compiled for it. A budget is done
+    when no candidate is left between them that the model says is faster by
+    more than the timing noise. The budgets' rounds compile together, and the
+    plan returned is the fastest of the compiled ones that fit, as timed.
     """
     plain_bytes = planner.compiled[planner.plain]
     targets = [int(b * plain_bytes) if isinstance(b, float) else int(b) for b in budgets]
@@ -62,10 +70,12 @@ def plans_for(
         return round(planner.ms(c), 3), planner.peak_bytes(model, c)
 
     candidates = sorted(front, key=by_model)
+    said: dict[Plan, int] = {}  # what the model said of each plan it proposed, before it compiled
     for round_ in range(1, max_rounds + 1):
+        trust = _Trust(model, _overstated(planner, said))
         probes = [
-            _probes(planner, candidates, t, model, per_round)
-            or _between(planner, candidates, t, model, per_round)
+            _probes(planner, candidates, t, trust, per_round)
+            or _between(planner, candidates, t, trust, per_round)
             for t in targets
         ]
         batch = list(dict.fromkeys(c for chosen in probes for c in chosen))
@@ -74,6 +84,7 @@ def plans_for(
         candidates = sorted(set(candidates) | set(batch), key=by_model)
         compiling = " and ".join(summary(c.strategies) for c in batch)
         planner.say(f"round {round_}: compiling {compiling}")
+        said.update({c: planner.peak_bytes(model, c) for c in batch})
         planner.compile(batch)
         model = planner.peak_model()  # through the plans just compiled too
     best = {t: _best_fit(planner, candidates, t) for t in targets}
@@ -102,6 +113,37 @@ def plans_for(
     ]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Trust:
+    """A round's model of compiled bytes, and how far to trust it: the most that it has
+    overstated a plan that it proposed, by whether the plan moves bytes."""
+
+    model: PeakModel
+    overstated: dict[bool, float]
+
+    def rules_out(self, planner, candidate: Plan, budget_bytes: int) -> bool:
+        """Whether ``candidate`` is over ``budget_bytes`` by more than the model can be wrong."""
+        bound = self.overstated.get(_moves(candidate))
+        if bound is None:
+            return False
+        limit = budget_bytes * (1 + bound) * (1 + OVERSTATED_MARGIN)
+        return planner.peak_bytes(self.model, candidate) > limit
+
+
+def _overstated(planner, said: dict[Plan, int]) -> dict[bool, float]:
+    """By whether a plan moves bytes, the most that what the model ``said`` of a plan it
+    proposed was over what that plan compiled to (0 where it said less of each)."""
+    bounds: dict[bool, float] = {}
+    for c, predicted in said.items():
+        error = max(0.0, predicted / planner.compiled[c] - 1)
+        bounds[_moves(c)] = max(bounds.get(_moves(c), 0.0), error)
+    return bounds
+
+
+def _moves(candidate: Plan) -> bool:
+    return any(s.to_host for s in candidate.strategies)
+
+
 def _fits(planner, candidates: Sequence[Plan], budget_bytes: int) -> tuple[int, int]:
     """``(over, fit)``: the slowest faster candidate known not to fit, and the fastest that does."""
     fits = [
@@ -112,8 +154,9 @@ def _fits(planner, candidates: Sequence[Plan], budget_bytes: int) -> tuple[int, 
     return (over[-1] if over else -1), fit
 
 
-def _probes(planner, candidates, budget_bytes: int, model: PeakModel, per_round: int) -> list[Plan]:
+def _probes(planner, candidates, budget_bytes: int, trust: _Trust, per_round: int) -> list[Plan]:
     """The candidates that a round compiles for one budget; none when it is done."""
+    model = trust.model
     over, fit = _fits(planner, candidates, budget_bytes)
     faster_than = (
         planner.ms(candidates[fit]) * (1 - MEASURED_NOISE) if fit < len(candidates) else math.inf
@@ -121,7 +164,9 @@ def _probes(planner, candidates, budget_bytes: int, model: PeakModel, per_round:
     todo = [
         n
         for n in range(over + 1, min(fit, len(candidates)))
-        if candidates[n] not in planner.compiled and planner.ms(candidates[n]) < faster_than
+        if candidates[n] not in planner.compiled
+        and planner.ms(candidates[n]) < faster_than
+        and not trust.rules_out(planner, candidates[n], budget_bytes)
     ]
     if not todo:
         return []
@@ -137,9 +182,7 @@ def _probes(planner, candidates, budget_bytes: int, model: PeakModel, per_round:
     return [candidates[n] for n in sorted(picks[:per_round])]
 
 
-def _between(
-    planner, candidates, budget_bytes: int, model: PeakModel, per_round: int
-) -> list[Plan]:
+def _between(planner, candidates, budget_bytes: int, trust: _Trust, per_round: int) -> list[Plan]:
     """Plans on the way from the fastest compiled one that fits to a faster one, for a
     round to compile where the front has none left between them: to the slowest
     faster one that does not fit, or, once the two are a block apart, to the fastest
@@ -149,21 +192,22 @@ def _between(
         return []
     towards = ([candidates[over]] if over >= 0 else []) + [candidates[0]]
     for fast in towards:
-        plans = _walk(planner, candidates[fit], fast, budget_bytes, model, per_round)
+        plans = _walk(planner, candidates[fit], fast, budget_bytes, trust, per_round)
         if plans:
             return plans
     return []
 
 
-def _walk(planner, slow: Plan, fast: Plan, budget_bytes: int, model: PeakModel, per_round: int):
+def _walk(planner, slow: Plan, fast: Plan, budget_bytes: int, trust: _Trust, per_round: int):
     """Uncompiled plans from ``slow`` (compiled, and fits) towards ``fast``.
 
     The blocks where the two differ switch one at a time from ``slow``'s strategy
     to ``fast``'s, most time saved per byte added first, as in a knapsack. The
     plans are the greedy knapsack's answer (each switch in turn that the model,
     anchored at ``slow``'s compiled bytes, says still fits) and the path's plans
-    evenly spaced, which do not trust the model.
+    evenly spaced, which do not trust the model beyond what it has overstated.
     """
+    model = trust.model
     if planner.ms(fast) >= planner.ms(slow) * (1 - MEASURED_NOISE):
         return []
     gains = []
@@ -191,6 +235,7 @@ def _walk(planner, slow: Plan, fast: Plan, budget_bytes: int, model: PeakModel, 
         if planner.peak_bytes(model, switched([*greedy, b])) <= room:
             greedy.append(b)
     spaced = [path[k * len(path) // (per_round + 1)] for k in range(1, per_round + 1)]
+    spaced = [c for c in spaced if not trust.rules_out(planner, c, budget_bytes)]
     plans = [switched(greedy)] if greedy else []
     plans += [c for c in spaced if c not in plans]
     return [c for c in plans if c not in planner.compiled][:per_round]
