@@ -21,21 +21,12 @@ import numpy as np
 
 from jaxoffload import Lean, Remat, Store
 from jaxoffload._src.planner.plan import Plan
-from jaxoffload._src.planner.search import Planner
 from jaxoffload._src.strategies import brief
 from jaxoffload.bench import benchmark
 
 model, batch, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 count, seed = int(os.environ.get("PLANS", 40)), int(os.environ.get("SEED", 0))
-w = benchmark.Workload(model=model, batch=batch, image_size=size, dtype="bfloat16", strategy="none")
-m = benchmark.linen_model(w, plannable=True)
-_, state, b, _ = benchmark.training(w, m, abstract=True)
-
-
-def step(model, state, batch):
-    return benchmark.training(w, model, abstract=None)[0](state, batch)
-
-
+w = benchmark.Workload(model, batch, size, "bfloat16", "none", block_costs="traced")
 start = time.perf_counter()
 
 
@@ -43,9 +34,7 @@ def say(line):
     print(f"[{time.perf_counter() - start:6.1f}] {line}", file=sys.stderr, flush=True)
 
 
-P = Planner(
-    m, step, (state, b), None, runs=3, say=say, donate_argnums=(0,), block_costs="traced"
-)  # fmt: skip
+P = benchmark.planner_of(w, say)
 n = len(P.paths)
 rng = np.random.default_rng(seed)
 hidden = [[o.strategy for o in options if o.strategy.max_bytes] for options in P.choices]

@@ -16,22 +16,14 @@ import time
 
 from jaxoffload import Lean, NoPlanFits
 from jaxoffload._src import timing
-from jaxoffload._src.planner import search
 from jaxoffload._src.planner.messages import summary
 from jaxoffload._src.planner.program import device_bytes, lower_step
 from jaxoffload._src.strategies import brief
 from jaxoffload.bench import benchmark
 
 model, batch, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-w = benchmark.Workload(model=model, batch=batch, image_size=size, dtype="bfloat16", strategy="none")
-m = benchmark.linen_model(w, plannable=True)
-_, state, b, _ = benchmark.training(w, m, abstract=True)
-
-
-def step(model, state, batch):
-    return benchmark.training(w, model, abstract=None)[0](state, batch)
-
-
+costs = os.environ.get("BLOCK_COSTS", "timed")
+w = benchmark.Workload(model, batch, size, "bfloat16", "none", block_costs=costs)
 start = time.perf_counter()
 
 
@@ -47,10 +39,7 @@ def emit(**kw):
     out.flush()
 
 
-P = search.Planner(
-    m, step, (state, b), None, runs=5, say=say, donate_argnums=(0,),
-    block_costs=os.environ.get("BLOCK_COSTS", "timed"),
-)  # fmt: skip
+P = benchmark.planner_of(w, say)
 for blk in P.blocks:
     for s, c in blk.costs.items():
         emit(

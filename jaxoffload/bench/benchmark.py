@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax
@@ -555,16 +555,10 @@ def _value_and_grad(loss_fn, micro_batch: int | None = None):
     return accumulated
 
 
-def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[str, Any]]:
-    """:func:`jaxoffload.plan` of the workload's plain-Flax model at each budget, in bytes.
-
-    Returns:
-      One ``{"planned": Plan.to_dict()}`` per budget, or ``{"no_plan": message}``
-      where no plan fits; each with ``planning_s``, the seconds that planning
-      every budget took (they are planned together), and ``planned_budgets``;
-      the first also with ``planner_points``, every plan compiled
-      (:meth:`~jaxoffload._src.planner.search.Planner.compiled_points`).
-    """
+def planner_of(workload: Workload, say: Callable[[str], None]) -> Planner:
+    """The :class:`~jaxoffload._src.planner.search.Planner` of the workload's plain-Flax
+    model and training step, as ``bench --budget`` plans it (abstract arguments, the
+    state donated, ``workload.block_costs``)."""
     dtype = jnp.dtype(workload.dtype)
     blocks = None
     if models.is_nnx(workload.model):
@@ -586,12 +580,7 @@ def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[
         def step(model, state, batch):
             return training(workload, model, abstract=None)[0](state, batch)
 
-    start = time.perf_counter()
-
-    def say(line: str) -> None:  # the seconds since planning began, to see where time goes
-        print(f"[plan] {time.perf_counter() - start:6.1f} s  {line}", file=sys.stderr, flush=True)
-
-    shared = Planner(
+    return Planner(
         model,
         step,
         (state, batch),
@@ -602,6 +591,24 @@ def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[
         donate_argnums=(0,),
         block_costs=workload.block_costs,
     )
+
+
+def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[str, Any]]:
+    """:func:`jaxoffload.plan` of the workload's plain-Flax model at each budget, in bytes.
+
+    Returns:
+      One ``{"planned": Plan.to_dict()}`` per budget, or ``{"no_plan": message}``
+      where no plan fits; each with ``planning_s``, the seconds that planning
+      every budget took (they are planned together), and ``planned_budgets``;
+      the first also with ``planner_points``, every plan compiled
+      (:meth:`~jaxoffload._src.planner.search.Planner.compiled_points`).
+    """
+    start = time.perf_counter()
+
+    def say(line: str) -> None:  # the seconds since planning began, to see where time goes
+        print(f"[plan] {time.perf_counter() - start:6.1f} s  {line}", file=sys.stderr, flush=True)
+
+    shared = planner_of(workload, say)
     results = []
     found = shared.plans_for([int(b) for b in budgets_bytes], max_rounds=3)
     # The budgets are planned together: each one's planning time is theirs together.
