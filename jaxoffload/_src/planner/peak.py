@@ -112,8 +112,11 @@ def live_bytes(blocks: Sequence[BlockCosts], choice: Sequence[Strategy]) -> list
 
 def estimate_peak_bytes(blocks: Sequence[BlockCosts], choice: Sequence[Strategy]) -> int:
     """The most device bytes that the blocks' residuals and work hold at once, over the step,
-    every byte as traced (:func:`live_bytes`, unweighed)."""
-    return max((sum(point.values()) for point in live_bytes(blocks, choice)), default=0)
+    every byte as traced (:func:`live_bytes`, unweighed, without what a moving plan's
+    recomputing blocks may keep, which only compiled steps tell)."""
+    points = live_bytes(blocks, choice)
+    traced = (sum(n for k, n in p.items() if k != RECOMPUTED_KEPT) for p in points)
+    return max(traced, default=0)
 
 
 def kept_bytes(cost: BlockCost, strategy: Strategy, weights: Mapping[str, float]) -> float:
