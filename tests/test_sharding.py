@@ -244,3 +244,31 @@ def test_two_processes_give_the_one_process_gradients(monkeypatch):
     assert all(float(e) <= 1e-6 for e in errors.values()), out
     stats = [float(e) for e in re.findall(r"batch_stats_rel_err=(\S+)", out)]
     assert len(stats) == 1 and max(stats) <= 1e-6, out
+
+
+def test_the_zeros_of_each_timed_run_are_made_as_their_structs_say():
+    """Each timed run's arguments are made by one compiled program: the same zeros, with the
+    same shardings (and distinct PRNG keys), as one op per leaf would make."""
+    from jaxoffload._src import timing
+
+    mesh = _mesh(AxisType.Explicit)
+    batch = NamedSharding(mesh, P("batch"))
+    structs = {
+        "x": jax.ShapeDtypeStruct((8, 3), jnp.bfloat16, sharding=batch),
+        "w": jax.ShapeDtypeStruct((3,), jnp.float32, sharding=NamedSharding(mesh, P())),
+    }
+    plain = {
+        "k": jax.ShapeDtypeStruct((4,), jax.random.key(0).dtype),
+        "n": jax.ShapeDtypeStruct((), jnp.int32),
+    }
+    for tree in (structs, plain):
+        made = timing._fresh_zeros(tree)
+        each = jax.tree.map(timing.zeros, tree)
+        for name in tree:
+            assert made[name].shape == each[name].shape and made[name].dtype == each[name].dtype
+            if name in structs:
+                assert made[name].sharding == tree[name].sharding
+                assert not jnp.any(made[name])
+    keys = jax.random.key_data(made["k"])
+    assert len({tuple(k.tolist()) for k in keys}) == 4  # distinct keys
+    assert timing._fresh_zeros(structs)["x"].sharding == batch  # made again from the cache

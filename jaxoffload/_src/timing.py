@@ -7,6 +7,7 @@ same way: after a run to warm up, with ``jax.block_until_ready``.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import math
 import os
 import statistics
@@ -114,7 +115,7 @@ def _in_turns(run: Callable[[int], float], count: int, rounds: int) -> list[tupl
 
 
 def _one_step(executable, structs) -> float:
-    args = jax.block_until_ready(jax.tree.map(zeros, structs))
+    args = jax.block_until_ready(_fresh_zeros(structs))
     start = time.perf_counter()
     jax.block_until_ready(executable(*args))
     return time.perf_counter() - start
@@ -124,6 +125,29 @@ def _quartile_and_spread(runs: Sequence[float]) -> tuple[float, float]:
     """A program's time, the lower quartile of its runs in ms, and the gap between the quartiles over it."""
     low, high = np.percentile(runs, [25, 75])
     return float(low) * 1e3, float((high - low) / low)
+
+
+def _fresh_zeros(structs):
+    """Zeros of every leaf of ``structs``, made by one compiled program where it can be: a
+    ResNet-50 training state has 430 leaves, and an op per leaf cost 0.2 s a step on a CPU.
+    Leaves with a sharding and leaves without, together, are made one op a leaf."""
+    leaves, tree = jax.tree.flatten(structs)
+    shardings = tuple(getattr(x, "sharding", None) for x in leaves)
+    placed = {isinstance(s, jax.sharding.Sharding) for s in shardings}
+    if len(placed) > 1:
+        return jax.tree.map(zeros, structs)
+    key = (tree, tuple((x.shape, x.dtype) for x in leaves), shardings if True in placed else None)
+    try:
+        return _zeros_program(*key)()
+    except TypeError:  # a leaf that cannot key a cache
+        return jax.tree.map(zeros, structs)
+
+
+@functools.lru_cache(maxsize=16)
+def _zeros_program(tree, shapes, shardings):
+    structs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+    out = None if shardings is None else jax.tree.unflatten(tree, shardings)
+    return jax.jit(lambda: jax.tree.unflatten(tree, [zeros(s) for s in structs]), out_shardings=out)
 
 
 def zeros(struct) -> jax.Array:
