@@ -157,8 +157,9 @@ def fit_peak(
     Least squares with each plan's peak at the point that the weights put it:
     found, solved for, found again, until it stays. First through the plans
     that move nothing, then, with what those fixed, the weights of what only
-    moving plans hold (what stays on the device under ``Offload``, and what is
-    in flight): XLA's host offloads compile less like their trace than the rest,
+    moving plans hold (what stays on the device under ``Offload``, what is in
+    flight, what recomputing blocks keep): XLA's host offloads compile less like
+    their trace than the rest,
     and would pull the weights that every other plan shares. ``scale`` (the
     plain step's bytes, say) sets the units in which the pulls count. With a
     ``prior`` (a model fitted at another size), the model takes its weights
@@ -171,12 +172,16 @@ def fit_peak(
         without_rest = PeakModel(0.0, prior.weights, stored_outside, scale)
         rest = np.mean([got - without_rest(live, stores) for live, stores, _, got in points])
         return dataclasses.replace(without_rest, rest=float(rest))
-    staying = [p for p in points if not p[2]]
-    held = {name for live, *_ in staying for point in live for name, n in point.items() if n}
-    model = _fit(staying, scale, sorted(held), PeakModel(0.0, {}, 0.0, scale), with_rest=True)
-    moving = {name for live, *_ in points for point in live for name, n in point.items() if n}
-    if len(staying) < len(points) and moving - held:
-        model = _fit(points, scale, sorted(moving - held), model, with_rest=False)
+    staying = [p for p in points if not p[2]] or list(points)
+
+    def seen(plans) -> set[str]:
+        return {name for live, *_ in plans for point in live for name, n in point.items() if n}
+
+    model = PeakModel(0.0, {}, 0.0, scale)
+    model = _fit(staying, scale, sorted(seen(staying)), model, with_rest=True)
+    only_moving = seen(points) - seen(staying)
+    if only_moving:
+        model = _fit(points, scale, sorted(only_moving), model, with_rest=False)
     return model
 
 
