@@ -138,9 +138,10 @@ def _fresh_zeros(structs):
         return jax.tree.map(zeros, structs)
     key = (tree, tuple((x.shape, x.dtype) for x in leaves), shardings if True in placed else None)
     try:
-        return _zeros_program(*key)()
+        hash(key)
     except TypeError:  # a leaf that cannot key a cache
         return jax.tree.map(zeros, structs)
+    return _zeros_program(*key)()
 
 
 @functools.lru_cache(maxsize=16)
