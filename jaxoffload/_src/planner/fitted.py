@@ -40,7 +40,7 @@ def weighed(choices: Sequence[Sequence[Option]], blocks, model: PeakModel) -> li
     return [
         [
             dataclasses.replace(
-                o, kept_bytes=int(kept_bytes(b.cost(o.strategy), o.strategy, model.weights))
+                o, kept_bytes=int(kept_bytes(b.cost(o.strategy), o.strategy, model))
             )
             for o in options
         ]

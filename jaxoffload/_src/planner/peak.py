@@ -119,10 +119,10 @@ def estimate_peak_bytes(blocks: Sequence[BlockCosts], choice: Sequence[Strategy]
     return max(traced, default=0)
 
 
-def kept_bytes(cost: BlockCost, strategy: Strategy, weights: Mapping[str, float]) -> float:
-    """What a block keeps between the passes under ``strategy``, as ``weights`` weigh it."""
-    weight = lambda name: weights.get(name, PRIOR_WEIGHT)  # noqa: E731
-    return cost.device_bytes * weight(category(strategy)) + cost.input_bytes * weight(KEPT_EDGES)
+def kept_bytes(cost: BlockCost, strategy: Strategy, model: PeakModel) -> float:
+    """What a block keeps between the passes under ``strategy``, as ``model`` weighs it."""
+    kept = cost.device_bytes * model.weight(category(strategy))
+    return kept + cost.input_bytes * model.weight(KEPT_EDGES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,9 +142,16 @@ class PeakModel:
     scale: float = 1.0
 
     def __call__(self, live: Sequence[Mapping[str, int]], outside_stores: bool = False) -> int:
-        weight = lambda name: self.weights.get(name, PRIOR_WEIGHT)  # noqa: E731
-        peak = max((sum(weight(k) * n for k, n in p.items()) for p in live), default=0.0)
+        peak = max((self.weighed(point) for point in live), default=0.0)
         return int(self.rest + peak + self.stored_outside * outside_stores)
+
+    def weight(self, name: str) -> float:
+        """A category's weight: as fitted, or :data:`PRIOR_WEIGHT` where none was."""
+        return self.weights.get(name, PRIOR_WEIGHT)
+
+    def weighed(self, point: Mapping[str, int], leave_out: Sequence[str] = ()) -> float:
+        """The bytes alive at one point, each category by its weight (but ``leave_out``)."""
+        return sum(self.weight(k) * n for k, n in point.items() if k not in leave_out)
 
 
 def fit_peak(
@@ -198,11 +205,10 @@ def _fit(points, scale: float, free: Sequence[str], start: PeakModel, *, with_re
     pulls += [(first + j, PRIOR_WEIGHT) for j in range(len(free))]
     model, best = start, start
     for _ in range(FIT_ROUNDS):
-        weight = lambda name, model=model: model.weights.get(name, PRIOR_WEIGHT)  # noqa: E731
         rows, ys = [], []
         for live, stores, _, got in points:
-            at = max(live, key=lambda p: sum(weight(k) * n for k, n in p.items()))
-            held = sum(weight(k) * n for k, n in at.items() if k not in free)
+            at = max(live, key=model.weighed)
+            held = model.weighed(at, leave_out=free)
             if not with_rest:
                 held += model.rest + model.stored_outside * stores
             rows.append([1.0, float(stores)] * with_rest + [at.get(k, 0) / scale for k in free])

@@ -409,7 +409,7 @@ class Planner:
 
     def block_bytes(self, model: PeakModel, block: int, strategy: Strategy) -> int:
         """What block ``block`` keeps under ``strategy``, as ``model`` weighs it."""
-        return int(kept_bytes(self.blocks[block].cost(strategy), strategy, model.weights))
+        return int(kept_bytes(self.blocks[block].cost(strategy), strategy, model))
 
     def peak_bytes(self, model: PeakModel, candidate: Plan) -> int:
         """The candidate's compiled bytes, as ``model`` predicts them."""
