@@ -164,6 +164,7 @@ class VjpTrace:
       outputs: its first outputs: ``fun``'s.
       residuals: the rest.
       used: per residual, whether the backward pass really reads it.
+      backward: the backward pass, from the residuals and the cotangents.
       vjp_tree: the pytree structure of the vjp function.
       out_tree: the pytree structure of ``fun``'s outputs.
     """
@@ -173,6 +174,7 @@ class VjpTrace:
     outputs: list[Any]
     residuals: list[Any]
     used: list[bool]
+    backward: Any
     vjp_tree: Any
     out_tree: Any
 
@@ -212,7 +214,9 @@ def trace_vjp(fun: Callable[..., Any], *args: Any) -> VjpTrace:
     backward = jax.make_jaxpr(lambda r, c: jax.tree.unflatten(vjp_tree, r)(c))(structs, cotangents)
     live = live_vars(backward.jaxpr)
     used = [v in live for v in backward.jaxpr.invars[: len(residuals)]]
-    return VjpTrace(jaxpr, closed.consts, outputs, residuals, used, vjp_tree, trees["out"])
+    return VjpTrace(
+        jaxpr, closed.consts, outputs, residuals, used, backward, vjp_tree, trees["out"]
+    )
 
 
 def _is_inexact(aval) -> bool:

@@ -20,7 +20,7 @@ from jaxoffload._src.jaxprs import eqn_flops, nbytes, struct_of
 from jaxoffload._src.planner.front import Option
 from jaxoffload._src.residuals import trace_vjp
 from jaxoffload._src.strategies import Store, Strategy
-from jaxoffload._src.timing import compile_all, forward_and_backward, timed_together, vjp_programs
+from jaxoffload._src.timing import compile_all, timed_together, vjp_programs
 from jaxoffload._src.transfers import without_host_placement
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "estimate_step_ms",
     "rescaled",
     "step_flops",
+    "trace_blocks",
     "traced_blocks",
 ]
 
@@ -130,17 +131,44 @@ def _exposed_ms(moved: int, link: tuple[float, float], later: Sequence[BlockCost
     )
 
 
-def _residual_bytes(fun, structs, device_inputs) -> tuple[int, int, int, int, tuple[int, ...]]:
-    """``(device, input, output, host, host_sizes)``: the residual bytes that ``jax.vjp(fun)`` keeps.
+@dataclasses.dataclass(frozen=True)
+class _Traced:
+    """What ``jax.vjp`` of one block program under one strategy keeps and computes, traced.
 
-    ``host_sizes`` are the sizes of the residuals in host memory, largest first.
+    ``device``: residuals on the device other than its input and outputs;
+    ``kept_input``, ``kept_output``: its input and outputs, where kept;
+    ``host``: residuals in host memory, of ``host_sizes``, largest first;
+    ``flops``: its matrix products' and convolutions' FLOPs, forward and backward.
     """
-    traced = trace_vjp(fun, *structs)
+
+    device: int
+    kept_input: int
+    kept_output: int
+    host: int
+    host_sizes: tuple[int, ...]
+    flops: int
+
+
+def trace_blocks(calls, options) -> dict[tuple, dict[Strategy, _Traced]]:
+    """Per distinct block program, what it keeps and computes under each option: traced once,
+    nothing compiled. Windows and byte caps change when and how much moves, not what a block
+    keeps or computes, so each option is traced as its strategy with window 1 and no cap."""
+    costed = list(dict.fromkeys([Store(), *(s.costed() for s in options)]))
+    return {
+        program: {s: _trace(call, s) for s in costed} for program, call in _distinct(calls).items()
+    }
+
+
+def _trace(call, strategy: Strategy) -> _Traced:
+    fun = transform.wrap(
+        jex_core.jaxpr_as_fun(call.forward), strategy, device_argnums=call.device_inputs
+    )
+    traced = trace_vjp(fun, *[struct_of(v.aval, rebind=True) for v in call.forward.jaxpr.invars])
     inputs = {v: k for k, v in enumerate(traced.jaxpr.invars)}
     device = kept_input = kept_output = host = 0
     sizes = []
     for v in dict.fromkeys(traced.needed):
-        if inputs.get(v, -1) in device_inputs:
+        if inputs.get(v, -1) in call.device_inputs:
             continue
         size = nbytes(v.aval, per_device=True)
         if getattr(v.aval, "memory_space", None) == jax.memory.Space.Host:
@@ -152,29 +180,27 @@ def _residual_bytes(fun, structs, device_inputs) -> tuple[int, int, int, int, tu
             kept_output += size
         else:
             device += size
-    return device, kept_input, kept_output, host, tuple(sorted(sizes, reverse=True))
+    flops = step_flops(traced.jaxpr) + step_flops(traced.backward.jaxpr)
+    return _Traced(device, kept_input, kept_output, host, tuple(sorted(sizes, reverse=True)), flops)
 
 
-def cost_blocks(paths, calls, options, *, runs, say) -> list[BlockCosts]:
-    """Each block's cost under each option: traced once and timed once per distinct program.
-
-    Windows and byte caps change when and how much moves, not what a block
-    keeps or computes, so each option is costed as its strategy with window 1
-    and no cap; an offload's compute is timed as its twin's on the device
-    (``Strategy.timed_as``). The programs are compiled one after another
-    (:func:`compile_all`).
+def cost_blocks(paths, calls, traces, *, runs, say) -> list[BlockCosts]:
+    """Each block's cost under each strategy of ``traces`` (:func:`trace_blocks`), timed once
+    per distinct program; an offload's compute is timed as its twin's on the device
+    (``Strategy.timed_as``). The programs are compiled one after another (:func:`compile_all`).
     """
-    costed = list(dict.fromkeys([Store(), *(s.costed() for s in options)]))
-    timed = list(dict.fromkeys(s.timed_as() for s in costed))
     distinct = _distinct(calls)
+    costed = list(traces[next(iter(distinct))])
+    timed = list(dict.fromkeys(s.timed_as() for s in costed))
     say(f"timing block programs: {len(distinct)} distinct, each under {len(timed)} strategies")
     times = _time_programs(list(distinct.values()), timed, runs)
     times = [{s: t[s.timed_as()] for s in costed} for t in times]
-    return _costs_of(paths, calls, dict(zip(distinct, times)))
+    return _costs_of(paths, calls, traces, dict(zip(distinct, times)))
 
 
-def traced_blocks(paths, calls, options, *, ms_per_flop: float, say) -> list[BlockCosts]:
-    """Each block's cost under each option, its times from its traced FLOPs: nothing is compiled.
+def traced_blocks(paths, calls, traces, *, ms_per_flop: float) -> list[BlockCosts]:
+    """Each block's cost under each strategy of ``traces`` (:func:`trace_blocks`), its times
+    from its FLOPs: nothing is compiled.
 
     A block's forward pass takes ``ms_per_flop`` per FLOP of its matrix
     products and convolutions (the plain step's measured ms over its FLOPs,
@@ -183,28 +209,14 @@ def traced_blocks(paths, calls, options, *, ms_per_flop: float, say) -> list[Blo
     FLOPs miss (a lean cut's elementwise work, memory-bound kernels) is for
     the fit to whole steps to add (:func:`~jaxoffload._src.planner.fitted.calibrated`).
     """
-    costed = list(dict.fromkeys([Store(), *(s.costed() for s in options)]))
-    distinct = _distinct(calls)
-    say(
-        f"costing block programs by their FLOPs: {len(distinct)} distinct, {len(costed)} strategies"
-    )
     times = {}
-    with without_host_placement():
-        for program, call in distinct.items():
-            fun = jex_core.jaxpr_as_fun(call.forward)
-            structs = [struct_of(v.aval, rebind=True) for v in call.forward.jaxpr.invars]
-            forward = step_flops(call.forward.jaxpr)
-            times[program] = {}
-            for s in costed:
-                wrapped = transform.wrap(fun, s.timed_as(), device_argnums=call.device_inputs)
-                both, cotangents = forward_and_backward(wrapped, structs)
-                total = step_flops(jax.make_jaxpr(both)(list(structs), cotangents).jaxpr)
-                times[program][s] = (
-                    forward * ms_per_flop,
-                    max(0, total - forward) * ms_per_flop,
-                    0.0,
-                )
-    return _costs_of(paths, calls, times)
+    for program, call in _distinct(calls).items():
+        forward = step_flops(call.forward.jaxpr)
+        times[program] = {
+            s: (forward * ms_per_flop, max(0, t.flops - forward) * ms_per_flop, 0.0)
+            for s, t in traces[program].items()
+        }
+    return _costs_of(paths, calls, traces, times)
 
 
 def step_flops(jaxpr) -> int:
@@ -227,7 +239,8 @@ def rescaled(measured: Sequence[BlockCosts], calls) -> list[BlockCosts]:
             s: (c.forward_ms * scale, c.backward_ms * scale, c.spread)
             for s, c in block.costs.items()
         }
-    return _costs_of([b.path for b in measured], calls, times)
+    traces = trace_blocks(calls, list(measured[0].costs))
+    return _costs_of([b.path for b in measured], calls, traces, times)
 
 
 def _program(call) -> tuple:
@@ -248,11 +261,10 @@ def _size(call) -> float:
     return float(flops or sum(nbytes(v.aval) for v in call.forward.jaxpr.invars))
 
 
-def _costs_of(paths, calls, times) -> list[BlockCosts]:
-    """Each block with its traced bytes, and ``times[program][strategy]``: ``(forward, backward, spread)``."""
-    traced = {
-        program: _traced_costs(call, times[program]) for program, call in _distinct(calls).items()
-    }
+def _costs_of(paths, calls, traces, times) -> list[BlockCosts]:
+    """Each block with its traced bytes (``traces``, by program and strategy) and
+    ``times[program][strategy]``: ``(forward, backward, spread)``."""
+    costs = {program: _block_costs(traces[program], times[program]) for program in _distinct(calls)}
     blocks = []
     for path, call in zip(paths, calls):
         invars, outvars = call.forward.jaxpr.invars, call.forward.jaxpr.outvars
@@ -262,34 +274,27 @@ def _costs_of(paths, calls, times) -> list[BlockCosts]:
             if k not in call.device_inputs
         )
         output_bytes = sum(nbytes(v.aval, per_device=True) for v in outvars)
-        costs = traced[_program(call)]
-        blocks.append(BlockCosts(path, input_bytes, output_bytes, costs, _size(call)))
+        blocks.append(
+            BlockCosts(path, input_bytes, output_bytes, costs[_program(call)], _size(call))
+        )
     return blocks
 
 
-def _traced_costs(call, times) -> dict[Strategy, BlockCost]:
-    """One block's cost under each strategy of ``times``: its residuals traced, its times given."""
-    fun = jex_core.jaxpr_as_fun(call.forward)
-    structs = [struct_of(v.aval, rebind=True) for v in call.forward.jaxpr.invars]
-    traced = {
-        s: _residual_bytes(
-            transform.wrap(fun, s, device_argnums=call.device_inputs), structs, call.device_inputs
-        )
-        for s in times
-    }
-    store_device = traced[Store()][0]
+def _block_costs(traced: dict[Strategy, _Traced], times) -> dict[Strategy, BlockCost]:
+    """One block program's cost under each strategy of ``times``: its bytes traced, its times given."""
+    store_device = traced[Store()].device
     return {
         s: BlockCost(
-            device,
-            kept_input,
-            kept_output,
-            host,
-            max(0, store_device - device) if s.recomputes else 0,
+            t.device,
+            t.kept_input,
+            t.kept_output,
+            t.host,
+            max(0, store_device - t.device) if s.recomputes else 0,
             *times[s][:2],
-            sizes,
+            t.host_sizes,
             times[s][2],
         )  # fmt: skip
-        for s, (device, kept_input, kept_output, host, sizes) in traced.items()
+        for s, t in ((s, traced[s]) for s in times)
     }
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "explicit_mesh",
     "lower_step",
     "program",
+    "trace_step",
 ]
 
 
@@ -71,10 +72,15 @@ def program(model, step, args, plan: Plan | None, donate_argnums=()):
     return functools.partial(step, under), args, donate_argnums
 
 
-def lower_step(model, step, args, plan: Plan | None, donate_argnums):
-    """``step`` under ``plan`` (``None``: the model as given), traced and lowered: ready to compile."""
+def trace_step(model, step, args, plan: Plan | None, donate_argnums):
+    """``step`` under ``plan`` (``None``: the model as given), traced: its jaxpr, and ready to lower."""
     fun, arrays, donate = program(model, step, args, plan, donate_argnums)
-    return jax.jit(fun, donate_argnums=donate).trace(*arrays).lower()
+    return jax.jit(fun, donate_argnums=donate).trace(*arrays)
+
+
+def lower_step(model, step, args, plan: Plan | None, donate_argnums):
+    """``step`` under ``plan``, traced and lowered: ready to compile."""
+    return trace_step(model, step, args, plan, donate_argnums).lower()
 
 
 def compile_step(model, step, args, plan: Plan | None, donate_argnums):

@@ -29,6 +29,7 @@ from jaxoffload._src.planner.costs import (
     cost_blocks,
     rescaled,
     step_flops,
+    trace_blocks,
     traced_blocks,
 )
 from jaxoffload._src.planner.fitted import (
@@ -52,8 +53,8 @@ from jaxoffload._src.planner.program import (
     check_discovered,
     device_bytes,
     discover,
-    lower_step,
     program,
+    trace_step,
 )
 from jaxoffload._src.strategies import Lean, Offload, Remat, Store, Strategy, brief, check_strategy
 
@@ -137,7 +138,7 @@ class Planner:
         self.measured_ms: dict[Plan, float] = {}
         self._live: dict[tuple[Strategy, ...], list[dict[str, int]]] = {}
         self.plain = Plan(tuple((p, Store()) for p in self.paths))
-        plain_fun, self.arrays, _ = program(model, step, args, self.plain)
+        self.arrays = program(model, step, args, self.plain)[1]
         if measured is not None:
             self.link = measured.link
             self.blocks = rescaled(measured.blocks, calls)
@@ -149,21 +150,23 @@ class Planner:
                 say(f"host link: {self.link[0]:.1f} GB/s out, {self.link[1]:.1f} GB/s back")
             # The plain step first and alone: it autotunes the kernels that the blocks'
             # programs and the other steps share, which then compile the faster. XLA
-            # compiles outside Python's lock, so the uniform checks are traced meanwhile.
-            say("compiling the plain step, and tracing the uniform plans meanwhile")
-            self._lower([self.plain])  # traced here: only one thread traces at a time
+            # compiles outside Python's lock, so the blocks and the uniform checks are
+            # traced meanwhile.
+            say("compiling the plain step, and tracing the blocks and the uniform plans meanwhile")
+            traced = self._traced_step(self.plain)  # only one thread traces at a time
+            self.lowered[self.plain] = traced.lower()
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 compiling = pool.submit(self.compile, [self.plain])
+                traces = trace_blocks(calls, options)
                 checks = [*self._uniform_checks(), self._stored_check()]
                 self._lower([c for c in checks if c != self.plain])
                 compiling.result()
-            per_flop = self._ms_per_flop(plain_fun) if block_costs == "traced" else None
+            per_flop = self._ms_per_flop(traced.jaxpr) if block_costs == "traced" else None
             if per_flop is None:
-                self.blocks = cost_blocks(self.paths, calls, options, runs=runs, say=say)
+                self.blocks = cost_blocks(self.paths, calls, traces, runs=runs, say=say)
             else:
-                self.blocks = traced_blocks(
-                    self.paths, calls, options, ms_per_flop=per_flop, say=say
-                )
+                say(f"costing {len(traces)} distinct block programs by their FLOPs")
+                self.blocks = traced_blocks(self.paths, calls, traces, ms_per_flop=per_flop)
         self.hidden_ms_per_byte = 0.0 if measured is None else measured.hidden_ms_per_byte
         self.apart = frozenset() if measured is None else measured.apart
         # At another size, the byte weights that the measured planner fitted.
@@ -200,10 +203,10 @@ class Planner:
         if uniform and math.isfinite(plain_ms):
             self._calibrate(uniform, hidden)
 
-    def _ms_per_flop(self, plain_fun) -> float | None:
+    def _ms_per_flop(self, plain_jaxpr) -> float | None:
         """The plain step's measured ms over the FLOPs of its matrix products and
         convolutions, counted as the blocks' are; ``None`` if either is unknown."""
-        flops = step_flops(jax.make_jaxpr(plain_fun)(*self.arrays).jaxpr)
+        flops = step_flops(plain_jaxpr.jaxpr)
         ms = self.step_ms(self.plain)
         if flops <= 0 or not math.isfinite(ms):
             self.say("the plain step's FLOPs or time are unknown here: timing block programs")
@@ -324,7 +327,10 @@ class Planner:
                 self.lowered[c] = self._lowered_step(c)
 
     def _lowered_step(self, candidate: Plan):
-        return lower_step(self.model, self.step, self.args, candidate, self.donate_argnums)
+        return self._traced_step(candidate).lower()
+
+    def _traced_step(self, candidate: Plan):
+        return trace_step(self.model, self.step, self.args, candidate, self.donate_argnums)
 
     def compile(self, candidates: Sequence[Plan]) -> None:
         todo = [c for c in dict.fromkeys(candidates) if c not in self.compiled]
