@@ -355,10 +355,12 @@ def test_hidden_offloads_move_only_what_the_next_blocks_compute_hides():
     # The last block has no block after it to hide behind.
     assert not [o for o in choices[-1] if o.strategy.max_bytes is not None]
 
-    # The plan that checks the overlap: each block's first hidden offload, the last block's
-    # leanest option. Where its step ran over the model, each byte they move costs that.
+    # The plan that checks the overlap: each block's first hidden offload, and the last
+    # block the hidden offloads' twin on the device, which moves nothing. Where its step ran
+    # over the model, each byte they move costs that.
     check = hidden_choice(choices)
     assert [s.max_bytes is not None for s in check] == [True, True, True, False]
+    assert check[-1] == Lean()
     moved = sum(b.cost(s).host_bytes for b, s in zip(sized, check) if s.max_bytes)
     assert hidden_ms_per_byte(sized, check, 6.0) == pytest.approx(6.0 / moved)
     assert hidden_ms_per_byte(sized, check, -1.0) == 0.0  # faster than modelled: no credit

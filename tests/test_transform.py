@@ -527,6 +527,12 @@ def test_a_cap_that_moves_nothing_says_so_and_why():
     assert [r.nbytes for r in moved if r.placement == "pinned_host"] == [128]
 
 
+def _cached(kind: str) -> int:
+    from jaxoffload._src import residuals
+
+    return sum(key[0] == kind for key in residuals._SELECTIONS)
+
+
 def test_a_call_is_selected_once_per_program_and_strategy_and_constants_count():
     from jaxoffload._src import residuals
 
@@ -539,9 +545,11 @@ def test_a_call_is_selected_once_per_program_and_strategy_and_constants_count():
         return lean(params, y)[0].sum()
 
     jax.grad(two_calls)(params, x)
-    assert len(residuals._SELECTIONS) == 1
+    assert _cached("selection") == 1
     jax.grad(lambda p, x: wrap(f, Lean(max_recompute=0.0))(p, x)[0].sum())(params, x)
-    assert len(residuals._SELECTIONS) == 2  # another strategy: another selection
+    assert _cached("selection") == 2  # another strategy: another selection
+    assert _cached("kept") == 2  # and another cut,
+    assert _cached("differentiated") == 1  # of one trace: both cut with lean rules
 
     # Programs that differ only in a constant's value are not one program.
     def scaled(c):
@@ -551,3 +559,36 @@ def test_a_call_is_selected_once_per_program_and_strategy_and_constants_count():
     for c in (np.full(5, 2.0, np.float32), np.full(5, 3.0, np.float32)):
         got = jax.grad(lambda x, c=c: scaled(c)(x).sum())(x)
         np.testing.assert_allclose(got, np.cos(x) * c, rtol=1e-6)
+
+
+def test_calls_of_one_program_in_other_structures_share_a_selection_with_their_own_gradients():
+    from jaxoffload._src import residuals
+
+    residuals._SELECTIONS.clear()
+    # One flat program; the inputs' structure differs, as a linen block's RNG path does.
+    lean = wrap(lambda d, b: jnp.sin(jnp.tanh(next(iter(d.values()))) * b), Lean())
+    plain = lambda d, b: jnp.sin(jnp.tanh(next(iter(d.values()))) * b)  # noqa: E731
+
+    def loss(f, x, y):
+        return (f({"u": x}, y) + f({"w": y}, x) ** 2).sum()
+
+    x, y = normal(0, (4, 5)), normal(1, (4, 5))
+    got = jax.grad(lambda x, y: loss(lean, x, y), argnums=(0, 1))(x, y)
+    want = jax.grad(lambda x, y: loss(plain, x, y), argnums=(0, 1))(x, y)
+    assert _cached("selection") == 1
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+def test_windows_and_caps_of_an_offload_share_its_trace_and_cut():
+    from jaxoffload._src import residuals
+
+    residuals._SELECTIONS.clear()
+    f, params, x = _layer("residual_block")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jaxoffload.OffloadWarning)  # a CPU moves nothing
+        for strategy in (Lean(), Offload(), Offload(window=2), Offload(max_bytes=10**9)):
+            jax.grad(lambda p, x, s=strategy: wrap(f, s)(p, x)[0].sum())(params, x)
+    assert _cached("selection") == 4
+    assert _cached("kept") == 2  # Lean's cut, and the cut of Offload() that the others share
+    assert _cached("differentiated") == 1

@@ -38,6 +38,7 @@ __all__ = [
     "Selection",
     "VjpTrace",
     "describe",
+    "restructured",
     "select",
     "select_once",
     "trace_vjp",
@@ -263,55 +264,102 @@ def select(
     ``device_leaves`` are the positions, among the flat inputs, of leaves that
     live on the device anyway (parameters), each with why, in words.
     """
+    differentiated = _differentiate(call, dynamic, kwargs, strategy)
+    kept = _kept(differentiated, strategy, device_leaves)
+    return _selection(differentiated, strategy, device_leaves, kept)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Differentiated:
+    """The function that a strategy differentiates, its ``vjp`` traced, and where lean rules
+    replaced jax's: the same for every strategy that cuts, and for a strategy's windows and caps."""
+
+    fun: Callable[..., Any]
+    traced: VjpTrace
+    notes: tuple[rewrite.Rewrite, ...]
+
+
+def _differentiate(call, dynamic, kwargs, strategy: Strategy) -> _Differentiated:
     notes: list[rewrite.Rewrite] = []
     if strategy.cuts:
         fun = rewrite.with_lean_rules(call, notes)
     else:
         fun = strategy.checkpointed(call) or call
     traced = trace_vjp(fun, dynamic, kwargs)
+    return _Differentiated(fun, traced, tuple(notes))
+
+
+def _kept(differentiated: _Differentiated, strategy: Strategy, device_leaves):
+    """``(saved, recomputed, recompute_flops, cut)``: what ``strategy`` keeps, and recomputes
+    in the backward pass; the same for its windows and caps, which move less, not keep less."""
+    traced = differentiated.traced
+    jaxpr = traced.jaxpr
+    params = {jaxpr.invars[i] for i in device_leaves} | set(jaxpr.constvars)
+    if not strategy.cuts:
+        return list(dict.fromkeys(traced.needed)), (), 0, None
+    chosen = _cheapest(jaxpr, traced.needed, traced.outputs, params, strategy)
+    return list(chosen.saved), chosen.recomputed, chosen.recompute_flops, chosen
+
+
+def _selection(differentiated: _Differentiated, strategy, device_leaves, kept) -> Selection:
+    """The selection that keeps ``kept`` (:func:`_kept`), each saved value where ``strategy`` puts it."""
+    traced, (saved, recomputed, flops, chosen) = differentiated.traced, kept
     jaxpr, consts = traced.jaxpr, traced.consts
-    needed = traced.needed
     on_device = {jaxpr.invars[i]: why for i, why in device_leaves.items()}
-    params = set(on_device) | set(jaxpr.constvars)
-    if strategy.cuts:
-        chosen = _cheapest(jaxpr, needed, traced.outputs, params, strategy)
-        saved, recomputed, flops = list(chosen.saved), chosen.recomputed, chosen.recompute_flops
-    else:
-        saved, recomputed, flops, chosen = list(dict.fromkeys(needed)), (), 0, None
     residuals, to_host = _describe_saved(saved, jaxpr, traced.outputs, on_device, strategy, chosen)
     forward = sub_function(jaxpr, consts, list(jaxpr.invars), [*traced.outputs, *saved])
     backward_eqns = [jaxpr.eqns[i] for i in recomputed]
     backward = _residuals_from(traced, saved, backward_eqns)
     return Selection(
         forward, backward, bool(recomputed), tuple(residuals), tuple(to_host),
-        traced.vjp_tree, traced.out_tree, len(traced.outputs), tuple(notes), flops, fun,
+        traced.vjp_tree, traced.out_tree, len(traced.outputs), differentiated.notes, flops,
+        differentiated.fun,
     )  # fmt: skip
 
 
-# Selections by what decides them, so that a model's repeated blocks, and a planner's
-# steps under many plans, trace each distinct call under each strategy once.
-_SELECTIONS: collections.OrderedDict[tuple, Selection] = collections.OrderedDict()
-_SELECTIONS_KEPT = 256
+# Selections, and the traces and cuts that they are made of, by what decides them, so that
+# a model's repeated blocks, and a planner's steps under many plans, trace each distinct
+# call once for every strategy that cuts, and cut it once for each strategy's windows and caps.
+_SELECTIONS: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+_SELECTIONS_KEPT = 512
 
 
 def select_once(
     closed, out_tree, call, dynamic, kwargs, strategy: Strategy, device_leaves: Mapping[int, str]
 ) -> Selection:
     """:func:`select`, made once per distinct call: ``call`` replays ``closed``, its closed
-    jaxpr, and unflattens its outputs to ``out_tree``, which with the inputs' structure,
-    ``device_leaves`` and ``strategy`` decide the selection."""
+    jaxpr, and unflattens its outputs to ``out_tree``, which with ``device_leaves`` and
+    ``strategy`` decide the selection.
+
+    The inputs' structure does not (a linen block's RNG names its path in it): a selection
+    computes from flat leaves, and its input cotangents come back in the structure of the
+    call it was made for, to be put in this one's (:func:`restructured`)."""
     program = fingerprint(closed)
     if program is None:
         return select(call, dynamic, kwargs, strategy, device_leaves)
-    inputs = jax.tree.structure((dynamic, kwargs))
-    key = (program, inputs, out_tree, tuple(sorted(device_leaves.items())), strategy)
+    key, costed = (program, out_tree, tuple(sorted(device_leaves.items()))), strategy.costed()
+    trace = ("differentiated", program, out_tree, True if strategy.cuts else costed)
+    made = _once(trace, lambda: _differentiate(call, dynamic, kwargs, strategy))
+    kept = _once(("kept", *key, costed), lambda: _kept(made, costed, device_leaves))
+    return _once(
+        ("selection", *key, strategy), lambda: _selection(made, strategy, device_leaves, kept)
+    )
+
+
+def _once(key: tuple, make: Callable[[], Any]) -> Any:
     if key in _SELECTIONS:
         _SELECTIONS.move_to_end(key)
         return _SELECTIONS[key]
-    _SELECTIONS[key] = select(call, dynamic, kwargs, strategy, device_leaves)
+    _SELECTIONS[key] = made = make()
     if len(_SELECTIONS) > _SELECTIONS_KEPT:
         _SELECTIONS.popitem(last=False)
-    return _SELECTIONS[key]
+    return made
+
+
+def restructured(cotangents, like):
+    """``cotangents`` of a selection's inputs, in the structure of ``like``: the inputs of
+    the call that the selection serves, which may be another with the same flat program."""
+    return jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(cotangents))
 
 
 def _cheapest(jaxpr, needed, out_atoms, params, strategy) -> cut_lib.Cut:

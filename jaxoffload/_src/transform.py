@@ -21,7 +21,7 @@ from jax.extend import core as jex_core
 
 from jaxoffload._src import context, jaxprs, measured, targets, transfers
 from jaxoffload._src.argnums import Argnums, check_argnums, holds_arrays, positional_names
-from jaxoffload._src.residuals import describe, select_once
+from jaxoffload._src.residuals import describe, restructured, select_once
 from jaxoffload._src.strategies import Offload, Strategy, check_strategy
 
 __all__ = [
@@ -469,7 +469,8 @@ def _custom_call(traced: TracedCall, strategy: Strategy, fun) -> Any:
         # The input cotangent leaves with the parameter cotangents: XLA would
         # otherwise sink weight-gradient work to the end of the backward pass
         # and keep every fetched residual alive until then.
-        cotangents_in = transfers.after_tokens(vjp_fun(cotangent), anchors)
+        cotangents_in = restructured(vjp_fun(cotangent), (traced.dynamic, traced.kwargs))
+        cotangents_in = transfers.after_tokens(cotangents_in, anchors)
         return (*transfers.barrier_arrays(cotangents_in), gate_cotangents)
 
     run.defvjp(run_fwd, run_bwd)

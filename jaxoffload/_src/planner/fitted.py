@@ -119,14 +119,26 @@ def time_errors(
 
 
 def hidden_choice(choices: Sequence[Sequence[Option]]) -> list[Strategy] | None:
-    """Each block's first hidden offload (a capped one), or its leanest option where it has
-    none: the plan that checks the overlap the hidden offloads assume. ``None`` if no block
-    has one."""
+    """Each block's first hidden offload (a capped one), or where it has none, the strategy
+    whose compute the hidden offloads share (their twin on the device: ``Lean()`` for
+    ``Offload()``'s), else its leanest option: the plan that checks the overlap that the
+    hidden offloads assume, and nothing else that moves. ``None`` if no block has one."""
+    capped = [
+        [o.strategy for o in options if o.strategy.max_bytes is not None] for options in choices
+    ]
+    first = next((c[0] for c in capped if c), None)
+    if first is None:
+        return None
+    twin = first.timed_as()
     picked = []
-    for options in choices:
-        capped = [o.strategy for o in options if o.strategy.max_bytes is not None]
-        picked.append(capped[0] if capped else min(options, key=lambda o: o.kept_bytes).strategy)
-    return picked if any(s.max_bytes is not None for s in picked) else None
+    for options, hidden in zip(choices, capped):
+        if hidden:
+            picked.append(hidden[0])
+        elif any(o.strategy == twin for o in options):
+            picked.append(twin)
+        else:
+            picked.append(min(options, key=lambda o: o.kept_bytes).strategy)
+    return picked
 
 
 def hidden_ms_per_byte(

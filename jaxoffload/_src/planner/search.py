@@ -172,7 +172,6 @@ class Planner:
         # At another size, the byte weights that the measured planner fitted.
         self.prior = None if measured is None else measured.peak_model()
         self._put_on_front(self.prior)
-        self.leanest = self.candidate(self.front[0])
         # Measured costs are checked against whole steps: every block under each option
         # (of those that move bytes, only the first: the others are link-bound variants of it),
         # and every block that has one under a hidden offload; and the blocks stored with the
@@ -182,23 +181,30 @@ class Planner:
         hidden = None if choice is None else Plan(tuple(zip(self.paths, choice)), Lean())
         stored = [self._stored_check()] if uniform else []
         self.checks = list(dict.fromkeys([*uniform, *stored, *([hidden] if hidden else [])]))
+        # How little a step keeps: the uniform checks say, and at another size, where none is
+        # compiled, the front's leanest plan does (a round compiles it if a budget needs it).
+        firsts = self.checks or [self.candidate(self.front[0])]
         say(
             ("compiling the plain step and " if self.plain not in self.compiled else "compiling ")
-            + "the leanest plan on the front"
-            + (f" and {len(self.checks)} more to fit the model to" if self.checks else "")
+            + (
+                f"{len(self.checks)} plans to fit the model to"
+                if self.checks
+                else "the leanest plan on the front"
+            )
         )
         self.compile([self.plain])
-        self.compile([self.leanest, *self.checks])
+        self.compile(firsts)
+        least = min(self.compiled, key=self.compiled.__getitem__)
         # The step time that the model's estimates start from: the plain step's, or the
-        # leanest plan's where the plain step is too large to run here.
+        # least plan's where the plain step is too large to run here.
         self.anchor = self.plain
         if math.isinf(self.step_ms(self.plain)):
-            self.anchor = self.leanest
+            self.anchor = least
         plain_ms = self.step_ms(self.plain)
         say(
             f"plain step: {format_bytes(self.compiled[self.plain])}, "
             + (f"{plain_ms:.1f} ms" if math.isfinite(plain_ms) else "too large to run here")
-            + f"; leanest: {format_bytes(self.compiled[self.leanest])}"
+            + f"; least: {format_bytes(self.compiled[least])}, {summary(least.strategies)}"
         )
         if uniform and math.isfinite(plain_ms):
             self._calibrate(uniform, hidden)
