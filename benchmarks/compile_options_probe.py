@@ -40,7 +40,12 @@ trace_step(model, step, (state, batch), plain, (0,)).lower().compile()
 say("plain compile", round(time.perf_counter() - began, 1))
 parallel = {"xla_gpu_enable_llvm_module_compilation_parallelism": True}
 executables = {}
-for name, options in [("default", None), ("default2", None), ("llvm-parallel", parallel)]:
+for name, options in [
+    ("default", None),
+    ("default2", None),
+    ("llvm-parallel", parallel),
+    ("default3", None),
+]:
     lowered = trace_step(model, step, (state, batch), mixed, (0,)).lower()  # a fresh lowering
     began = time.perf_counter()
     try:
