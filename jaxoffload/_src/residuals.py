@@ -239,8 +239,8 @@ class Selection:
       num_outputs: how many flat outputs ``forward`` gives before the saved values.
       rewrites: where lean rules replaced jax's (:mod:`jaxoffload._src.rewrite`).
       recompute_flops: the FLOPs of the products that ``backward`` recomputes.
-      fun: the function differentiated: the call with lean rules, or under
-        ``jax.checkpoint`` for ``Offload(names=...)``.
+      grad_flops: those of the function differentiated (the call with lean rules,
+        or under ``jax.checkpoint``), forward and backward, and ``recompute_flops``.
     """
 
     forward: Callable[..., list[Any]]
@@ -253,7 +253,7 @@ class Selection:
     num_outputs: int
     rewrites: tuple[rewrite.Rewrite, ...]
     recompute_flops: int
-    fun: Callable[..., Any]
+    grad_flops: int
 
 
 def select(
@@ -310,10 +310,11 @@ def _selection(differentiated: _Differentiated, strategy, device_leaves, kept) -
     forward = sub_function(jaxpr, consts, list(jaxpr.invars), [*traced.outputs, *saved])
     backward_eqns = [jaxpr.eqns[i] for i in recomputed]
     backward = _residuals_from(traced, saved, backward_eqns)
+    grad_flops = sum(eqn_flops(e) for j in (jaxpr, traced.backward.jaxpr) for e in j.eqns) + flops
     return Selection(
         forward, backward, bool(recomputed), tuple(residuals), tuple(to_host),
         traced.vjp_tree, traced.out_tree, len(traced.outputs), differentiated.notes, flops,
-        differentiated.fun,
+        grad_flops,
     )  # fmt: skip
 
 
@@ -462,32 +463,13 @@ def _residuals_from(traced: VjpTrace, saved, eqns):
     return residuals
 
 
-def describe(call, selection: Selection, dynamic, kwargs, device_leaves) -> OffloadedCall:
-    """The record :func:`offloaded_calls` gives of one call."""
-    forward = jax.make_jaxpr(call)(dynamic, kwargs)
-    # Of the function that is differentiated: recomputation under names included.
-    both = jax.make_jaxpr(_forward_and_backward(selection.fun))(dynamic, kwargs)
+def describe(closed, selection: Selection, device_leaves) -> OffloadedCall:
+    """The record :func:`offloaded_calls` gives of one call, whose closed jaxpr is ``closed``."""
     return OffloadedCall(
         selection.residuals,
-        sum(eqn_flops(e) for e in forward.jaxpr.eqns),
-        sum(eqn_flops(e) for e in both.jaxpr.eqns) + selection.recompute_flops,
+        sum(eqn_flops(e) for e in closed.jaxpr.eqns),
+        selection.grad_flops,
         selection.rewrites,
-        forward,
+        closed,
         tuple(sorted(device_leaves)),
     )
-
-
-def _forward_and_backward(call):
-    """``call``'s forward pass, then its backward pass from a cotangent of zeros."""
-
-    def both(*args):
-        out, vjp_fun = jax.vjp(call, *args)
-        return vjp_fun(jax.tree.map(_zero_cotangent, out))
-
-    return both
-
-
-def _zero_cotangent(x):
-    if jax.dtypes.issubdtype(x.dtype, np.inexact):
-        return jax.numpy.zeros_like(x)
-    return np.zeros(np.shape(x), jax.dtypes.float0)

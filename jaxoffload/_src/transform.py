@@ -440,7 +440,7 @@ def _custom_call(traced: TracedCall, strategy: Strategy, fun) -> Any:
         kept = chosen["kept"] = select_once(
             traced.closed, traced.out_tree, call, dynamic, kwargs, strategy, device_leaves
         )
-        context.record_call(lambda: describe(call, kept, dynamic, kwargs, device_leaves))
+        context.record_call(lambda: describe(traced.closed, kept, device_leaves))
         if strategy.to_host:
             transfers.say_if_nothing_moves(fun, kept)
         flat = kept.forward(*jax.tree.leaves((dynamic, kwargs)))

@@ -555,35 +555,40 @@ def _value_and_grad(loss_fn, micro_batch: int | None = None):
     return accumulated
 
 
-def planner_of(workload: Workload, say: Callable[[str], None]) -> Planner:
-    """The :class:`~jaxoffload._src.planner.search.Planner` of the workload's plain-Flax
-    model and training step, as ``bench --budget`` plans it (abstract arguments, the
-    state donated, ``workload.block_costs``)."""
+def planning_inputs(workload: Workload) -> tuple[Any, Callable[..., Any], tuple, Any]:
+    """``(model, step, (state, batch), blocks)``: the workload's plain-Flax model, abstract
+    arguments and training step, as a user gives them to :func:`jaxoffload.plan`."""
     dtype = jnp.dtype(workload.dtype)
-    blocks = None
     if models.is_nnx(workload.model):
         model = nnx.eval_shape(
             lambda: models.create_nnx(
                 workload.model, dtype=dtype, num_classes=workload.num_classes, rngs=nnx.Rngs(1)
             )
         )
-        blocks = models.nnx_block_class(workload.model)
         _, state, batch, _ = _nnx_training(workload, abstract=True, model=model)
 
         def step(model, state, batch):
             return _nnx_training(workload, abstract=None, model=model)[0](state, batch)
 
-    else:
-        model = linen_model(workload, plannable=True)
-        _, state, batch, _ = training(workload, model, abstract=True)
+        return model, step, (state, batch), models.nnx_block_class(workload.model)
+    model = linen_model(workload, plannable=True)
+    _, state, batch, _ = training(workload, model, abstract=True)
 
-        def step(model, state, batch):
-            return training(workload, model, abstract=None)[0](state, batch)
+    def step(model, state, batch):
+        return training(workload, model, abstract=None)[0](state, batch)
 
+    return model, step, (state, batch), None
+
+
+def planner_of(workload: Workload, say: Callable[[str], None], inputs=None) -> Planner:
+    """The :class:`~jaxoffload._src.planner.search.Planner` of the workload's plain-Flax
+    model and training step (``inputs``, by default :func:`planning_inputs`), as ``bench
+    --budget`` plans it: the state donated, ``workload.block_costs``."""
+    model, step, args, blocks = planning_inputs(workload) if inputs is None else inputs
     return Planner(
         model,
         step,
-        (state, batch),
+        args,
         None,
         blocks=blocks,
         runs=5,
@@ -599,16 +604,19 @@ def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[
     Returns:
       One ``{"planned": Plan.to_dict()}`` per budget, or ``{"no_plan": message}``
       where no plan fits; each with ``planning_s``, the seconds that planning
-      every budget took (they are planned together), and ``planned_budgets``;
+      every budget took (they are planned together, from the model and its abstract
+      arguments built, as :func:`jaxoffload.plan` is given them), and ``planned_budgets``;
       the first also with ``planner_points``, every plan compiled
       (:meth:`~jaxoffload._src.planner.search.Planner.compiled_points`).
     """
+    inputs = planning_inputs(workload)
+    # Planning is what jaxoffload.plan does, from the model and arguments that a user has.
     start = time.perf_counter()
 
     def say(line: str) -> None:  # the seconds since planning began, to see where time goes
         print(f"[plan] {time.perf_counter() - start:6.1f} s  {line}", file=sys.stderr, flush=True)
 
-    shared = planner_of(workload, say)
+    shared = planner_of(workload, say, inputs)
     results = []
     found = shared.plans_for([int(b) for b in budgets_bytes], max_rounds=3)
     # The budgets are planned together: each one's planning time is theirs together.
