@@ -21,6 +21,7 @@ import numpy as np
 
 __all__ = [
     "compile_all",
+    "compile_timed",
     "forward_and_backward",
     "measure_link",
     "median_ms",
@@ -173,10 +174,20 @@ def compile_all(lowered: Iterable[Any], *, parallel: bool = True) -> list[Any]:
     after another on an H200. Compile at once only programs whose kernels
     were autotuned already, such as steps of one model after its first.
     """
+    return [executable for executable, _ in compile_timed(lowered, parallel=parallel)]
+
+
+def compile_timed(lowered: Iterable[Any], *, parallel: bool = True) -> list[tuple[Any, float]]:
+    """:func:`compile_all`, each executable with the seconds that its own compile took."""
+
+    def timed(x):
+        start = time.perf_counter()
+        return x.compile(), time.perf_counter() - start
+
     if not parallel:
-        return [x.compile() for x in lowered]
+        return [timed(x) for x in lowered]
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        futures = [pool.submit(x.compile) for x in lowered]
+        futures = [pool.submit(timed, x) for x in lowered]
         return [f.result() for f in futures]
 
 

@@ -356,12 +356,19 @@ class Planner:
                 yield self._lowered_step(c)
                 tracing += time.perf_counter() - began
 
-        for c, executable in zip(todo, timing.compile_all(lowered())):
-            self.executables[c] = executable
-            self.compiled[c] = device_bytes(executable)
+        seconds = {}
+        for c, (executable, took) in zip(todo, timing.compile_timed(lowered())):
+            self.executables[c], self.compiled[c] = executable, device_bytes(executable)
+            seconds[c] = took
+        longest = max(seconds, key=seconds.__getitem__)
         self.say(
             f"compiled {len(todo)} in {time.perf_counter() - start:.1f} s, "
             f"{tracing:.1f} s of it tracing"
+            + (
+                f"; the longest compile {seconds[longest]:.1f} s, {summary(longest.strategies)}"
+                if len(todo) > 1
+                else ""
+            )
         )
 
     def step_ms(self, candidate: Plan, runs: int = 3) -> float:
