@@ -187,7 +187,7 @@ class Planner:
         say(
             ("compiling the plain step and " if self.plain not in self.compiled else "compiling ")
             + (
-                f"{len(self.checks)} plans to fit the model to"
+                f"{len([c for c in self.checks if c != self.plain])} more plans to fit the model to"
                 if self.checks
                 else "the leanest plan on the front"
             )
