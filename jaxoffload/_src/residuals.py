@@ -271,10 +271,9 @@ def select(
 
 @dataclasses.dataclass(frozen=True)
 class _Differentiated:
-    """The function that a strategy differentiates, its ``vjp`` traced, and where lean rules
+    """The ``vjp`` of the function that a strategy differentiates, traced, and where lean rules
     replaced jax's: the same for every strategy that cuts, and for a strategy's windows and caps."""
 
-    fun: Callable[..., Any]
     traced: VjpTrace
     notes: tuple[rewrite.Rewrite, ...]
 
@@ -286,17 +285,17 @@ def _differentiate(call, dynamic, kwargs, strategy: Strategy) -> _Differentiated
     else:
         fun = strategy.checkpointed(call) or call
     traced = trace_vjp(fun, dynamic, kwargs)
-    return _Differentiated(fun, traced, tuple(notes))
+    return _Differentiated(traced, tuple(notes))
 
 
 def _kept(differentiated: _Differentiated, strategy: Strategy, device_leaves):
     """``(saved, recomputed, recompute_flops, cut)``: what ``strategy`` keeps, and recomputes
     in the backward pass; the same for its windows and caps, which move less, not keep less."""
     traced = differentiated.traced
-    jaxpr = traced.jaxpr
-    params = {jaxpr.invars[i] for i in device_leaves} | set(jaxpr.constvars)
     if not strategy.cuts:
         return list(dict.fromkeys(traced.needed)), (), 0, None
+    jaxpr = traced.jaxpr
+    params = {jaxpr.invars[i] for i in device_leaves} | set(jaxpr.constvars)
     chosen = _cheapest(jaxpr, traced.needed, traced.outputs, params, strategy)
     return list(chosen.saved), chosen.recomputed, chosen.recompute_flops, chosen
 
