@@ -143,3 +143,20 @@ def test_with_a_plan_the_size_is_the_largest_that_some_plan_fits():
 def test_bad_arguments_are_refused(kwargs, error):
     with pytest.raises((TypeError, ValueError), match=error):
         jaxoffload.largest_size(Net(), step, args_at, progress=False, **kwargs)
+
+
+def test_at_a_size_far_past_the_budget_the_plain_step_is_compiled_only_when_needed():
+    """A size search probes sizes whose plain step cannot fit: it compiles their leanest plan."""
+    steps = fit._Steps(PLANNABLE, step, args_at, BUDGET, True, {
+        "blocks": None, "options": None, "runs": 1, "donate_argnums": (), "say": lambda _: None
+    })  # fmt: skip
+    steps.compiled_bytes(8)  # the block costs, measured once
+    lines = []
+    steps.planning["say"] = lines.append
+    far = steps._planner(64)  # its plain step: 8 times size 8's, about 5 budgets
+    assert far.plain not in far.compiled and len(far.compiled) == 1
+    assert any("not compiled" in line for line in lines)
+    assert far.anchor in far.compiled
+    # A share of the plain step needs it: it is compiled then.
+    far.plan_for(1.0)
+    assert far.plain in far.compiled

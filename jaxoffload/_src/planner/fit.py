@@ -108,7 +108,7 @@ def largest_size(
         block costs measured once, at ``start``, and rescaled to each size:
         the answer is the largest size that some plan fits, at that plan's
         speed. Each size is checked with the leanest plan on its front, and
-        the plain step.
+        the plain step where it may fit.
       start: the first size compiled: one that fits, ideally near the answer.
         With ``plan=True``, the block costs are measured there, so it must
         run on this device.
@@ -225,7 +225,7 @@ class _Steps:
 
     def compiled_bytes(self, size: int) -> int:
         if size not in self.bytes:
-            if self.plan:  # the least of the plain step and the leanest plan, both compiled
+            if self.plan:  # the least compiled: the leanest plan, the plain step if it may fit
                 got = min(self._planner(size).compiled.values())
             else:
                 executable = compile_step(

@@ -56,8 +56,7 @@ def plans_for(
     more than the timing noise. The budgets' rounds compile together, and the
     plan returned is the fastest of the compiled ones that fit, as timed.
     """
-    plain_bytes = planner.compiled[planner.plain]
-    targets = [int(b * plain_bytes) if isinstance(b, float) else int(b) for b in budgets]
+    targets = [int(b * planner.plain_bytes()) if isinstance(b, float) else int(b) for b in budgets]
     planner.say("planning for " + ", ".join(format_bytes(t) for t in targets))
     # The front's plans, and the checks compiled already: compiled bytes need not follow
     # the front, and a uniform plan may compile smaller than the front's leanest.
@@ -246,7 +245,7 @@ def _best_fit(planner, candidates, budget_bytes: int) -> Plan | NoPlanFits:
     _, fit = _fits(planner, candidates, budget_bytes)
     if fit < len(candidates):
         return candidates[fit]
-    plain_bytes = planner.compiled[planner.plain]
+    plain_bytes = planner.plain_bytes()
     least = min(planner.compiled.values())
     error = NoPlanFits(
         f"no plan of {[brief(s) for s in planner.options]} fits {format_bytes(budget_bytes)}: "

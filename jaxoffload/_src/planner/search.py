@@ -184,27 +184,41 @@ class Planner:
         # How little a step keeps: the uniform checks say, and at another size, where none is
         # compiled, the front's leanest plan does (a round compiles it if a budget needs it).
         firsts = self.checks or [self.candidate(self.front[0])]
+        # At another size, the plain step is compiled only where its bytes at the measured
+        # size, scaled as its traced bytes scale, are within twice what runs here: XLA
+        # rematerialises a step to fit the device's memory, but a size search probes sizes
+        # far past that, where XLA takes a minute to fail.
+        said = None
+        if measured is not None and measured.plain in measured.compiled:
+            scale = self.model_bytes(self.plain) / measured.model_bytes(measured.plain)
+            said = int(measured.compiled[measured.plain] * scale)
+        plain_too = self.plain not in self.compiled and (
+            said is None or self.run_limit is None or said <= 2 * self.run_limit
+        )
         say(
-            ("compiling the plain step and " if self.plain not in self.compiled else "compiling ")
+            ("compiling the plain step and " if plain_too else "compiling ")
             + (
                 f"{len([c for c in self.checks if c != self.plain])} more plans to fit the model to"
                 if self.checks
                 else "the leanest plan on the front"
             )
         )
-        self.compile([self.plain])
+        if plain_too:
+            self.compile([self.plain])
         self.compile(firsts)
         least = min(self.compiled, key=self.compiled.__getitem__)
         # The step time that the model's estimates start from: the plain step's, or the
         # least plan's where the plain step is too large to run here.
-        self.anchor = self.plain
-        if math.isinf(self.step_ms(self.plain)):
-            self.anchor = least
-        plain_ms = self.step_ms(self.plain)
+        plain_ms = self.step_ms(self.plain) if self.plain in self.compiled else math.inf
+        self.anchor = self.plain if math.isfinite(plain_ms) else least
+        if self.plain not in self.compiled:
+            plain = f"about {format_bytes(said)}, not compiled"
+        else:
+            ran = f"{plain_ms:.1f} ms" if math.isfinite(plain_ms) else "too large to run here"
+            plain = f"{format_bytes(self.compiled[self.plain])}, {ran}"
         say(
-            f"plain step: {format_bytes(self.compiled[self.plain])}, "
-            + (f"{plain_ms:.1f} ms" if math.isfinite(plain_ms) else "too large to run here")
-            + f"; least: {format_bytes(self.compiled[least])}, {summary(least.strategies)}"
+            f"plain step: {plain}; least: {format_bytes(self.compiled[least])}, "
+            f"{summary(least.strategies)}"
         )
         if uniform and math.isfinite(plain_ms):
             self._calibrate(uniform, hidden)
@@ -297,6 +311,11 @@ class Planner:
         ]
         scale = float(self.compiled.get(self.plain) or max(self.compiled.values()))
         return fit_peak(points, scale, self.prior)
+
+    def plain_bytes(self) -> int:
+        """The plain step's compiled bytes, compiled first if it was not."""
+        self.compile([self.plain])
+        return self.compiled[self.plain]
 
     def predict(self, candidate: Plan) -> int:
         """The compiled bytes that the model fitted to the other compiled plans predicts."""
