@@ -192,18 +192,18 @@ class Planner:
         if measured is not None and measured.plain in measured.compiled:
             scale = self.model_bytes(self.plain) / measured.model_bytes(measured.plain)
             said = int(measured.compiled[measured.plain] * scale)
-        plain_too = self.plain not in self.compiled and (
+        compile_plain = self.plain not in self.compiled and (
             said is None or self.run_limit is None or said <= 2 * self.run_limit
         )
         say(
-            ("compiling the plain step and " if plain_too else "compiling ")
+            ("compiling the plain step and " if compile_plain else "compiling ")
             + (
                 f"{len([c for c in self.checks if c != self.plain])} more plans to fit the model to"
                 if self.checks
                 else "the leanest plan on the front"
             )
         )
-        if plain_too:
+        if compile_plain:
             self.compile([self.plain])
         self.compile(firsts)
         least = min(self.compiled, key=self.compiled.__getitem__)
