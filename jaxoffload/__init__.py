@@ -20,7 +20,9 @@ from jaxoffload._src.planner import Plan as Plan
 from jaxoffload._src.planner import largest_size as largest_size
 from jaxoffload._src.planner import plan as plan
 from jaxoffload._src.report import MemoryReport as MemoryReport
+from jaxoffload._src.report import SpatialGather as SpatialGather
 from jaxoffload._src.report import memory_report as memory_report
+from jaxoffload._src.report import spatial_gathers as spatial_gathers
 from jaxoffload._src.residuals import OffloadedCall as OffloadedCall
 from jaxoffload._src.residuals import Residual as Residual
 from jaxoffload._src.strategies import Lean as Lean
@@ -43,6 +45,7 @@ __all__ = [
     "Plan",
     "Remat",
     "Residual",
+    "SpatialGather",
     "Store",
     "Strategy",
     "largest_size",
@@ -54,6 +57,7 @@ __all__ = [
     "plan",
     "residuals_per_call",
     "saved_residuals",
+    "spatial_gathers",
     "wrap",
 ]
 

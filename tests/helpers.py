@@ -64,3 +64,16 @@ def bench_record(workload, **extra):
         "compiled_temp_bytes": 1, "compiled_host_temp_bytes": 0, "peak_bytes_in_use": None,
         "images_per_s": 2.0, "device": "cpu", **extra,
     }  # fmt: skip
+
+
+def host_puts(jaxpr) -> list:
+    """The ``device_put``s to host memory in a jaxpr, nested jaxprs' included."""
+    from jax.extend import core
+
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "device_put" and jax.memory.Space.Host in eqn.params["devices"]:
+            found.append(eqn)
+        for sub in core.jaxprs_in_params(eqn.params):
+            found += host_puts(sub)
+    return found

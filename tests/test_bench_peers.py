@@ -1,7 +1,7 @@
 """The bench's peers of a step too large for one device: grad-accum, --devices, and the sizes that fit.
 
 ``grad-accum`` accumulates the plain model's gradients over micro-batches in one
-``lax.scan`` and makes one update; ``--devices N`` shards the batch over N devices;
+``lax.scan`` and makes one update (``grad-accum-lean`` the lean model's); ``--devices N`` shards the batch over N devices;
 ``jaxoffload.bench.fit`` finds the largest batch or image side whose step fits. The
 named models are swapped for tiny ones of the same families, so that each compiles in a
 second or two: a ResNet with BatchNorm (linen and NNX), and a VGG without BatchNorm, with
@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 from helpers import rel_err
+from jax.sharding import PartitionSpec as P
 
 import jaxoffload
 from jaxoffload._src.jaxprs import equations
@@ -82,13 +83,26 @@ def _first_update(workload):
     return jax.tree.map(lambda a, b: np.asarray(a) - b, after, before), convs
 
 
-def test_accumulated_update_is_the_whole_batch_s_without_batch_norm():
-    update, convs = _first_update(_workload("vgg11"))
-    accumulated, accumulated_convs = _first_update(_workload("vgg11", "grad-accum", micro_batch=2))
+def _lean_rules(workload) -> int:
+    """How many of the step's equations are lean rules (``custom_vjp`` calls)."""
+    step, state, batch, _ = benchmark.train_step(workload)
+    jaxpr = step.trace(state, batch).jaxpr
+    return sum("custom_vjp" in eqn.primitive.name for eqn in equations(jaxpr))
+
+
+@pytest.mark.parametrize(("accumulating", "whole"), [("grad-accum", "none"),
+                                                      ("grad-accum-lean", "lean")])  # fmt: skip
+def test_accumulated_update_is_the_whole_batch_s_without_batch_norm(accumulating, whole):
+    update, convs = _first_update(_workload("vgg11", whole))
+    accumulated, accumulated_convs = _first_update(_workload("vgg11", accumulating, micro_batch=2))
     # A mean loss, and nothing else coupling the images: the same but for rounding.
     assert rel_err(accumulated, update) <= 1e-5
     # One loop over the four micro-batches: its body is traced once, not unrolled.
     assert accumulated_convs == convs
+    # Each micro-batch runs the step it accumulates: lean's with its rules, plain Flax's without.
+    rules = _lean_rules(_workload("vgg11", accumulating, micro_batch=2))
+    assert rules == _lean_rules(_workload("vgg11", whole))
+    assert (rules > 0) == (whole == "lean")
 
 
 @pytest.mark.parametrize(
@@ -152,7 +166,9 @@ def test_splits_that_do_not_divide_are_refused_with_the_nearest(fields, message)
         benchmark.Workload("flax-resnet18", **{"batch": 8, **fields}, image_size=32,
                            dtype="float32", strategy="grad-accum")  # fmt: skip
     assert message in str(error.value)
-    with pytest.raises(ValueError, match="micro_batch is for grad-accum, not 'none'"):
+    with pytest.raises(
+        ValueError, match="micro_batch is for grad-accum, grad-accum-lean, not 'none'"
+    ):
         _workload("flax-resnet18", micro_batch=4)
 
 
@@ -170,6 +186,35 @@ def test_four_devices_give_one_device_s_gradients(tmp_path):
     assert four["grad_rel_err"] <= 1e-5
     # The compiled bytes are one device's: a quarter of the batch's activations.
     assert four["compiled_temp_bytes"] < one["compiled_temp_bytes"]
+
+
+@needs_four
+def test_rows_split_over_devices_give_one_device_s_gradients(tmp_path):
+    reference = str(tmp_path / "one_device.npz")
+    one, split = (
+        benchmark.measure(
+            _workload("flax-resnet18", num_devices=d, spatial=s),
+            steps=1,
+            warmup=1,
+            reference=reference,
+        )  # fmt: skip
+        for d, s in [(1, 1), (2, 2)]
+    )
+    assert (split["num_devices"], split["spatial"], split["mesh"]) == (
+        2,
+        2,
+        {"data": 2, "space": 2},
+    )
+    assert "spatial" not in one and split["image_size"] == 32  # the whole image's side
+    # BatchNorm's statistics are over every row of every image, on whichever device.
+    assert split["grad_rel_err"] <= 1e-5
+    assert isinstance(split["spatial_gathers"], list)  # a ResNet's convolutions all split
+    assert split["compiled_temp_bytes"] < one["compiled_temp_bytes"]
+    _, _, batch, _ = benchmark.train_step(_workload("flax-resnet18", spatial=4), abstract=True)
+    images, labels = batch
+    assert (images.sharding.spec, labels.sharding.spec) == (P("data", "space"), P("data"))
+    with pytest.raises(ValueError, match="--image-size 32 does not split over --spatial 3"):
+        _workload("flax-resnet18", spatial=3)
 
 
 @needs_four

@@ -234,10 +234,10 @@ def test_a_strategy_reaches_where_it_acts_through_imports_that_go_down():
 PUBLIC_SURFACE = {
     jaxoffload: [
         "Fit", "Lean", "MemoryReport", "NoPlanFits", "Offload", "OffloadDroppedError",
-        "OffloadWarning", "OffloadedCall", "Plan", "Remat", "Residual", "Store", "Strategy",
-        "largest_size", "linen",
+        "OffloadWarning", "OffloadedCall", "Plan", "Remat", "Residual", "SpatialGather", "Store",
+        "Strategy", "largest_size", "linen",
         "memory_report", "nnx", "offload", "offloaded_calls", "plan", "residuals_per_call",
-        "saved_residuals", "wrap",
+        "saved_residuals", "spatial_gathers", "wrap",
     ],
     jaxoffload.linen: ["offload", "plannable", "wrap"],
     jaxoffload.nnx: ["offload", "wrap"],

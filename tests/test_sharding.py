@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import normal, rel_err
+from helpers import host_puts, normal, rel_err
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -157,25 +157,13 @@ def test_resnet_host_copies_keep_the_batch_sharding(problem, mesh, strategy):
     args = _data_parallel(problem[0], mesh)
     with jax.set_mesh(mesh):
         jaxpr = jax.make_jaxpr(functools.partial(_step, _resnet(strategy)))(*args)
-    to_host = _host_puts(jaxpr.jaxpr)
+    to_host = host_puts(jaxpr.jaxpr)
     assert to_host
     for eqn in to_host:
         for aval in (v.aval for v in eqn.outvars):
             assert aval.memory_space == jax.memory.Space.Host
             if aval.ndim == 4:  # activations: the batch stays split over the devices
                 assert aval.sharding.spec[0] == "data", aval
-
-
-def _host_puts(jaxpr):
-    from jax.extend import core
-
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "device_put" and jax.memory.Space.Host in eqn.params["devices"]:
-            found.append(eqn)
-        for sub in core.jaxprs_in_params(eqn.params):
-            found += _host_puts(sub)
-    return found
 
 
 def _fsdp(mesh, x):

@@ -128,7 +128,9 @@ def fingerprint(closed: Any) -> tuple | None:
     The program's text names its variables in order, so two traces of one
     function print alike. A large constant counts by identity: whatever is
     keyed by it must keep it alive. A tracer of an enclosing trace is never a
-    key: it dies with that trace.
+    key: it dies with that trace. The context mesh counts too: the text names a
+    sharded axis (``f32[1,32@space,32,4]``) but not its size, and a program traced
+    under one mesh does not run under another.
     """
     consts = []
     for c in closed.consts:
@@ -139,7 +141,7 @@ def fingerprint(closed: Any) -> tuple | None:
             consts.append((array.shape, str(array.dtype), array.tobytes()))
         else:
             consts.append(("id", id(c)))
-    return str(closed.jaxpr), tuple(consts)
+    return str(closed.jaxpr), tuple(consts), repr(jax.sharding.get_abstract_mesh())
 
 
 def sub_function(jaxpr, consts, invars, outvars) -> Callable[..., list[Any]]:

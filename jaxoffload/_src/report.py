@@ -14,7 +14,16 @@ from jaxoffload._src.errors import OffloadDroppedError, OffloadWarning
 from jaxoffload._src.jaxprs import equations, format_bytes, nbytes
 from jaxoffload._src.transfers import without_host_placement
 
-__all__ = ["MemoryReport", "analyze", "memory_report", "requested_host_transfers", "with_twin"]
+__all__ = [
+    "MemoryReport",
+    "SpatialGather",
+    "analyze",
+    "memory_report",
+    "read_spatial_gathers",
+    "requested_host_transfers",
+    "spatial_gathers",
+    "with_twin",
+]
 
 # XLA writes the host memory space as S(5) in a layout: bf16[8,128]{1,0:S(5)}.
 # A typed array; scalars print no layout unless they carry a memory space.
@@ -25,6 +34,9 @@ _HOST_KINDS = ("pinned_host", "unpinned_host")
 # Instructions whose result is another instruction's buffer, or an argument.
 _ALIASES = ("get-tuple-element", "tuple", "bitcast", "opt-barrier", "copy-done", "parameter")
 _BYTES = {"pred": 1, "s4": 1, "u4": 1}  # sub-byte types are stored a byte each
+_GATHERS = ("all-gather", "all-gather-start")
+_GATHERED = re.compile(r"dimensions=\{(\d+)\}")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +234,75 @@ def analyze(traced: Any, compiled: Any, *, on_dropped: str = "warn") -> MemoryRe
     )
     _complain(report, on_dropped)
     return report
+
+
+@dataclasses.dataclass(frozen=True)
+class SpatialGather:
+    """An all-gather in a compiled program that joins an array along a spatial dimension.
+
+    Attributes:
+      op_name: the jax operation it comes from, as the HLO's metadata names it,
+        e.g. ``"jit(step)/transpose(jvp(UNet))/ConvTranspose_0/conv_general_dilated"``.
+      shape: the gathered array, as HLO writes it, e.g. ``"f32[1,32,32,4]"``.
+      dimension: the dimension gathered along.
+      nbytes: the gathered array's bytes, on every device of the gather.
+    """
+
+    op_name: str
+    shape: str
+    dimension: int
+    nbytes: int
+
+
+def spatial_gathers(jitted: Any, *args: Any, **kwargs: Any) -> list[SpatialGather]:
+    """Compiles ``jitted`` for ``args`` and lists the all-gathers that undo a spatial sharding.
+
+    Sharding images along their height (``P("data", "space")`` for NHWC) splits
+    every activation across the devices, and the partitioner exchanges only
+    the halos a convolution needs. Where it cannot partition an operation that
+    way, it gathers the whole activation on every device, silently: such a
+    step runs, with the gradients it should have, but holds what one device
+    would. This finds them: all-gathers along a spatial dimension of an array of
+    rank 4 or more, channels last (dimensions 1 to ``ndim - 2``), with the
+    operation each comes from. A parameter gathered along such a dimension
+    (a convolution kernel's input features under FSDP) is listed too; its
+    ``op_name`` tells it apart.
+
+    Args:
+      jitted: a function wrapped in :func:`jax.jit`.
+      *args: its arguments, as arrays or :class:`jax.ShapeDtypeStruct`, with
+        their shardings.
+      **kwargs: its keyword arguments.
+
+    Returns:
+      The gathers, in program order; empty where every activation stays split.
+    """
+    if not hasattr(jitted, "lower"):
+        raise TypeError(
+            f"spatial_gathers expects a jax.jit-wrapped function, got {jitted!r}; "
+            "wrap it first: spatial_gathers(jax.jit(f), *args)."
+        )
+    return read_spatial_gathers(jitted.lower(*args, **kwargs).compile().as_text())
+
+
+def read_spatial_gathers(text: str) -> list[SpatialGather]:
+    """:func:`spatial_gathers` of a compiled program's optimized HLO text."""
+    found = []
+    for line in text.splitlines():
+        match = _INSTRUCTION.match(line)
+        dimension = _GATHERED.search(line)
+        if not (match and match.group(3) in _GATHERS and dimension):
+            continue
+        # all-gather-start's result is (operand, result): the gathered array is the last.
+        gathered = list(_ARRAY.finditer(match.group(2)))[-1]
+        rank, d = len(gathered.group(2).split(",")), int(dimension.group(1))
+        if rank >= 4 and 1 <= d <= rank - 2:
+            op_name = _OP_NAME.search(line)
+            shape = f"{gathered.group(1)}[{gathered.group(2)}]"
+            found.append(
+                SpatialGather(op_name.group(1) if op_name else "", shape, d, _array_bytes(gathered))
+            )
+    return found
 
 
 def requested_host_transfers(jaxpr: Any) -> list[int]:

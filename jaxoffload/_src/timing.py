@@ -191,24 +191,48 @@ def compile_timed(lowered: Iterable[Any], *, parallel: bool = True) -> list[tupl
         return [f.result() for f in futures]
 
 
-def measure_link(nbytes: int = 2**30, runs: int = 3) -> dict[str, float]:
+def measure_link(
+    nbytes: int = 2**30, runs: int = 3, devices: Sequence[Any] | None = None
+) -> dict[str, float]:
     """The host link's bandwidth: ``jax.device_put`` between device and pinned host memory.
 
+    With several ``devices`` they all copy at once, each its own ``nbytes``, as
+    the devices of one sharded step do: devices that share a PCIe switch, or a
+    host's memory bandwidth, each get less than one alone.
+
     Args:
-      nbytes: size of the array moved each way.
+      nbytes: size of the array moved each way, per device.
       runs: timed moves each way; the median counts.
+      devices: the devices that copy at once; the first device by default.
 
     Returns:
-      ``{"d2h_gbps": ..., "h2d_gbps": ...}``, in 10⁹ bytes per second.
+      ``{"d2h_gbps": ..., "h2d_gbps": ..., "link_devices": n}``: each device's
+      bandwidth, in 10⁹ bytes per second, with ``n`` devices copying.
     """
-    device = jax.devices()[0]
-    on_host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-    on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
-    x = jax.device_put(jnp.ones(nbytes // 4, jnp.float32), on_device)
+    devices = list(devices or jax.devices()[:1])
+    on_host, on_device = (_placed_on(devices, kind) for kind in ("pinned_host", "device"))
+    # Made where it lives: no device ever holds another's part.
+    shape = (len(devices), nbytes // 4)
+    x = jax.jit(lambda: jnp.ones(shape, jnp.float32), out_shardings=on_device)()
     host = jax.device_put(x, on_host).block_until_ready()
     d2h = median_ms(lambda: jax.device_put(x, on_host), runs=runs)
     h2d = median_ms(lambda: jax.device_put(host, on_device), runs=runs)
-    return {"d2h_gbps": x.nbytes / d2h / 1e6, "h2d_gbps": x.nbytes / h2d / 1e6}
+    each = x.nbytes / len(devices)
+    return {
+        "d2h_gbps": each / d2h / 1e6,
+        "h2d_gbps": each / h2d / 1e6,
+        "link_devices": len(devices),
+    }
+
+
+def _placed_on(devices: Sequence[Any], memory_kind: str) -> jax.sharding.Sharding:
+    """A row per device in ``memory_kind``; one device's as a single-device sharding."""
+    if len(devices) == 1:
+        return jax.sharding.SingleDeviceSharding(devices[0], memory_kind=memory_kind)
+    mesh = jax.sharding.Mesh(np.array(devices), ("link",))
+    return jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec("link"), memory_kind=memory_kind
+    )
 
 
 def vjp_programs(fun, structs):

@@ -44,7 +44,12 @@ from jaxoffload import (
 )
 from jaxoffload._src.jaxprs import equations
 from jaxoffload._src.planner import BLOCK_COSTS, Planner, measure_link, median_ms, zeros
-from jaxoffload._src.report import analyze, requested_host_transfers, with_twin
+from jaxoffload._src.report import (
+    analyze,
+    read_spatial_gathers,
+    requested_host_transfers,
+    with_twin,
+)
 from jaxoffload._src.strategies import brief
 from jaxoffload._src.transfers import without_host_placement
 from jaxoffload.bench import models
@@ -110,7 +115,8 @@ PLANNED_STRATEGIES = {
 
 # Strategies whose step runs another's over micro-batches, accumulating their gradients
 # (see _value_and_grad): the name, and the strategy whose step each micro-batch runs.
-ACCUMULATED_STRATEGIES = {"grad-accum": "none"}
+# "grad-accum-lean" is the peer of a strategy that fits larger micro-batches than Store.
+ACCUMULATED_STRATEGIES = {"grad-accum": "none", "grad-accum-lean": "lean"}
 
 # The share of a step's compute time that "offload-hidden" may add by recomputation.
 HIDDEN_RECOMPUTE_SHARE = 0.02
@@ -154,11 +160,16 @@ class Workload:
       planned: for ``"plan"``, the :class:`jaxoffload.Plan` as
         :meth:`~jaxoffload.Plan.to_dict` writes it; set by
         :func:`plan_budgets_in_subprocess`.
-      micro_batch: for ``"grad-accum"``, the images of each micro-batch, over
+      micro_batch: for ``"grad-accum"`` and ``"grad-accum-lean"``
+        (:data:`ACCUMULATED_STRATEGIES`), the images of each micro-batch, over
         all the devices; ``batch`` must be a multiple of it.
       num_devices: data parallel over the first ``num_devices`` devices: the
         batch split over a mesh axis ``data``, the parameters and the optimizer
         state replicated.
+      spatial: each image's rows split over this many devices more, along a
+        mesh axis ``space`` (the mesh is ``num_devices`` by ``spatial``), so
+        that every activation is split along its height and the partitioner
+        exchanges the halos of each convolution.
     """
 
     model: str
@@ -175,6 +186,7 @@ class Workload:
     planned: dict[str, Any] | None = None
     micro_batch: int | None = None
     num_devices: int = 1
+    spatial: int = 1
 
     def __post_init__(self):
         self._check_names_and_sizes()
@@ -221,9 +233,15 @@ class Workload:
             raise ValueError(
                 f"micro_batch is for {', '.join(ACCUMULATED_STRATEGIES)}, not {self.strategy!r}."
             )
-        for name, value in [("--devices", self.num_devices), ("--micro-batch", self.micro_batch)]:
+        for name, value in [("--devices", self.num_devices), ("--micro-batch", self.micro_batch),
+                            ("--spatial", self.spatial)]:  # fmt: skip
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}.")
+        if self.image_size % self.spatial:
+            raise ValueError(
+                f"--image-size {self.image_size} does not split over --spatial {self.spatial}: "
+                f"use {_multiples_near(self.image_size, self.spatial)}."
+            )
         n = self.num_devices
         if self.batch % n:
             raise ValueError(
@@ -242,6 +260,21 @@ class Workload:
                 f"--batch {self.batch} is not a multiple of --micro-batch {self.micro_batch}: use "
                 f"{_multiples_near(self.batch, self.micro_batch)}."
             )
+
+    @property
+    def devices(self) -> int:
+        """The devices that the step runs on: ``num_devices`` by ``spatial``."""
+        return self.num_devices * self.spatial
+
+    def mesh(self) -> jax.sharding.Mesh:
+        """The step's mesh: ``data`` (Explicit, as ``jax.make_mesh`` makes it), and with
+        ``spatial`` > 1 ``data`` by ``space``, both Auto: the partitioner splits each
+        convolution along the rows, where Explicit axes would ask every one for its
+        output sharding."""
+        if self.spatial == 1:
+            return jax.make_mesh((self.num_devices,), ("data",))
+        auto = (jax.sharding.AxisType.Auto,) * 2
+        return jax.make_mesh((self.num_devices, self.spatial), ("data", "space"), axis_types=auto)
 
     def _check_budget_plan(self) -> None:
         """A ``"plan"`` workload plans a plain-Flax model at a share of ``"none"``'s peak."""
@@ -342,7 +375,7 @@ def train_step(workload: Workload, *, abstract: bool = False):
       ``(step, state, batch, loss_fn)``: ``step(state, batch) -> (state, loss)``
       with ``state = (params, model_state, opt_state)``, and
       ``loss_fn(params, model_state, batch) -> (loss, model_state)``, of one
-      micro-batch under ``"grad-accum"``. With ``num_devices`` > 1 the state
+      micro-batch under an accumulating strategy. With ``num_devices`` > 1 the state
       and batch are placed for data parallelism (:func:`_placed`).
     """
     if models.is_nnx(workload.model):
@@ -445,22 +478,30 @@ def _placed(init, workload: Workload, *, abstract: bool):
     With ``num_devices`` > 1 (data parallel), they are made over a mesh of the
     first devices, ``jax.make_mesh``'s, as in ``tests/test_sharding.py`` and
     :mod:`jaxoffload.bench.distributed_example`: the batch split along its
-    axis ``data``, the state replicated. Each device makes its own part, so no
-    device ever holds the whole batch. With ``abstract``, they are
+    axis ``data``, the state replicated. With ``spatial`` > 1 the mesh has an
+    axis ``space`` too, of Auto type, as ``tests/test_spatial.py`` has it: the
+    images and per-pixel labels are split along their rows over it, and the
+    partitioner carries the split through the step. Each device makes its own
+    part, so no device ever holds the whole batch. With ``abstract``, they are
     ``jax.ShapeDtypeStruct``s with those shardings, allocating nothing.
     """
-    if workload.num_devices == 1:
+    if workload.devices == 1:
         # Eager init dispatches hundreds of small ops: jit makes it one program.
         return jax.eval_shape(init) if abstract else jax.jit(init)()
-    mesh = jax.make_mesh((workload.num_devices,), ("data",))
-    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    if not abstract:
-        return jax.jit(init, out_shardings=(replicated, split))()
+    mesh, replicated = workload.mesh(), NamedSharding(workload.mesh(), P())
+
+    def split(leaf):  # the batch's axis over "data", an image's rows over "space"
+        spec = ("data", "space")[: min(leaf.ndim, 2 if workload.spatial > 1 else 1)]
+        return NamedSharding(mesh, P(*spec))
+
     state, batch = jax.eval_shape(init)
-    return (
-        jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated), state),
-        jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=split), batch),
-    )
+    shardings = jax.tree.map(lambda _: replicated, state), jax.tree.map(split, batch)
+    if not abstract:
+        return jax.jit(init, out_shardings=shardings)()
+    return jax.tree.map(
+        lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+        (state, batch), shardings,
+    )  # fmt: skip
 
 
 def _one(strategies):
@@ -779,7 +820,7 @@ def measure(
         ``grad_rel_err`` compares this workload's gradient at the initial
         parameters with the one stored there; if not, this workload's gradient
         is stored there (measure the ``"none"`` strategy first). The gradient is
-        computed after the runtime peak is read. A ``"grad-accum"`` workload
+        computed after the runtime peak is read. An accumulating workload
         checks its gradient against the whole batch's itself
         (:func:`_accumulation_check`), and reads no reference.
       time_forward: also time the forward pass alone (``forward_ms``), after
@@ -791,8 +832,10 @@ def measure(
         runtime peak is read: the compute of its transfer bound.
 
     A planned strategy's workload must carry its plan (:func:`plan_in_subprocess`).
-    With ``num_devices`` > 1 the memory figures are per device: the compiled
-    program's are one device's, and the runtime peak is the largest device's.
+    With ``num_devices`` or ``spatial`` > 1 the memory figures are per device: the
+    compiled program's are one device's, and the runtime peak is the largest
+    device's; with ``spatial`` > 1, ``spatial_gathers`` lists the all-gathers that
+    undo the split (:func:`jaxoffload.spatial_gathers`).
     """
     if (
         workload.strategy in PLANNED_STRATEGIES
@@ -804,7 +847,7 @@ def measure(
             "timing runs would otherwise count in this process's peak."
         )
     step, state, batch, loss_fn = train_step(workload)
-    devices = jax.devices()[: workload.num_devices]
+    devices = jax.devices()[: workload.devices]
     # Donation consumes the initial state: keep a host copy for the gradient check, and
     # where it was (a sharded step's gradients are sharded as its parameters are).
     initial = None
@@ -824,6 +867,9 @@ def measure(
     peak = None if None in peaks else max(peaks)
     device = devices[0]
     extra = {}
+    if workload.spatial > 1:  # what the partitioner could not split along the rows
+        gathers = read_spatial_gathers(compiled.as_text())
+        extra["spatial_gathers"] = [dataclasses.asdict(g) for g in gathers]
     if time_forward:
         extra["forward_ms"] = _forward_ms(loss_fn, state, batch, runs=steps)
     if time_twin and twin is not None:
@@ -831,7 +877,7 @@ def measure(
         extra.update(twin_times)
     del state
     if probe_link:
-        extra.update(_probe_link(device))
+        extra.update(_probe_link(devices))
     gradient = {"grad_rel_err": None}
     if initial is not None:
         initial = jax.device_put(*initial)
@@ -966,15 +1012,16 @@ def _time_twin(twin, twin_loss, state, batch, *, steps: int):
     )
 
 
-def _probe_link(device) -> dict[str, float]:
-    """The host link's bandwidths (:func:`measure_link`), with an array that fits what is free."""
+def _probe_link(devices) -> dict[str, float]:
+    """The host link's bandwidths per device, all the step's devices copying at once
+    (:func:`measure_link`), with an array that fits what each has free."""
     # On CPU the "link" is a memcpy: a smaller array tells as much, sooner.
     # Under a memory cap, the probe must fit in what the step left free.
-    nbytes = 2**30 if device.platform == "gpu" else 2**26
-    stats = device.memory_stats() or {}
-    if "bytes_limit" in stats:
-        nbytes = min(nbytes, (stats["bytes_limit"] - stats["bytes_in_use"]) // 4)
-    return measure_link(nbytes)
+    nbytes = 2**30 if devices[0].platform == "gpu" else 2**26
+    for stats in (d.memory_stats() or {} for d in devices):
+        if "bytes_limit" in stats:
+            nbytes = min(nbytes, (stats["bytes_limit"] - stats["bytes_in_use"]) // 4)
+    return measure_link(nbytes, devices=devices)
 
 
 def _workload_fields(workload: Workload) -> dict[str, Any]:
@@ -990,9 +1037,18 @@ def _workload_fields(workload: Workload) -> dict[str, Any]:
         **_plan_fields(workload),
         "offloaded_blocks": workload.offloaded_blocks,
         "num_devices": workload.num_devices,
+        **_spatial_fields(workload),
         **_accumulation_fields(workload),
         "framework": "jax",
     }
+
+
+def _spatial_fields(workload: Workload) -> dict[str, Any]:
+    """A spatially split workload's mesh; the image size recorded is the whole image's."""
+    if workload.spatial == 1:
+        return {}
+    return {"spatial": workload.spatial, "mesh": {"data": workload.num_devices,
+                                                 "space": workload.spatial}}  # fmt: skip
 
 
 def _accumulation_fields(workload: Workload) -> dict[str, Any]:
@@ -1125,11 +1181,11 @@ def gradient_at(
 
 
 def _accumulation_check(workload: Workload, loss_fn, initial) -> dict[str, Any]:
-    """A ``"grad-accum"`` record's gradient error against the whole batch's, and why it is not 0.
+    """An accumulating record's gradient error against the whole batch's, and why it is not 0.
 
-    The ``"none"`` run at the global batch may not fit at all (which is why one
-    accumulates), so the check is at a batch that plain Flax runs whole: at
-    most one micro-batch's images (but two per device at least). The gradient
+    The step it accumulates (``"none"``'s, or ``"lean"``'s) may not fit the
+    global batch at all (which is why one accumulates), so the check is at a
+    batch that it runs whole: at most one micro-batch's images (but two per device at least). The gradient
     of two micro-batches of half as many is compared with the whole batch's
     as :func:`gradient_error` compares any run with its reference. It is the
     same but for rounding where the loss is a mean over images and nothing
@@ -1150,7 +1206,7 @@ def _accumulation_check(workload: Workload, loss_fn, initial) -> dict[str, Any]:
     differs = [what for what, yes in [("BatchNorm's batch statistics", statistics),
                                       ("dropout's masks", masks)] if yes]  # fmt: skip
     against = (
-        f"against none's step on a whole batch of {2 * half}, accumulated over two micro-batches "
+        f"against {ACCUMULATED_STRATEGIES[workload.strategy]}'s step on a whole batch of {2 * half}, accumulated over two micro-batches "
         f"of {half}"
     )
     return {
@@ -1246,7 +1302,7 @@ def measure_all(
     """Measures each workload in its own process, with gradients compared to the first.
 
     The first workload must use the ``"none"`` strategy: it is the reference
-    for every ``grad_rel_err`` (but ``"grad-accum"``'s, which its process
+    for every ``grad_rel_err`` (but an accumulating strategy's, which its process
     checks at a smaller batch). A workload that runs out of memory gives a
     record with ``"out_of_memory": True``; one whose process fails otherwise
     gives a record with its ``"error"``. Records of strategies that move

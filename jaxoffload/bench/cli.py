@@ -46,8 +46,11 @@ _RUN_FLAGS = {
     "--window": "window",
     "--micro-batch": "micro_batch",
     "--devices": "num_devices",
+    "--spatial": "spatial",
     "--memory-cap": "memory_cap_gib",
 }
+# What a record without one of those fields was measured with: they came later.
+_RUN_DEFAULTS = {"spatial": 1}
 # The size searches: each axis of jaxoffload.bench.fit, its flag, and the speed at the size
 # found, as that module names its field, with the speed's unit.
 # Seconds that one size search compiles for, unless --time-limit says otherwise.
@@ -104,7 +107,7 @@ def _add_workload_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--strategies",
         default=DEFAULT_STRATEGIES,
-        help=f"comma-separated, from: {', '.join(STRATEGIES)} (grad-accum needs --micro-batch)",
+        help=f"comma-separated, from: {', '.join(STRATEGIES)} (grad-accum and grad-accum-lean need --micro-batch)",
     )
     bench.add_argument(
         "--window",
@@ -119,12 +122,13 @@ def _add_workload_arguments(bench: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="M",
-        help="grad-accum's micro-batch (an error without grad-accum): none's step over "
+        help="grad-accum's micro-batch (an error without it): none's step (lean's under "
+        "grad-accum-lean) over "
         "--batch / M micro-batches of M images in one lax.scan, their gradients averaged, then "
         "one SGD update, as users who run out of memory train. BatchNorm's batch statistics are "
         "per micro-batch (each updates the running averages in turn), and so are dropout's "
         "masks: only without them is the gradient the whole batch's. Its grad err is against "
-        "none's at a batch that none runs whole, as two micro-batches; the record says which "
+        "the step's own at a batch that it runs whole, as two micro-batches; the record says which "
         "(grad_check_batch) and why they differ (grad_rel_err_note)",
     )
     bench.add_argument(
@@ -138,6 +142,19 @@ def _add_workload_arguments(bench: argparse.ArgumentParser) -> None:
         "the compiled bytes are one device's, the peak the largest device's (on CPU, "
         "XLA_FLAGS=--xla_force_host_platform_device_count=N gives N devices); not yet with "
         "--budget, offload-hidden, --max-batch or --max-image-size",
+    )
+    bench.add_argument(
+        "--spatial",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split each image's rows over N devices more: a mesh axis 'space' beside "
+        "--devices' 'data' (both Auto), so that every activation is split along its height "
+        "and the partitioner exchanges the halos of each convolution; --image-size must "
+        "divide by N. Records get spatial, mesh and spatial_gathers: the all-gathers that "
+        "undo the split, by the operation each comes from (jaxoffload.spatial_gathers). "
+        "Memory readings are per device; not yet with --budget, offload-hidden, --max-batch "
+        "or --max-image-size",
     )
     bench.add_argument(
         "--budget",
@@ -182,7 +199,7 @@ def _add_run_arguments(bench: argparse.ArgumentParser) -> None:
         "process. Each strategy's record gets max_batch, max_batch_images_per_s and "
         "the search's other max_batch_* fields; a plain-Flax linen model is also planned at "
         "each batch, and the largest batch that some plan fits is a record of its own "
-        "(strategy 'plan', with no budget). Not grad-accum, whose micro-batch sets its memory, "
+        "(strategy 'plan', with no budget). Not grad-accum(-lean), whose micro-batch sets its memory, "
         "nor offload-hidden and --budget's plans, made for one batch. Adds two table columns "
         "and OUT/max_batch.png",
     )
@@ -339,7 +356,7 @@ def _strategies(args: argparse.Namespace) -> list[str]:
     if args.micro_batch is not None and not set(strategies) & set(accumulated):
         raise BenchError(
             f"--micro-batch {args.micro_batch} has no effect on {', '.join(strategies)}: only "
-            f"{', '.join(accumulated)} takes it"
+            f"{', '.join(accumulated)} take it"
         )
     # The planners time blocks on one device, without the mesh; the size searches read one
     # device's peak, and a batch that steps by 1 does not split over the devices.
@@ -351,10 +368,12 @@ def _strategies(args: argparse.Namespace) -> list[str]:
             ("--max-batch", args.max_batch),
             ("--max-image-size", args.max_image_size),
         ]
-        if given and args.devices > 1
+        if given and args.devices * args.spatial > 1
     ]
     if one_device:
-        raise BenchError(f"{' and '.join(one_device)} with --devices is not supported yet")
+        raise BenchError(
+            f"{' and '.join(one_device)} with --devices or --spatial is not supported yet"
+        )
     return strategies
 
 
@@ -389,7 +408,7 @@ def _workloads(args: argparse.Namespace, strategies: list[str]) -> list[benchmar
     def workload(strategy: str, **fields: Any) -> benchmark.Workload:
         return benchmark.Workload(
             args.model, args.batch, args.image_size, args.dtype, strategy,
-            num_devices=args.devices, **fields,
+            num_devices=args.devices, spatial=args.spatial, **fields,
         )  # fmt: skip
 
     try:
@@ -406,14 +425,15 @@ def _workloads(args: argparse.Namespace, strategies: list[str]) -> list[benchmar
 
 
 def _check_device_count(args: argparse.Namespace, device: dict[str, Any]) -> None:
-    """``--devices`` is at most what the measuring processes' jax sees."""
-    count = device.get("device_count", 1)
-    if args.devices > count:
-        flag = f"XLA_FLAGS=--xla_force_host_platform_device_count={args.devices}"
+    """``--devices`` by ``--spatial`` is at most what the measuring processes' jax sees."""
+    count, needed = device.get("device_count", 1), args.devices * args.spatial
+    if needed > count:
+        flag = f"XLA_FLAGS=--xla_force_host_platform_device_count={needed}"
         more = f"; on CPU, {flag} gives more" if device["platform"] == "cpu" else ""
-        raise BenchError(
-            f"--devices {args.devices}: jax sees {count} {device['platform']} devices here{more}"
+        asked = f"--devices {args.devices}" + (
+            f" by --spatial {args.spatial}" if args.spatial > 1 else ""
         )
+        raise BenchError(f"{asked}: jax sees {count} {device['platform']} devices here{more}")
 
 
 def _measuring_env(
@@ -477,6 +497,13 @@ def _say_notes(records: list[dict[str, Any]], console: Any) -> None:
                 f"{_gib(r['twin_temp_bytes'])} GiB without "
                 "the copies: they free less than a tenth of what they move. The peak is a "
                 "working set, not residuals; 'lean' keeps as little without the transfers."
+            )
+        if r.get("spatial_gathers"):
+            sources = sorted({g["op_name"] for g in r["spatial_gathers"]})
+            console.print(
+                f"[yellow]note:[/] {_name(r)!r} gathers {len(r['spatial_gathers'])} activations "
+                f"whole on every device, undoing the row split ({_gib(sum(g['nbytes'] for g in r['spatial_gathers']))} "
+                f"GiB in all), from: {'; '.join(sources)}."
             )
         if r["strategy"] == "offload-hidden" and r.get("offloaded_blocks") == 0:
             console.print(
@@ -579,7 +606,8 @@ def _earlier_records(path: pathlib.Path, args: argparse.Namespace) -> dict[str, 
                 continue  # the planner chose it
             if key == "micro_batch" and r["strategy"] not in benchmark.ACCUMULATED_STRATEGIES:
                 continue  # only accumulating strategies take it
-            theirs = tuple(r.get(key)) if isinstance(r.get(key), list) else r.get(key)
+            theirs = r.get(key, _RUN_DEFAULTS.get(key))
+            theirs = tuple(theirs) if isinstance(theirs, list) else theirs
             ours = getattr(args, _dest(flag))
             if theirs != ours:
                 raise BenchError(
@@ -693,7 +721,7 @@ def _searched(
     Each strategy of one value for every block is searched as it is. A plain-Flax
     (linen) model is also planned at each size, from the plain workload, into a record
     of its own, ``"plan"``. ``offload-hidden``'s plans and ``--budget``'s are made for
-    the batch measured, and ``grad-accum``'s memory is set by its micro-batch: they are
+    the batch measured, and an accumulating strategy's memory is set by its micro-batch: they are
     not searched.
     """
     if not axes:
@@ -866,6 +894,7 @@ def _table(records: list[dict[str, Any]]):
     table = Table(
         title=f"{first['model']}, batch {first['batch']}, {first['image_size']}², {first['dtype']}"
         + (f", {devices} devices" if devices > 1 else "")
+        + (f", rows over {first['spatial']} devices" if first.get("spatial", 1) > 1 else "")
     )
     columns = ["strategy", "temp GiB", "host GiB", "peak GiB", "step ms", "images/s", "grad err"]
     bound = any("bound_ratio" in r for r in records)
@@ -915,7 +944,7 @@ def _size_cells(r: dict[str, Any], axis: str) -> list[str]:
     """A record's cells of one size search: the largest size found and the speed there."""
     if f"max_{axis}_error" in r:
         return ["failed", ""]
-    if f"max_{axis}" not in r:  # not searched: grad-accum, or a plan made for one batch
+    if f"max_{axis}" not in r:  # not searched: grad-accum(-lean), or a plan made for one batch
         return ["-", "-"]
     speed = r.get(f"max_{axis}_{SIZE_SEARCHES[axis][1]}")
     return [str(r[f"max_{axis}"]), "-" if speed is None else f"{speed:.1f}"]

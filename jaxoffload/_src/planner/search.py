@@ -82,6 +82,15 @@ def default_options() -> tuple[Strategy, ...]:
 TIMED_RUNS = 11
 
 
+def _devices_of(args) -> list[Any]:
+    """The devices that the step's arguments are placed on, which share the host link at once."""
+    found = {}
+    for leaf in jax.tree.leaves(args):
+        for device in getattr(getattr(leaf, "sharding", None), "device_set", ()):
+            found[device.id] = device
+    return [found[i] for i in sorted(found)] or jax.devices()[:1]
+
+
 class Planner:
     """What planning measures once per model and step, and the plans it makes from it.
 
@@ -145,9 +154,11 @@ class Planner:
         else:
             self.link = None
             if any(s.to_host for s in options):
-                link = timing.measure_link()
+                devices = _devices_of(args)
+                link = timing.measure_link(devices=devices)
                 self.link = (link["d2h_gbps"], link["h2d_gbps"])
-                say(f"host link: {self.link[0]:.1f} GB/s out, {self.link[1]:.1f} GB/s back")
+                each = f" each, {len(devices)} devices at once" if len(devices) > 1 else ""
+                say(f"host link: {self.link[0]:.1f} GB/s out, {self.link[1]:.1f} GB/s back{each}")
             # The plain step first and alone: it autotunes the kernels that the blocks'
             # programs and the other steps share, which then compile the faster. XLA
             # compiles outside Python's lock, so the blocks and the uniform checks are
