@@ -218,6 +218,22 @@ def test_rows_split_over_devices_give_one_device_s_gradients(tmp_path):
 
 
 @needs_four
+def test_a_size_search_over_a_mesh_keeps_the_sizes_that_split():
+    workload = _workload("flax-resnet18", num_devices=2, spatial=2)
+    budget = (
+        _compiled_bytes(workload, image_size=64) + _compiled_bytes(workload, image_size=128)
+    ) // 2
+    found = fit.largest(workload, "image_size", budget_bytes=budget, limit=128)
+    probes = dict(found["max_image_size_probes"])
+    # Multiples of 16 per device's rows: each device's part of a U-Net level meets its skip.
+    assert probes and all(side % 32 == 0 for side in probes), probes
+    # Each probe compiled with the rows split: its bytes are one device's (Auto axes, which
+    # eval_shape does not keep in the structs' types).
+    assert found["max_image_size"] == 96 and probes[96] <= budget < probes[128]
+    assert found["max_image_size_confirmed"]
+
+
+@needs_four
 def test_accumulating_over_four_devices_updates_as_one_device_s_whole_batch():
     update, _ = _first_update(_workload("vgg11"))
     accumulated = _workload("vgg11", "grad-accum", micro_batch=4, num_devices=4)

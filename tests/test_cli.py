@@ -52,10 +52,8 @@ REQUIRED = {
         (["--devices", "3"], "--batch 8 does not split over --devices 3: use 6 or 9"),
         (["--devices", "4", "--budget", "0.5"],
          "--budget with --devices or --spatial is not supported yet"),
-        (["--devices", "4", "--max-image-size"],
-         "--max-image-size with --devices or --spatial is not supported yet"),
-        (["--spatial", "2", "--max-batch"],
-         "--max-batch with --devices or --spatial is not supported yet"),
+        (["--spatial", "2", "--strategies", "none,offload-hidden"],
+         "offload-hidden with --devices or --spatial is not supported yet"),
         (["--spatial", "3"], "--image-size 32 does not split over --spatial 3: use 30 or 33"),
         (["--spatial", "0"], "--spatial must be at least 1, got 0"),
     ],
@@ -283,7 +281,8 @@ def test_measure_link_moves_bytes_both_ways():
     from jaxoffload.bench import benchmark
 
     link = benchmark.measure_link(nbytes=2**20, runs=1)
-    assert set(link) == {"d2h_gbps", "h2d_gbps"} and min(link.values()) > 0
+    assert set(link) == {"d2h_gbps", "h2d_gbps", "link_devices"} and min(link.values()) > 0
+    assert link["link_devices"] == 1  # the first device, alone
 
 
 def test_requested_host_bytes_match_the_traced_step_and_allocate_nothing():

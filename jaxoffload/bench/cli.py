@@ -140,8 +140,8 @@ def _add_workload_arguments(bench: argparse.ArgumentParser) -> None:
         "split over it, the parameters and optimizer state replicated. --batch (and "
         "--micro-batch) are over all N, and must divide by N. Memory readings are per device: "
         "the compiled bytes are one device's, the peak the largest device's (on CPU, "
-        "XLA_FLAGS=--xla_force_host_platform_device_count=N gives N devices); not yet with "
-        "--budget, offload-hidden, --max-batch or --max-image-size",
+        "XLA_FLAGS=--xla_force_host_platform_device_count=N gives N devices); a size search "
+        "keeps batches that divide by N; not yet with --budget or offload-hidden",
     )
     bench.add_argument(
         "--spatial",
@@ -153,8 +153,8 @@ def _add_workload_arguments(bench: argparse.ArgumentParser) -> None:
         "and the partitioner exchanges the halos of each convolution; --image-size must "
         "divide by N. Records get spatial, mesh and spatial_gathers: the all-gathers that "
         "undo the split, by the operation each comes from (jaxoffload.spatial_gathers). "
-        "Memory readings are per device; not yet with --budget, offload-hidden, --max-batch "
-        "or --max-image-size",
+        "Memory readings are per device, and --max-image-size keeps sides that are multiples "
+        "of 16 N; not yet with --budget or offload-hidden",
     )
     bench.add_argument(
         "--budget",
@@ -358,15 +358,12 @@ def _strategies(args: argparse.Namespace) -> list[str]:
             f"--micro-batch {args.micro_batch} has no effect on {', '.join(strategies)}: only "
             f"{', '.join(accumulated)} take it"
         )
-    # The planners time blocks on one device, without the mesh; the size searches read one
-    # device's peak, and a batch that steps by 1 does not split over the devices.
+    # The bench's planners for one batch time their blocks on one device, without the mesh.
     one_device = [
         option
         for option, given in [
             ("--budget", bool(args.budget)),
             ("offload-hidden", "offload-hidden" in strategies),
-            ("--max-batch", args.max_batch),
-            ("--max-image-size", args.max_image_size),
         ]
         if given and args.devices * args.spatial > 1
     ]
@@ -744,6 +741,7 @@ def _plan_search_record(
     fields = ("model", "batch", "image_size", "dtype", "num_devices")
     return {
         **{k: getattr(plain, k) for k in fields},
+        **({"spatial": plain.spatial} if plain.spatial > 1 else {}),
         "strategy": "plan",
         "framework": "jax",
         "device": device["device"],

@@ -66,6 +66,9 @@ def largest(
             )
         budget_bytes = int(stats["bytes_limit"] * (1 - ALLOCATOR_SLACK))
     model, step = _model_and_step(workload, plan)
+    # Sizes that split over the mesh: a batch over "data", each image's rows over "space".
+    multiple = AXES[axis][0] * (workload.num_devices if axis == "batch" else workload.spatial)
+    smallest = -(-SMALLEST[axis] // multiple) * multiple
 
     def args_at(size):
         _, state, batch, _ = benchmark.training(
@@ -76,7 +79,7 @@ def largest(
     began = time.perf_counter()
     found = jaxoffload.largest_size(
         model, step, args_at, budget=budget_bytes, plan=plan, start=getattr(workload, axis),
-        limit=limit, multiple_of=AXES[axis][0], smallest=SMALLEST[axis], exponent=AXES[axis][1],
+        limit=limit, multiple_of=multiple, smallest=smallest, exponent=AXES[axis][1],
         time_limit_s=time_limit_s, donate_argnums=(0,),
     )  # fmt: skip
     # The versions too: the planned model's search record has no measured step to carry them.

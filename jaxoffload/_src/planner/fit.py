@@ -218,9 +218,23 @@ class _Steps:
         self.peak_before = _peak_bytes() or 0
 
     def args(self, size: int) -> tuple:
-        """``args_at(size)``, abstractly: traced once per size (a model's init, say)."""
+        """``args_at(size)``, abstractly: traced once per size (a model's init, say). The
+        structs that it gives keep their shardings, which ``eval_shape`` drops where they
+        are not in the types (Auto mesh axes)."""
         if size not in self.structs:
-            self.structs[size] = tuple(jax.eval_shape(lambda: tuple(self.args_at(size))))
+            given = []
+
+            def args_at():
+                args = tuple(self.args_at(size))
+                given.extend(jax.tree.leaves(args))
+                return args
+
+            structs, tree = jax.tree.flatten(jax.eval_shape(args_at))
+            structs = [
+                g if isinstance(g, jax.ShapeDtypeStruct) and g.sharding is not None else s
+                for s, g in zip(structs, given)
+            ]
+            self.structs[size] = tuple(jax.tree.unflatten(tree, structs))
         return self.structs[size]
 
     def compiled_bytes(self, size: int) -> int:
@@ -274,7 +288,9 @@ class _Steps:
 
 
 def _peak_bytes() -> int | None:
-    return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    """The largest device's runtime peak: a sharded step's budget is per device."""
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+    return max((p for p in peaks if p is not None), default=None)
 
 
 def largest_fitting(
