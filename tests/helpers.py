@@ -77,3 +77,17 @@ def host_puts(jaxpr) -> list:
         for sub in core.jaxprs_in_params(eqn.params):
             found += host_puts(sub)
     return found
+
+
+def every_strategy_value() -> list:
+    """One value of each strategy, and Offload's window and recompute options."""
+    import jaxoffload
+
+    return [
+        jaxoffload.Store(),
+        jaxoffload.Lean(),
+        jaxoffload.Remat(),
+        jaxoffload.Offload(),
+        jaxoffload.Offload(window=2),
+        jaxoffload.Offload(recompute=True),
+    ]

@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import host_puts, normal, rel_err
+from helpers import every_strategy_value, host_puts, normal, rel_err
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -96,14 +96,7 @@ def test_sharded_flax_training_step():
 
 # ---- a plain-Flax ResNet, data parallel over a 4-device mesh ----------------------------
 
-STRATEGIES = [
-    jaxoffload.Store(),
-    jaxoffload.Lean(),
-    jaxoffload.Remat(),
-    jaxoffload.Offload(),
-    jaxoffload.Offload(window=2),
-    jaxoffload.Offload(recompute=True),
-]
+STRATEGIES = every_strategy_value()
 RESNET = dict(stage_sizes=(1, 1), num_filters=8, num_classes=10)
 
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from helpers import host_puts, normal, rel_err
+from helpers import every_strategy_value, host_puts, normal, rel_err
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -29,14 +29,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs 4 devices: XLA_FLAGS=--xla_force_host_platform_device_count=4",
 )
 
-STRATEGIES = [
-    jaxoffload.Store(),
-    jaxoffload.Lean(),
-    jaxoffload.Remat(),
-    jaxoffload.Offload(),
-    jaxoffload.Offload(window=2),
-    jaxoffload.Offload(recompute=True),
-]
+STRATEGIES = every_strategy_value()
 UNET = dict(num_filters=4, depth=2, num_classes=3)
 SIDE = 32
 
