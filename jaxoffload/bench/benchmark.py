@@ -79,6 +79,7 @@ __all__ = [
     "plan_in_subprocess",
     "probe_device",
     "requested_host_bytes",
+    "spatial_fields",
     "time_offloaded_calls",
     "train_step",
     "training",
@@ -488,7 +489,8 @@ def _placed(init, workload: Workload, *, abstract: bool):
     if workload.devices == 1:
         # Eager init dispatches hundreds of small ops: jit makes it one program.
         return jax.eval_shape(init) if abstract else jax.jit(init)()
-    mesh, replicated = workload.mesh(), NamedSharding(workload.mesh(), P())
+    mesh = workload.mesh()
+    replicated = NamedSharding(mesh, P())
 
     def split(leaf):  # the batch's axis over "data", an image's rows over "space"
         spec = ("data", "space")[: min(leaf.ndim, 2 if workload.spatial > 1 else 1)]
@@ -1037,13 +1039,13 @@ def _workload_fields(workload: Workload) -> dict[str, Any]:
         **_plan_fields(workload),
         "offloaded_blocks": workload.offloaded_blocks,
         "num_devices": workload.num_devices,
-        **_spatial_fields(workload),
+        **spatial_fields(workload),
         **_accumulation_fields(workload),
         "framework": "jax",
     }
 
 
-def _spatial_fields(workload: Workload) -> dict[str, Any]:
+def spatial_fields(workload: Workload) -> dict[str, Any]:
     """A spatially split workload's mesh; the image size recorded is the whole image's."""
     if workload.spatial == 1:
         return {}
@@ -1185,8 +1187,9 @@ def _accumulation_check(workload: Workload, loss_fn, initial) -> dict[str, Any]:
 
     The step it accumulates (``"none"``'s, or ``"lean"``'s) may not fit the
     global batch at all (which is why one accumulates), so the check is at a
-    batch that it runs whole: at most one micro-batch's images (but two per device at least). The gradient
-    of two micro-batches of half as many is compared with the whole batch's
+    batch that it runs whole: at most one micro-batch's images (but two per
+    device at least). The gradient of two micro-batches of half as many is
+    compared with the whole batch's
     as :func:`gradient_error` compares any run with its reference. It is the
     same but for rounding where the loss is a mean over images and nothing
     else couples them; BatchNorm's statistics and dropout's masks do.
@@ -1206,8 +1209,8 @@ def _accumulation_check(workload: Workload, loss_fn, initial) -> dict[str, Any]:
     differs = [what for what, yes in [("BatchNorm's batch statistics", statistics),
                                       ("dropout's masks", masks)] if yes]  # fmt: skip
     against = (
-        f"against {ACCUMULATED_STRATEGIES[workload.strategy]}'s step on a whole batch of {2 * half}, accumulated over two micro-batches "
-        f"of {half}"
+        f"against {ACCUMULATED_STRATEGIES[workload.strategy]}'s step on a whole batch of "
+        f"{2 * half}, accumulated over two micro-batches of {half}"
     )
     return {
         "batch_norm_statistics": per_micro_batch if statistics else None,

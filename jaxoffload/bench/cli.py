@@ -495,12 +495,12 @@ def _say_notes(records: list[dict[str, Any]], console: Any) -> None:
                 "the copies: they free less than a tenth of what they move. The peak is a "
                 "working set, not residuals; 'lean' keeps as little without the transfers."
             )
-        if r.get("spatial_gathers"):
-            sources = sorted({g["op_name"] for g in r["spatial_gathers"]})
+        if gathers := r.get("spatial_gathers"):
+            sources = sorted({g["op_name"] for g in gathers})
             console.print(
-                f"[yellow]note:[/] {_name(r)!r} gathers {len(r['spatial_gathers'])} activations "
-                f"whole on every device, undoing the row split ({_gib(sum(g['nbytes'] for g in r['spatial_gathers']))} "
-                f"GiB in all), from: {'; '.join(sources)}."
+                f"[yellow]note:[/] {_name(r)!r} gathers {len(gathers)} activations whole on every "
+                f"device, undoing the row split ({_gib(sum(g['nbytes'] for g in gathers))} GiB in "
+                f"all), from: {'; '.join(sources)}."
             )
         if r["strategy"] == "offload-hidden" and r.get("offloaded_blocks") == 0:
             console.print(
@@ -741,7 +741,7 @@ def _plan_search_record(
     fields = ("model", "batch", "image_size", "dtype", "num_devices")
     return {
         **{k: getattr(plain, k) for k in fields},
-        **({"spatial": plain.spatial} if plain.spatial > 1 else {}),
+        **benchmark.spatial_fields(plain),
         "strategy": "plan",
         "framework": "jax",
         "device": device["device"],
