@@ -50,6 +50,21 @@ def test_the_answer_is_always_a_size_that_was_compiled_and_fits(noise, start):
     assert size == 0 or (size in bytes_at.calls and bytes_at(size) <= 3000)
 
 
+def test_where_the_bytes_stop_growing_the_search_steps_rather_than_leaps():
+    """XLA rematerialises a step to fit the device: its bytes flatten just under the budget
+    up to an edge that no line predicts, and a compile far past that edge is the slowest."""
+    bytes_at = Counted(lambda b: 100 * b if b <= 500 else 49_000 + b if b <= 560 else 100 * b)
+    size, stopped = largest_fitting(bytes_at, 50_000, start=256, limit=4096)
+    assert stopped is None and 560 * 0.98 <= size <= 560
+    assert max(bytes_at.calls) <= 640 and len(set(bytes_at.calls)) <= 10
+
+
+def test_the_second_probe_is_where_proportional_bytes_meet_the_budget():
+    bytes_at = Counted(lambda b: 100 * b)
+    largest_fitting(bytes_at, 15_000, start=100, limit=4096)
+    assert bytes_at.calls[:2] == [100, 150]
+
+
 def test_every_probe_is_a_multiple():
     bytes_at = Counted(lambda side: 50 * side * side)
     size, _ = largest_fitting(bytes_at, 10**6, start=64, limit=1024, multiple_of=16)

@@ -1315,7 +1315,8 @@ def measure_all(
     twin's record, which must come before it.
 
     Args:
-      workloads: what to measure, the reference first.
+      workloads: what to measure, the reference first (none where every workload
+        accumulates gradients: each checks its own against its step on a whole batch).
       steps: timed steps per workload.
       env: extra environment variables for the child processes.
       on_start: called with each workload before it starts (for progress).
@@ -1333,8 +1334,12 @@ def measure_all(
         step's, not its compile's. Planning compiles into a cache of its own
         (empty when it starts), from which the plans' steps are then loaded.
     """
-    if not workloads or workloads[0].strategy != "none":
-        raise ValueError("the first workload must use the 'none' strategy: it is the reference.")
+    self_checked = all(w.strategy in ACCUMULATED_STRATEGIES for w in workloads)
+    if not workloads or (workloads[0].strategy != "none" and not self_checked):
+        raise ValueError(
+            "the first workload must use the 'none' strategy: it is the reference (unless "
+            "every workload accumulates, and checks itself against its own whole step)."
+        )
     kept = {(r["strategy"], r.get("budget")): r for r in measured}
     records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as folder:

@@ -462,8 +462,14 @@ def _stderr_console():
 def _add_needed_strategies(
     workloads: list[benchmark.Workload], strategies: list[str], console: Any
 ) -> None:
-    """Adds, in place and with a note, the strategies that others need: ``none`` and planned ones' twins."""
-    for needed, why in [("none", "gradients are compared with it")] + [
+    """Adds, in place and with a note, the strategies that others need: ``none`` and planned ones' twins.
+
+    An accumulating strategy checks its gradient against its own step on a whole batch,
+    so a run of those alone does not add ``none``, whose step at the global batch is the
+    one that does not fit.
+    """
+    compared = any(s not in benchmark.ACCUMULATED_STRATEGIES for s in strategies)
+    for needed, why in [("none", "gradients are compared with it")] * compared + [
         (benchmark.COMPUTE_TWIN[s], f"{s!r} is planned from its run")
         for s in strategies
         if s in benchmark.PLANNED_STRATEGIES and s != "plan"
@@ -630,7 +636,11 @@ def _measure(
     """Measures the workloads, then searches the sizes, that ``earlier`` lacks; writes records.json after each."""
     path, reference = out / RECORDS, out / REFERENCE
     kept = {_name(w): earlier[_name(w)] for w in workloads if _name(w) in earlier}
-    if "step_time_ms" in kept.get("none", {}) and not reference.exists():
+    compared = [
+        w for w in workloads
+        if _name(w) not in kept and w.strategy not in ("none", *benchmark.ACCUMULATED_STRATEGIES)
+    ]  # fmt: skip
+    if "step_time_ms" in kept.get("none", {}) and not reference.exists() and compared:
         del kept["none"]  # measured again: the others' gradients are compared with its
     todo = [w for w in workloads if _name(w) not in kept]
     searched = _searched(workloads, axes)

@@ -24,8 +24,10 @@ __all__ = ["AXES", "largest"]
 # size that a step's bytes grow with: the batch, or the images' side. Sides are multiples
 # of 16, so that a U-Net's four halvings and doublings meet its skips.
 AXES = {"batch": (1, 1.0), "image_size": (16, 2.0)}
-# The smallest size of each axis that a workload takes (benchmark.Workload checks it).
+# The smallest size of each axis that a workload takes (benchmark.Workload checks it), and
+# the largest searched: a segmentation net's one image may reach thousands of pixels a side.
 SMALLEST = {"batch": 1, "image_size": 32}
+LARGEST = {"batch": 4096, "image_size": 8192}
 
 # What the allocator holds beyond a step's compiled bytes: a few percent.
 ALLOCATOR_SLACK = 0.03
@@ -38,7 +40,7 @@ def largest(
     plan: bool = False,
     budget_bytes: int | None = None,
     time_limit_s: float = 300.0,
-    limit: int = 4096,
+    limit: int | None = None,
 ) -> dict[str, Any]:
     """The largest ``axis`` (``"batch"`` or ``"image_size"``) at which the workload's step fits.
 
@@ -48,7 +50,8 @@ def largest(
         workload's strategy (:func:`jaxoffload.largest_size` with ``plan=True``).
       budget_bytes: device bytes; by default, this process's device memory
         limit less :data:`ALLOCATOR_SLACK`.
-      time_limit_s, limit: as in :func:`jaxoffload.largest_size`.
+      time_limit_s, limit: as in :func:`jaxoffload.largest_size`; the limit is
+        :data:`LARGEST`'s by default.
 
     Returns:
       The record's fields, named for the axis: ``max_batch``,
@@ -79,7 +82,7 @@ def largest(
     began = time.perf_counter()
     found = jaxoffload.largest_size(
         model, step, args_at, budget=budget_bytes, plan=plan, start=getattr(workload, axis),
-        limit=limit, multiple_of=multiple, smallest=smallest, exponent=AXES[axis][1],
+        limit=LARGEST[axis] if limit is None else limit, multiple_of=multiple, smallest=smallest, exponent=AXES[axis][1],
         time_limit_s=time_limit_s, donate_argnums=(0,),
     )  # fmt: skip
     # The versions too: the planned model's search record has no measured step to carry them.

@@ -312,7 +312,10 @@ def largest_fitting(
     (a secant), kept strictly between the largest size known to fit and the
     smallest above it known not to, else halfway; after a probe that fits,
     the next is a ``tolerance`` above it, which closes the bracket of a step
-    whose bytes are affine. The search ends when the two are ``tolerance``
+    whose bytes are affine. The second probe takes the bytes as proportional
+    to the size; where they stop growing below the budget, the next probe is
+    an eighth above the largest fit rather than a leap; two probes that do not
+    halve the bracket are followed by a halving. The search ends when the two are ``tolerance``
     apart. The answer is always a size that was checked and fitted (0 if
     none was).
 
@@ -336,12 +339,14 @@ def largest_fitting(
 
     first = max(low, min(start // multiple_of, top))
     check(first)
-    probe = min(top, 2 * first) if seen[first] <= budget else max(low, first // 2)
+    probe = _proportional(first, seen[first], budget, exponent, tolerance, low, top)
     guessed = False  # whether the probe is the secant's
+    widths = []  # the bracket's width after each probe
     while True:
         check(probe)
         good = max((u for u in seen if seen[u] <= budget), default=low - 1)
         bad = min((u for u in seen if seen[u] > budget and u > good), default=top + 1)
+        widths.append(bad - good)
         if bad - good <= max(1, int(good * tolerance)):
             return (good * multiple_of if good >= low else 0), None
         if out_of_time():
@@ -358,12 +363,27 @@ def largest_fitting(
             guessed = guess is not None and good < guess < bad
             if guessed:
                 probe = guess
-            elif bad > top:  # nothing above is known not to fit, and no line says where
-                probe = min(top, max(low, 2 * good))
+            elif bad > top:
+                # Nothing above is known not to fit, and the bytes stopped growing: the
+                # compiler squeezes the step to fit (XLA rematerialises under a device's
+                # memory), so the edge is near, and a compile far past it is the slowest.
+                probe = min(top, good + max(step, good // 8))
             else:  # just above the largest fit, where the line puts the answer; else halfway
                 probe = good + step if guess is not None and guess <= good else (good + bad) // 2
-        if not good < probe < bad:
+        # Two probes that did not halve the bracket: the line is wrong here (bytes that jump
+        # where the compiler stops fitting the step), so halve it.
+        slow = len(widths) >= 3 and bad <= top and widths[-1] > widths[-3] / 2
+        if slow or not good < probe < bad:
             probe, guessed = (good + bad) // 2, False
+
+
+def _proportional(first, nbytes, budget, exponent, tolerance, low, top) -> int:
+    """The probe after the first: where bytes proportional to ``size ** exponent`` meet the
+    budget, at most twice the first, and at least a ``tolerance`` away from it."""
+    guess = 2 * first if nbytes <= 0 else int(first * (budget / nbytes) ** (1 / exponent))
+    if nbytes <= budget:
+        return min(top, max(first + max(1, int(first * tolerance)), min(2 * first, guess)))
+    return max(low, min(first - 1, guess))
 
 
 def _secant(seen, good, bad, low, top, budget, exponent) -> int | None:
