@@ -32,14 +32,13 @@ unet)
 accum)
   # The plan's largest batch B, split into k micro-batches each within 95% of the
   # strategy's own largest batch (a scan's step holds a little more), B rounded down to
-  # a multiple of k.
+  # a multiple of both splits.
   read -r batch store lean < <(python3 -c "
 import json, math, sys
 r = {x['strategy']: x for x in json.load(open('$FROM/resnet50/records.json'))}
 B = r['plan']['max_batch']
-k = math.ceil(B / (0.95 * r['none']['max_batch']))
-B -= B % k
-k2 = next(k for k in range(math.ceil(B / (0.95 * r['lean']['max_batch'])), B + 1) if B % k == 0)
+k, k2 = (math.ceil(B / (0.95 * r[s]['max_batch'])) for s in ('none', 'lean'))
+B -= B % math.lcm(k, k2)
 print(B, B // k, B // k2)")
   echo "global batch $batch: micro-batches of $store (grad-accum), $lean (grad-accum-lean)"
   for peer in grad-accum:$store grad-accum-lean:$lean; do

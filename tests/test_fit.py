@@ -94,7 +94,7 @@ def test_the_time_limit_stops_the_search_with_the_largest_known_fit():
         lambda b: calls.append(b) or 100 * b, 10**6, start=8, limit=4096,
         out_of_time=lambda: len(calls) >= 2,
     )  # fmt: skip
-    assert size == 16 and "time limit" in stopped
+    assert size == 64 and "time limit" in stopped  # 8 fits, and 8 times it
 
 
 def args_at(batch):
@@ -169,7 +169,11 @@ def test_at_a_size_far_past_the_budget_the_plain_step_is_compiled_only_when_need
     lines = []
     steps.planning["say"] = lines.append
     far = steps._planner(64)  # its plain step: 8 times size 8's, about 5 budgets
-    assert far.plain not in far.compiled and len(far.compiled) == 1
+    assert far.plain not in far.compiled and len(far.compiled) <= 2
+    # The least plan at the measured size is compiled here too: the model, fitted at 8,
+    # may misjudge which plan is leanest at 64.
+    measured = steps._planner(8)
+    assert min(measured.compiled, key=measured.compiled.__getitem__) in far.compiled
     assert any("not compiled" in line for line in lines)
     assert far.anchor in far.compiled
     # A share of the plain step needs it: it is compiled then.

@@ -313,7 +313,7 @@ def largest_fitting(
     smallest above it known not to, else halfway; after a probe that fits,
     the next is a ``tolerance`` above it, which closes the bracket of a step
     whose bytes are affine. The second probe takes the bytes as proportional
-    to the size; where they stop growing below the budget, the next probe is
+    to the size (short of the answer, for affine bytes that fit at the first); where they stop growing below the budget, the next probe is
     an eighth above the largest fit rather than a leap; two probes that do not
     halve the bracket are followed by a halving. The search ends when the two are ``tolerance``
     apart. The answer is always a size that was checked and fitted (0 if
@@ -379,10 +379,15 @@ def largest_fitting(
 
 def _proportional(first, nbytes, budget, exponent, tolerance, low, top) -> int:
     """The probe after the first: where bytes proportional to ``size ** exponent`` meet the
-    budget, at most twice the first, and at least a ``tolerance`` away from it."""
-    guess = 2 * first if nbytes <= 0 else int(first * (budget / nbytes) ** (1 / exponent))
+    budget, at least a ``tolerance`` from the first and at most eight times it.
+
+    Where the first fits, bytes affine in ``size ** exponent`` with a part that does not
+    grow (parameters, optimizer state) put the answer beyond this guess, so it does not
+    cost a compile past the budget: the slowest kind.
+    """
+    guess = 8 * first if nbytes <= 0 else int(first * (budget / nbytes) ** (1 / exponent))
     if nbytes <= budget:
-        return min(top, max(first + max(1, int(first * tolerance)), min(2 * first, guess)))
+        return min(top, max(first + max(1, int(first * tolerance)), min(8 * first, guess)))
     return max(low, min(first - 1, guess))
 
 
