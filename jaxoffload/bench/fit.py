@@ -82,8 +82,9 @@ def largest(
     began = time.perf_counter()
     found = jaxoffload.largest_size(
         model, step, args_at, budget=budget_bytes, plan=plan, start=getattr(workload, axis),
-        limit=LARGEST[axis] if limit is None else limit, multiple_of=multiple, smallest=smallest, exponent=AXES[axis][1],
-        time_limit_s=time_limit_s, donate_argnums=(0,),
+        limit=LARGEST[axis] if limit is None else limit, multiple_of=multiple,
+        smallest=smallest, exponent=AXES[axis][1], time_limit_s=time_limit_s,
+        donate_argnums=(0,),
     )  # fmt: skip
     # The versions too: the planned model's search record has no measured step to carry them.
     device = benchmark.device_fields(jax.devices()[0])

@@ -313,10 +313,11 @@ def largest_fitting(
     smallest above it known not to, else halfway; after a probe that fits,
     the next is a ``tolerance`` above it, which closes the bracket of a step
     whose bytes are affine. The second probe takes the bytes as proportional
-    to the size (short of the answer, for affine bytes that fit at the first); where they stop growing below the budget, the next probe is
-    an eighth above the largest fit rather than a leap; two probes that do not
-    halve the bracket are followed by a halving. The search ends when the two are ``tolerance``
-    apart. The answer is always a size that was checked and fitted (0 if
+    to the size (short of the answer, for affine bytes that fit at the first);
+    where they stop growing below the budget, the next probe is an eighth
+    above the largest fit rather than a leap; two probes that do not halve the
+    bracket are followed by a halving. The search ends when the two are
+    ``tolerance`` apart. The answer is always a size that was checked and fitted (0 if
     none was).
 
     Returns:

@@ -198,8 +198,7 @@ class Planner:
         # ResNet-50 at batch 1247, its leanest kept 14.5 GiB where Offload() on every block,
         # the least at batch 256, fits batch 1588 in 15.0).
         firsts = self.checks or list(dict.fromkeys(
-            [self.candidate(self.front[0])]
-            + [min(measured.compiled, key=measured.compiled.__getitem__)] * bool(measured.compiled)
+            [self.candidate(self.front[0]), min(measured.compiled, key=measured.compiled.get)]
         ))  # fmt: skip
         # At another size, the plain step is compiled only where its bytes at the measured
         # size, scaled as its traced bytes scale, are within twice what runs here: XLA
