@@ -518,16 +518,18 @@ def _fake_size_search(monkeypatch, searches, fail=()):
     what it gives.
     """
 
-    def fake(workload, axis, *, plan, env, time_limit_s):
+    def fake(workload, axis, *, plan, env, time_limit_s, min_speed=None):
         name = "plan" if plan else workload.strategy
+        assert plan or min_speed is None  # a floor is the planned search's alone
         searches.append((name, axis, time_limit_s, env))
         for failing, failure in fail:
             if failing == (name, axis):
                 raise failure
         size = {"batch": 64, "image_size": 96}[axis] * (3 if plan else 1)
         speed = {"batch": "images_per_s", "image_size": "ms_per_megapixel"}[axis]
+        floor = {f"max_{axis}_min_speed": min_speed} if plan else {}
         return {f"max_{axis}": size, f"max_{axis}_{speed}": 100.0 + size,
-                f"max_{axis}_step_ms": 5.0, f"max_{axis}_stopped": None}  # fmt: skip
+                f"max_{axis}_step_ms": 5.0, f"max_{axis}_stopped": None, **floor}  # fmt: skip
 
     monkeypatch.setattr(benchmark, "largest_in_subprocess", fake)
 
@@ -581,6 +583,27 @@ def test_size_searches_reach_each_uniform_strategy_and_the_planned_model(
     assert re.search(r"│ grad-accum\b.*│ - │ - │ - │ - │", table)
     for plot in ("max_batch.png", "max_image_size.png"):
         assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_speed_floor_reaches_the_planned_search_alone_and_resuming_with_another_reruns_it(
+    monkeypatch, tmp_path, capsys
+):
+    _compiled_first_here(monkeypatch)
+    searches = []
+    _fake_size_search(monkeypatch, searches)
+    monkeypatch.setattr(benchmark, "measure_in_subprocess", lambda w, **_: bench_record(w))
+    monkeypatch.setattr(benchmark, "probe_device", lambda env=None: H200)
+    argv = ["bench", "--strategies", "none", "--steps", "1", "--out", str(tmp_path), "--max-batch"]
+    cli.main([*argv, "--min-speed", "0.7"])
+    records = {cli._name(r): r for r in json.loads((tmp_path / "records.json").read_text())}
+    assert records["plan"]["max_batch_min_speed"] == 0.7
+    assert "max_batch_min_speed" not in records["none"]
+    searches.clear()
+    cli.main([*argv, "--min-speed", "0.5", "--resume"])
+    assert [s[:2] for s in searches] == [("plan", "batch")]
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--min-speed", "0.7", "--out", str(tmp_path)])
+    assert "--min-speed 0.7 is a share" in capsys.readouterr().err
 
 
 def test_resumed_size_searches_keep_what_was_found_and_search_the_rest(

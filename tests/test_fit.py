@@ -1,5 +1,7 @@
 """jaxoffload.largest_size: the size search against stand-in bytes, and on a model on CPU."""
 
+import math
+
 import jax.numpy as jnp
 import pytest
 from hypothesis import given, settings
@@ -146,9 +148,47 @@ def test_with_a_plan_the_size_is_the_largest_that_some_plan_fits():
     assert sum("timing block programs" in line for line in lines) == 1
 
 
+def _plannable_steps(min_speed=None, say=lambda _: None):
+    return fit._Steps(PLANNABLE, step, args_at, BUDGET, True, {
+        "blocks": None, "options": None, "runs": 1, "donate_argnums": (), "say": say
+    }, min_speed)  # fmt: skip
+
+
+def test_the_leanest_plan_within_a_time_is_the_first_on_the_front_that_the_model_puts_there():
+    steps = _plannable_steps()
+    steps.compiled_bytes(8)
+    planner = steps._planner(8)
+    estimates = [planner.estimated_ms(planner.candidate(p)) for p in planner.front]
+    assert planner.leanest_within(math.inf) == planner.candidate(planner.front[0])
+    assert planner.leanest_within(min(estimates) / 2) == planner.plain  # none is that fast
+    between = sorted(estimates)[len(estimates) // 2]
+    chosen = planner.leanest_within(between)
+    first = next(i for i, e in enumerate(estimates) if e <= between)
+    assert chosen == planner.candidate(planner.front[first]) and chosen in planner.compiled
+
+
+def test_with_a_speed_floor_a_plan_slower_than_it_is_refused(monkeypatch):
+    lines = []
+    monkeypatch.setattr(fit._Steps, "_slowest_ms", lambda self, size: 0.0)  # nothing is fast
+    steps = _plannable_steps(min_speed=0.5, say=lines.append)
+    steps.compiled_bytes(8)
+    assert steps.confirm(8) is None
+    assert any("slower than 0.5 of the plain step's speed" in line for line in lines)
+
+
+def test_with_a_speed_floor_the_plan_found_keeps_it():
+    found = jaxoffload.largest_size(
+        PLANNABLE, step, args_at, budget=BUDGET, plan=True, min_speed=1e-3, start=8, runs=1,
+        progress=False,
+    )  # fmt: skip
+    assert found.confirmed and found.plan is not None and found.plan.compiled_bytes <= BUDGET
+
+
 @pytest.mark.parametrize(
     "kwargs, error",
     [
+        ({"budget": 10**6, "min_speed": 0.7}, "with plan=True"),
+        ({"budget": 10**6, "plan": True, "min_speed": 1.5}, "min_speed"),
         ({"budget": 0.5}, "bytes"),
         ({"budget": 10**6, "multiple_of": 0}, "multiple_of"),
         ({"budget": 10**6, "start": 10, "limit": 5}, "start"),

@@ -1552,6 +1552,7 @@ def largest_in_subprocess(
     plan: bool = False,
     env: dict[str, str] | None = None,
     time_limit_s: float = 300.0,
+    min_speed: float | None = None,
 ) -> dict[str, Any]:
     """:func:`jaxoffload.bench.fit.largest` of a workload, in a fresh Python process.
 
@@ -1569,7 +1570,7 @@ def largest_in_subprocess(
         confirming step, which steps down instead (in planning's timing runs, say).
       RuntimeError: if it failed otherwise.
     """
-    options = {"axis": axis, "plan": plan, "time_limit_s": time_limit_s}
+    options = {"axis": axis, "plan": plan, "time_limit_s": time_limit_s, "min_speed": min_speed}
     argv = [json.dumps(dataclasses.asdict(workload)), json.dumps(options)]
     return _child(argv, env, module="jaxoffload.bench.fit")
 

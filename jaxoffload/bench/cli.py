@@ -218,6 +218,14 @@ def _add_run_arguments(bench: argparse.ArgumentParser) -> None:
         "that fitted, then runs its confirming step",
     )
     bench.add_argument(
+        "--min-speed",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="the planned model's size search: the largest size at which some plan keeps this "
+        "share of the plain step's speed per image at --batch (0.7: 70%%); by default, any speed",
+    )
+    bench.add_argument(
         "--memory-cap",
         type=float,
         default=None,
@@ -385,6 +393,11 @@ def _searched_axes(args: argparse.Namespace) -> list[str]:
     if args.time_limit <= 0:
         raise BenchError(
             f"--time-limit must be a positive number of seconds, got {args.time_limit}"
+        )
+    if args.min_speed is not None and not (axes and 0 < args.min_speed <= 1):
+        raise BenchError(
+            f"--min-speed {args.min_speed:g} is a share of the plain step's speed, in (0, 1], "
+            "for the planned model's size search: add --max-batch or --max-image-size"
         )
     if not axes and args.time_limit != _DEFAULT_TIME_LIMIT:
         raise BenchError(
@@ -649,7 +662,9 @@ def _measure(
         (name, axis)
         for name in searched
         for axis in axes
-        if name in measuring or f"max_{axis}" not in earlier.get(name, {})
+        if name in measuring
+        or f"max_{axis}" not in earlier.get(name, {})
+        or (name == "plan" and earlier[name].get(f"max_{axis}_min_speed") != args.min_speed)
     ]
     if args.resume:
         searching = f"; searching {', '.join(f'{n} {a}' for n, a in searches) or 'nothing more'}"
@@ -778,7 +793,12 @@ def _search_sizes(
         progress.start(f"{what}, compiling for up to {args.time_limit:g} s")
         try:
             found = benchmark.largest_in_subprocess(
-                searched[name], axis, plan=name == "plan", env=env, time_limit_s=args.time_limit
+                searched[name],
+                axis,
+                plan=name == "plan",
+                env=env,
+                time_limit_s=args.time_limit,
+                min_speed=args.min_speed if name == "plan" else None,
             )
         except RuntimeError as e:  # one failed search must not cost the others
             r[f"max_{axis}_error"] = str(e)

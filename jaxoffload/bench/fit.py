@@ -41,6 +41,7 @@ def largest(
     budget_bytes: int | None = None,
     time_limit_s: float = 300.0,
     limit: int | None = None,
+    min_speed: float | None = None,
 ) -> dict[str, Any]:
     """The largest ``axis`` (``"batch"`` or ``"image_size"``) at which the workload's step fits.
 
@@ -50,8 +51,8 @@ def largest(
         workload's strategy (:func:`jaxoffload.largest_size` with ``plan=True``).
       budget_bytes: device bytes; by default, this process's device memory
         limit less :data:`ALLOCATOR_SLACK`.
-      time_limit_s, limit: as in :func:`jaxoffload.largest_size`; the limit is
-        :data:`LARGEST`'s by default.
+      time_limit_s, limit, min_speed: as in :func:`jaxoffload.largest_size`; the
+        limit is :data:`LARGEST`'s by default.
 
     Returns:
       The record's fields, named for the axis: ``max_batch``,
@@ -84,11 +85,14 @@ def largest(
         model, step, args_at, budget=budget_bytes, plan=plan, start=getattr(workload, axis),
         limit=LARGEST[axis] if limit is None else limit, multiple_of=multiple,
         smallest=smallest, exponent=AXES[axis][1], time_limit_s=time_limit_s,
-        donate_argnums=(0,),
+        donate_argnums=(0,), min_speed=min_speed,
     )  # fmt: skip
     # The versions too: the planned model's search record has no measured step to carry them.
     device = benchmark.device_fields(jax.devices()[0])
-    return {**device, **_fields(workload, axis, found, time.perf_counter() - began)}
+    fields = _fields(workload, axis, found, time.perf_counter() - began)
+    if plan:
+        fields[f"max_{axis}_min_speed"] = min_speed
+    return {**device, **fields}
 
 
 def _model_and_step(workload: benchmark.Workload, plan: bool):

@@ -72,6 +72,7 @@ def largest_size(
     *,
     budget: int,
     plan: bool = False,
+    min_speed: float | None = None,
     start: int = 8,
     limit: int = 4096,
     multiple_of: int = 1,
@@ -109,6 +110,11 @@ def largest_size(
         the answer is the largest size that some plan fits, at that plan's
         speed. Each size is checked with the leanest plan on its front, and
         the plain step where it may fit.
+      min_speed: with ``plan=True``, the least share of the plain step's speed
+        per item at ``start`` that the plan must keep (``0.7``: 70% of its
+        images per second): each size is checked with the leanest plan that
+        the model puts within that speed, and the plan found is confirmed by
+        its measured step. ``None``: any speed.
       start: the first size compiled: one that fits, ideally near the answer.
         With ``plan=True``, the block costs are measured there, so it must
         run on this device.
@@ -146,11 +152,16 @@ def largest_size(
         )
     if not 0 < tolerance < 1:
         raise ValueError(f"tolerance must be in (0, 1), got {tolerance}.")
+    if min_speed is not None and not (plan and 0 < min_speed <= 1):
+        raise ValueError(
+            f"min_speed is a share of the plain step's speed in (0, 1], with plan=True; got "
+            f"{min_speed!r}" + ("" if plan else " without plan=True") + "."
+        )
     say = progress_printer(progress, "fit")
     began = time.perf_counter()
     steps = _Steps(model, step, args_at, budget, plan, dict(
         blocks=blocks, options=options, runs=runs, donate_argnums=donate_argnums, say=say
-    ))  # fmt: skip
+    ), min_speed)  # fmt: skip
 
     def bytes_at(size: int) -> int:
         got = steps.compiled_bytes(size)
@@ -206,9 +217,9 @@ def _round_down(size: int, multiple_of: int) -> int:
 class _Steps:
     """The step at each size: its compiled bytes, and one real run to confirm it."""
 
-    def __init__(self, model, step, args_at, budget, plan, planning):
+    def __init__(self, model, step, args_at, budget, plan, planning, min_speed=None):
         self.model, self.step, self.args_at, self.budget = model, step, args_at, budget
-        self.plan, self.planning = plan, planning
+        self.plan, self.planning, self.min_speed = plan, planning, min_speed
         self.planners: dict[int, Planner] = {}
         self.executables: dict[int, Any] = {}
         self.structs: dict[int, tuple] = {}
@@ -239,7 +250,10 @@ class _Steps:
 
     def compiled_bytes(self, size: int) -> int:
         if size not in self.bytes:
-            if self.plan:  # the least compiled: the leanest plan, the plain step if it may fit
+            if self.plan and self.min_speed is not None:
+                planner = self._planner(size)
+                got = planner.compiled[planner.leanest_within(self._slowest_ms(size))]
+            elif self.plan:  # the least compiled: the leanest plan, the plain step if it may fit
                 got = min(self._planner(size).compiled.values())
             else:
                 executable = compile_step(
@@ -250,6 +264,12 @@ class _Steps:
             self.bytes[size] = got
             self.probes.append((size, got))
         return self.bytes[size]
+
+    def _slowest_ms(self, size: int) -> float:
+        """The slowest step at ``size`` that keeps ``min_speed`` of the plain step's speed
+        per item at the first size planned."""
+        first, planner = next(iter(self.planners.items()))
+        return size * planner.step_ms(planner.plain) / first / self.min_speed
 
     def _planner(self, size: int) -> Planner:
         if size not in self.planners:
@@ -263,7 +283,8 @@ class _Steps:
         return self.planners[size]
 
     def confirm(self, size: int) -> tuple[int | None, float] | None:
-        """``(peak, step ms)`` of real steps at ``size``; ``None`` if no plan fits or memory ran out."""
+        """``(peak, step ms)`` of real steps at ``size``; ``None`` if no plan fits, none keeps
+        ``min_speed``, or memory ran out."""
         if self.plan:
             try:
                 self.chosen = self._planner(size).plan_for(self.budget)
@@ -271,6 +292,12 @@ class _Steps:
                 return None
             step_ms = self.chosen.measured_step_ms
             if step_ms is None or math.isinf(step_ms):
+                return None
+            if self.min_speed is not None and step_ms > self._slowest_ms(size):
+                self.planning["say"](
+                    f"size {size}: the plan's step, {step_ms:.1f} ms, is slower than "
+                    f"{self.min_speed:g} of the plain step's speed ({self._slowest_ms(size):.1f} ms)"
+                )
                 return None
             return _peak_bytes(), step_ms
         _, arrays, _ = program(

@@ -308,6 +308,15 @@ class Planner:
         strategies = tuple(self.choices[b][k].strategy for b, k in enumerate(point.choice))
         return Plan(tuple(zip(self.paths, strategies)), Lean())
 
+    def leanest_within(self, limit_ms: float) -> Plan:
+        """The front's leanest plan whose step the model puts within ``limit_ms``, compiled;
+        the plain step where none is."""
+        # Leanest first, each point faster than the one before.
+        within = (c for c in map(self.candidate, self.front) if self.estimated_ms(c) <= limit_ms)
+        chosen = next(within, self.plain)
+        self.compile([chosen])
+        return chosen
+
     def live(self, candidate: Plan) -> list[dict[str, int]]:
         """What the candidate's blocks hold at each point of the step, by category
         (:func:`~jaxoffload._src.planner.peak.live_bytes`), worked out once."""
