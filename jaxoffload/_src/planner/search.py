@@ -192,14 +192,11 @@ class Planner:
         hidden = None if choice is None else Plan(tuple(zip(self.paths, choice)), Lean())
         stored = [self._stored_check()] if uniform else []
         self.checks = list(dict.fromkeys([*uniform, *stored, *([hidden] if hidden else [])]))
-        # How little a step keeps: the uniform checks say, and at another size, where none is
-        # compiled, the front's leanest plan and the measured size's least compiled plan do.
-        # The model may misjudge which is leaner away from the sizes it was fitted at (on
-        # ResNet-50 at batch 1247, its leanest kept 14.5 GiB where Offload() on every block,
-        # the least at batch 256, fits batch 1588 in 15.0).
-        firsts = self.checks or list(dict.fromkeys(
-            [self.candidate(self.front[0]), min(measured.compiled, key=measured.compiled.get)]
-        ))  # fmt: skip
+        # How little a step keeps: the uniform checks say; at another size, the front's
+        # leanest plan and the measured size's least, as the model may misjudge which is
+        # leaner away from where it was fitted (design §10).
+        smallest = measured and min(measured.compiled, key=measured.compiled.get)
+        firsts = self.checks or list(dict.fromkeys([self.candidate(self.front[0]), smallest]))
         # At another size, the plain step is compiled only where its bytes at the measured
         # size, scaled as its traced bytes scale, are within twice what runs here: XLA
         # rematerialises a step to fit the device's memory, but a size search probes sizes
@@ -311,7 +308,6 @@ class Planner:
     def leanest_within(self, limit_ms: float) -> Plan:
         """The front's leanest plan whose step the model puts within ``limit_ms``, compiled;
         the plain step where none is."""
-        # Leanest first, each point faster than the one before.
         within = (c for c in map(self.candidate, self.front) if self.estimated_ms(c) <= limit_ms)
         chosen = next(within, self.plain)
         self.compile([chosen])
