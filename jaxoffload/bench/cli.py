@@ -481,7 +481,7 @@ def _add_needed_strategies(
     so a run of those alone does not add ``none``, whose step at the global batch is the
     one that does not fit.
     """
-    compared = any(s not in benchmark.ACCUMULATED_STRATEGIES for s in strategies)
+    compared = any(map(_compared_with_none, strategies))
     for needed, why in [("none", "gradients are compared with it")] * compared + [
         (benchmark.COMPUTE_TWIN[s], f"{s!r} is planned from its run")
         for s in strategies
@@ -491,6 +491,12 @@ def _add_needed_strategies(
             console.print(f"note: adding the {needed!r} strategy: {why}.")
             workloads.append(dataclasses.replace(workloads[0], strategy=needed, micro_batch=None))
             strategies.append(needed)
+
+
+def _compared_with_none(strategy: str) -> bool:
+    """Whether a strategy's gradient is compared with ``none``'s: an accumulating one
+    checks itself against its own step on a whole batch."""
+    return strategy != "none" and strategy not in benchmark.ACCUMULATED_STRATEGIES
 
 
 def _print_table(records: list[dict[str, Any]]) -> None:
@@ -649,10 +655,7 @@ def _measure(
     """Measures the workloads, then searches the sizes, that ``earlier`` lacks; writes records.json after each."""
     path, reference = out / RECORDS, out / REFERENCE
     kept = {_name(w): earlier[_name(w)] for w in workloads if _name(w) in earlier}
-    compared = [
-        w for w in workloads
-        if _name(w) not in kept and w.strategy not in ("none", *benchmark.ACCUMULATED_STRATEGIES)
-    ]  # fmt: skip
+    compared = any(_compared_with_none(w.strategy) for w in workloads if _name(w) not in kept)
     if "step_time_ms" in kept.get("none", {}) and not reference.exists() and compared:
         del kept["none"]  # measured again: the others' gradients are compared with its
     todo = [w for w in workloads if _name(w) not in kept]

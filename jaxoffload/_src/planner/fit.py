@@ -293,10 +293,11 @@ class _Steps:
             step_ms = self.chosen.measured_step_ms
             if step_ms is None or math.isinf(step_ms):
                 return None
-            if self.min_speed is not None and step_ms > self._slowest_ms(size):
+            slowest = math.inf if self.min_speed is None else self._slowest_ms(size)
+            if step_ms > slowest:
                 self.planning["say"](
                     f"size {size}: the plan's step, {step_ms:.1f} ms, is slower than "
-                    f"{self.min_speed:g} of the plain step's speed ({self._slowest_ms(size):.1f} ms)"
+                    f"{self.min_speed:g} of the plain step's speed ({slowest:.1f} ms)"
                 )
                 return None
             return _peak_bytes(), step_ms
@@ -344,8 +345,8 @@ def largest_fitting(
     where they stop growing below the budget, the next probe is an eighth
     above the largest fit rather than a leap; two probes that do not halve the
     bracket are followed by a halving. The search ends when the two are
-    ``tolerance`` apart. The answer is always a size that was checked and fitted (0 if
-    none was).
+    ``tolerance`` apart. The answer is always a size that was checked and
+    fitted (0 if none was).
 
     Returns:
       ``(size, stopped)``: ``stopped`` says why the search ended early, if
