@@ -25,11 +25,15 @@ from jaxoffload._src.report import memory_report as memory_report
 from jaxoffload._src.report import spatial_gathers as spatial_gathers
 from jaxoffload._src.residuals import OffloadedCall as OffloadedCall
 from jaxoffload._src.residuals import Residual as Residual
+from jaxoffload._src.schedule import compiler_options as compiler_options
 from jaxoffload._src.strategies import Lean as Lean
 from jaxoffload._src.strategies import Offload as Offload
 from jaxoffload._src.strategies import Remat as Remat
 from jaxoffload._src.strategies import Store as Store
 from jaxoffload._src.strategies import Strategy as Strategy
+from jaxoffload._src.traces import Overlap as Overlap
+from jaxoffload._src.traces import measure_overlap as measure_overlap
+from jaxoffload._src.traces import overlap_in_trace as overlap_in_trace
 from jaxoffload._src.transform import offload as offload
 from jaxoffload._src.transform import wrap as wrap
 
@@ -42,6 +46,7 @@ __all__ = [
     "OffloadDroppedError",
     "OffloadWarning",
     "OffloadedCall",
+    "Overlap",
     "Plan",
     "Remat",
     "Residual",
@@ -49,11 +54,14 @@ __all__ = [
     "Store",
     "Strategy",
     "largest_size",
+    "compiler_options",
     "linen",
+    "measure_overlap",
     "memory_report",
     "nnx",
     "offload",
     "offloaded_calls",
+    "overlap_in_trace",
     "plan",
     "residuals_per_call",
     "saved_residuals",

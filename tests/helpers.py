@@ -33,6 +33,15 @@ def host_device_puts(jaxpr) -> int:
     return sum(1 for _ in walk(jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr))
 
 
+def host_copies(moved) -> int:
+    """How many copies the moved residuals of one call travel in: each large one alone, the
+    small ones packed into one buffer (``jaxoffload._src.transfers.packed``)."""
+    from jaxoffload._src.transfers import PACK_BELOW
+
+    small = sum(r.nbytes < PACK_BELOW for r in moved)
+    return len(moved) - small + min(small, 1)
+
+
 def normal(key: int, shape, dtype=jnp.float32):
     return jax.random.normal(jax.random.key(key), shape, dtype)
 

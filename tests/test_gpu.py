@@ -193,3 +193,17 @@ def test_nnx_offload_moves_a_plain_nnx_models_residuals():
     plain, off = report(jaxoffload.Store()), report(jaxoffload.Offload())
     assert off.moved and off.device_to_host_bytes > 0 and off.host_temp_bytes > 0
     assert off.temp_bytes < 0.7 * plain.temp_bytes, (off.temp_bytes, plain.temp_bytes)
+
+
+def test_a_trace_sees_the_copies_that_the_program_makes():
+    # Each layer moves what its backward pass needs: 256 MiB activations, each way.
+    ws, x = _inputs()
+    step = jax.jit(_chain(_offloaded(window=2)), compiler_options=jaxoffload.compiler_options())
+    overlap = jaxoffload.measure_overlap(lambda: step(ws, x), steps=3, warmup=1)
+    moved = sum(c.host_bytes for c in jaxoffload.offloaded_calls(_chain(_offloaded(2)), ws, x))
+    assert overlap.device.startswith("/device:GPU") and overlap.steps == 3
+    assert overlap.d2h_bytes == overlap.h2d_bytes == moved > 0
+    # The link moves them at tens of GB/s, and a share of them runs under compute.
+    assert 10 < overlap.d2h_bytes / overlap.d2h_busy_ms / 1e6 < 100
+    assert 0 <= overlap.d2h_overlap_fraction <= 1 and 0 <= overlap.h2d_overlap_fraction <= 1
+    assert overlap.compute_busy_ms > 0

@@ -234,9 +234,10 @@ def test_a_strategy_reaches_where_it_acts_through_imports_that_go_down():
 PUBLIC_SURFACE = {
     jaxoffload: [
         "Fit", "Lean", "MemoryReport", "NoPlanFits", "Offload", "OffloadDroppedError",
-        "OffloadWarning", "OffloadedCall", "Plan", "Remat", "Residual", "SpatialGather", "Store",
-        "Strategy", "largest_size", "linen",
-        "memory_report", "nnx", "offload", "offloaded_calls", "plan", "residuals_per_call",
+        "OffloadWarning", "OffloadedCall", "Overlap", "Plan", "Remat", "Residual", "SpatialGather",
+        "Store", "Strategy", "compiler_options", "largest_size", "linen", "measure_overlap",
+        "memory_report", "nnx", "offload", "offloaded_calls", "overlap_in_trace", "plan",
+        "residuals_per_call",
         "saved_residuals", "spatial_gathers", "wrap",
     ],
     jaxoffload.linen: ["offload", "plannable", "wrap"],

@@ -90,6 +90,14 @@ def test_the_nesting_and_function_examples_run():
     assert listed == text.strip()
 
 
+def test_the_overlap_example_reads_a_trace():
+    (code,) = [c for kind, c in BLOCKS if kind == "python" and "measure_overlap" in c]
+    namespace = {}
+    exec(code, namespace)
+    overlap = namespace["overlap"]
+    assert overlap.steps == 3 and overlap.compute_busy_ms > 0 and overlap.d2h_bytes == 0
+
+
 def test_the_commands_are_the_ones_ci_runs():
     commands = [code.strip() for kind, code in BLOCKS if kind == "bash"]
     assert commands[0].endswith("jaxoffload bench")

@@ -3,11 +3,13 @@
 import warnings
 
 import flax.linen as nn
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import host_device_puts, jax_residuals, normal, rel_err
+from helpers import host_copies, host_device_puts, jax_residuals, normal, rel_err
+from hypothesis import given, settings
 from jax.ad_checkpoint import checkpoint_name
 
 import jaxoffload
@@ -100,9 +102,9 @@ def test_forward_places_residuals_in_host_memory(layer):
     moved = [r for r in saved_residuals(g, params, x) if r.placement == "pinned_host"]
     assert moved, "every layer here has activations to move"
     jaxpr = jax.make_jaxpr(jax.grad(_loss(g), argnums=(0, 1)))(params, x)
-    assert host_device_puts(jaxpr) == len(moved)
+    assert host_device_puts(jaxpr) == host_copies(moved)
     # The values stored for the backward pass are typed as host memory.
-    assert str(jaxpr).count("<host>") >= len(moved)
+    assert str(jaxpr).count("<host>") >= host_copies(moved)
     # and the plain function places nothing, nor does a lean one.
     assert host_device_puts(jax.make_jaxpr(jax.grad(_loss(f), argnums=(0, 1)))(params, x)) == 0
     lean = wrap(f, Lean(), device_argnums=0)
@@ -361,9 +363,10 @@ def test_public_surface():
         assert hasattr(jaxoffload, name), name
 
 
-def _weight_gradients_before_first_fetch(window: int) -> set[tuple[int, ...]]:
+def _weight_gradients_before_first_fetch(window: int, fetch_window=None) -> set[tuple[int, ...]]:
     """Shapes of the weight-gradient matmuls that the fetch of layer 0's residuals waits for."""
-    layer = offload(lambda w, x: jnp.tanh(x @ w), device_argnums=0, window=window)
+    strategy = Offload(window=window, fetch_window=fetch_window)
+    layer = wrap(lambda w, x: jnp.tanh(x @ w), strategy, device_argnums=0)
     ws = [jnp.ones((4 + i, 5 + i)) for i in range(3)]  # one shape per layer
 
     def loss(ws, x):
@@ -373,12 +376,15 @@ def _weight_gradients_before_first_fetch(window: int) -> set[tuple[int, ...]]:
 
     jaxpr = jax.make_jaxpr(jax.grad(loss))(ws, jnp.ones((2, 4))).jaxpr
     producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
-    fetch = next(
+    fetches = [
         eqn
         for eqn in jaxpr.eqns
         if eqn.primitive.name == "device_put"
         and eqn.outvars[0].aval.memory_space == jax.memory.Space.Device
-        and eqn.invars[0].aval.shape == (2, 4)
+    ]
+    # Layer 0's residuals, packed into one buffer, are the fewest bytes: its shapes are the least.
+    fetch = min(
+        fetches, key=lambda eqn: eqn.invars[0].aval.size * eqn.invars[0].aval.dtype.itemsize
     )
     seen, todo, shapes = set(), list(fetch.invars), set()
     while todo:
@@ -401,6 +407,39 @@ def test_window_moves_each_fetch_earlier():
     assert _weight_gradients_before_first_fetch(2) == {(6, 7)}
 
 
+def test_fetch_window_sets_the_fetch_apart_from_the_copies_window():
+    # Copies in flight over two calls, each fetch when its own backward pass starts: as window 1.
+    assert _weight_gradients_before_first_fetch(2, fetch_window=1) == {(5, 6), (6, 7)}
+    # Copies waited for in the call, fetches a call ahead: as window 2.
+    assert _weight_gradients_before_first_fetch(1, fetch_window=2) == {(6, 7)}
+
+
+def test_small_residuals_travel_packed_and_large_ones_alone():
+    from jaxoffload._src.transfers import PACK_BELOW
+
+    side = int((PACK_BELOW // 4) ** 0.5) + 1  # a float32 matrix just over the packing size
+
+    def f(w, x):
+        big = jnp.tanh(x @ w)
+        # Reductions keep their small outputs, which the products' gradients need.
+        return (
+            jnp.sin(big).mean(axis=0)
+            * jnp.exp(jnp.cos(big).mean(axis=1))
+            * jnp.exp(big.max(axis=0))
+        )
+
+    g = offload(f, device_argnums=0)
+    w, x = normal(0, (side, side)) / side, normal(1, (side, side))
+    moved = [r for r in saved_residuals(g, w, x) if r.placement == "pinned_host"]
+    large = [r for r in moved if r.nbytes >= PACK_BELOW]
+    assert large and len(moved) - len(large) >= 2, moved
+    loss = lambda f: lambda w, x: f(w, x).sum()  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(loss(g), argnums=(0, 1)))(w, x)
+    assert host_device_puts(jaxpr) == len(large) + 1 == host_copies(moved)
+    got = jax.jit(jax.grad(loss(g), argnums=(0, 1)))(w, x)
+    assert rel_err(got, jax.jit(jax.grad(loss(f), argnums=(0, 1)))(w, x)) <= 1e-6
+
+
 def test_windows_give_plain_gradients_mixed_with_lean_calls():
     kept = wrap(lambda w, x: jnp.tanh(x @ w), Lean(), device_argnums=0)
     ws = [normal(i, (8, 8)) / 3 for i in range(6)]
@@ -412,8 +451,9 @@ def test_windows_give_plain_gradients_mixed_with_lean_calls():
         return jnp.sum(x**2)
 
     plain = jax.grad(loss)(ws, x, [lambda w, x: jnp.tanh(x @ w)] * 6)
-    for window in (1, 2, 3, 7):
-        layer = offload(lambda w, x: jnp.tanh(x @ w), device_argnums=0, window=window)
+    for window, fetch_window in ((1, None), (2, None), (3, None), (7, None), (2, 1), (1, 3)):
+        strategy = Offload(window=window, fetch_window=fetch_window)
+        layer = wrap(lambda w, x: jnp.tanh(x @ w), strategy, device_argnums=0)
         for layers in ([layer] * 6, [layer, kept, layer, kept, kept, layer]):
             got = jax.jit(jax.grad(loss), static_argnums=2)(ws, x, tuple(layers))
             assert rel_err(got, plain) <= 1e-6, window
@@ -592,3 +632,27 @@ def test_windows_and_caps_of_an_offload_share_its_trace_and_cut():
     assert _cached("selection") == 4
     assert _cached("kept") == 2  # Lean's cut, and the cut of Offload() that the others share
     assert _cached("differentiated") == 1
+
+
+_DTYPES = [jnp.float32, jnp.bfloat16, jnp.int8, jnp.int32, jnp.bool_, jnp.uint8, jnp.float16]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(_DTYPES), st.lists(st.integers(0, 4), max_size=3)), max_size=5
+    )
+)
+def test_packing_gives_back_every_value_bit_for_bit(specs):
+    from jaxoffload._src.transfers import packed, unpacked
+
+    values = [
+        (jax.random.normal(jax.random.key(n), shape) * 100).astype(dtype)
+        for n, (dtype, shape) in enumerate(specs)
+    ]
+    moving, packing = packed(values)
+    assert len(moving) == (len(values) if len(values) < 2 else 1)
+    back = unpacked(moving, packing)
+    for a, b in zip(values, back):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.array_equal(np.asarray(a), np.asarray(b))

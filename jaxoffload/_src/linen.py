@@ -124,6 +124,7 @@ def offload(
     max_recompute: float = 0.25,
     window: int = 1,
     max_bytes: int | None = None,
+    fetch_window: int | None = None,
     static_argnums: int | Sequence[int] = (),
     device_argnums: int | Sequence[int] = (),
     variables: Any = True,
@@ -151,6 +152,7 @@ def offload(
         max_recompute=max_recompute,
         window=window,
         max_bytes=max_bytes,
+        fetch_window=fetch_window,
     )
     return wrap(
         target,

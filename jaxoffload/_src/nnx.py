@@ -97,6 +97,7 @@ def offload(
     max_recompute: float = 0.25,
     window: int = 1,
     max_bytes: int | None = None,
+    fetch_window: int | None = None,
     static_argnums: int | Sequence[int] = (),
 ) -> F: ...
 
@@ -111,6 +112,7 @@ def offload(
     max_recompute: float = 0.25,
     window: int = 1,
     max_bytes: int | None = None,
+    fetch_window: int | None = None,
     static_argnums: int | Sequence[int] = (),
 ) -> Callable[[F], F]: ...
 
@@ -124,6 +126,7 @@ def offload(
     max_recompute=0.25,
     window=1,
     max_bytes=None,
+    fetch_window=None,
     static_argnums=(),
 ):
     """``wrap(f, Offload(...))``, bare or configured, as ``nnx.remat`` is used.
@@ -145,6 +148,7 @@ def offload(
         max_recompute=max_recompute,
         window=window,
         max_bytes=max_bytes,
+        fetch_window=fetch_window,
     )
 
     def decorate(f):

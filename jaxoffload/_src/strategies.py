@@ -48,6 +48,8 @@ class Strategy:
       to_host: its residuals wait in pinned host memory.
       window: how many consecutive wrapped calls may have transfers in
         flight (1 waits for the call's own).
+      fetch_window: how many wrapped calls ahead of its own the backward pass
+        fetches a call's residuals; ``None`` for ``window``.
       max_bytes: the most bytes a call moves to the host; ``None`` for no cap.
       cuts: its residuals are the cheapest cut of the call's forward graph,
         with lean rules for ReLUs and max-pools (:mod:`jaxoffload._src.cut`).
@@ -62,6 +64,7 @@ class Strategy:
     is_identity: bool = False
     to_host: bool = False
     window: int = 1
+    fetch_window: int | None = None
     max_bytes: int | None = None
     cuts: bool = False
     recomputes: bool = False
@@ -258,10 +261,14 @@ class Offload(Strategy):
         while they fit; the rest stays on the device. With a window, a cap
         of what the link moves while the next blocks compute keeps the
         transfers hidden (:func:`jaxoffload.plan` sets such caps).
+      fetch_window: how many wrapped blocks ahead of its own the backward pass
+        starts fetching this block's residuals (1: when its own backward pass
+        starts); ``None`` for ``window``. Each block ahead holds one more
+        block's residuals on the device.
 
     Example:
       >>> Offload(window=2)
-      Offload(names=None, recompute=False, min_bytes=0, max_recompute=0.25, window=2, max_bytes=None)
+      Offload(names=None, recompute=False, min_bytes=0, max_recompute=0.25, window=2, max_bytes=None, fetch_window=None)
     """
 
     names: tuple[str, ...] | None = None
@@ -270,6 +277,7 @@ class Offload(Strategy):
     max_recompute: float = 0.25
     window: int = 1
     max_bytes: int | None = None
+    fetch_window: int | None = None
 
     def __post_init__(self):
         names = self.names
@@ -298,6 +306,11 @@ class Offload(Strategy):
         window = self.window
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be an int of at least 1, got {window!r}.")
+        ahead = self.fetch_window
+        if ahead is not None and (isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1):
+            raise ValueError(
+                f"fetch_window must be an int of at least 1, or None for window, got {ahead!r}."
+            )
         cap = self.max_bytes
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
             raise ValueError(
@@ -333,10 +346,10 @@ class Offload(Strategy):
         return "pinned_host", "offloaded"
 
     def without_window(self) -> Offload:
-        return dataclasses.replace(self, window=1)
+        return dataclasses.replace(self, window=1, fetch_window=None)
 
     def costed(self) -> Offload:
-        return dataclasses.replace(self, window=1, max_bytes=None)
+        return dataclasses.replace(self, window=1, fetch_window=None, max_bytes=None)
 
     def timed_as(self) -> Strategy:
         # Without its copies, an offload computes what its twin on the device does.

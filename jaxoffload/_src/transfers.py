@@ -9,9 +9,11 @@ copies are kept and that device memory falls.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 import warnings
+from typing import Any
 
 import jax
 import numpy as np
@@ -21,15 +23,19 @@ from jaxoffload._src import context
 from jaxoffload._src.errors import OffloadWarning
 
 __all__ = [
+    "PACK_BELOW",
     "Chain",
+    "Packing",
     "after_tokens",
     "barrier_arrays",
     "empty_token",
     "fetch",
     "is_real",
     "move_out",
+    "packed",
     "say_if_nothing_moves",
     "scalar_of",
+    "unpacked",
     "without_host_placement",
 ]
 
@@ -119,9 +125,16 @@ def _warn_once_on_one_memory(platform: str) -> None:
 
 
 def move_out(out, saved, to_host, gates, window):
-    """Moves saved values to the host, and ties the copies into the forward pass's data flow."""
+    """Moves saved values to the host, and ties the copies into the forward pass's data flow.
+
+    Returns ``(out, saved, host, token, anchors, packing)``: ``saved`` without the values that
+    moved, which ``host`` holds as :func:`packed` lays them out.
+    """
     saved = list(saved)
-    host = [_put(saved[n], _HOST) for n in to_host]
+    moving, packing = packed([saved[n] for n in to_host])
+    host = [_put(value, _HOST) for value in moving]
+    for n in to_host:
+        saved[n] = None
     # Without a barrier between the move out and the move back, XLA deletes
     # the pair.
     host = _barrier(host)
@@ -141,23 +154,100 @@ def move_out(out, saved, to_host, gates, window):
         # This call's outputs wait for the copies of the earlier calls that gated here.
         out, gates = _barrier((out, list(gates)))
         anchors.extend(gates)
-    for n, value in zip(to_host, host):
-        saved[n] = value
-    return out, saved, token, anchors
+    return out, saved, host, token, anchors, packing
 
 
-def fetch(saved, to_host, cotangent, token_cotangent, anchors, window):
+def fetch(saved, host, packing, to_host, cotangent, fetch_cotangent, anchors, fetch_window):
     """Brings host values back once the backward pass needs them (see :class:`Chain`)."""
     saved = list(saved)
-    fetched = [saved[n] for n in to_host]
-    if fetched and window == 1:
-        fetched, cotangent = barrier_arrays((fetched, cotangent))
-    elif fetched:
-        fetched, token_cotangent = barrier_arrays((fetched, token_cotangent))
-        anchors = [*anchors, token_cotangent]
+    if host and fetch_window == 1:
+        host, cotangent = barrier_arrays((host, cotangent))
+    elif host:
+        host, fetch_cotangent = barrier_arrays((host, fetch_cotangent))
+        anchors = [*anchors, fetch_cotangent]
+    fetched = unpacked([_put(value, _DEVICE) for value in host], packing)
     for n, value in zip(to_host, fetched):
-        saved[n] = _put(value, _DEVICE)
+        saved[n] = value
     return saved, cotangent, anchors
+
+
+# A host copy costs a few microseconds of stream synchronisation whatever its size
+# (docs/design.md, "Copies that hide"), so a call's small values travel as one packed
+# buffer. A large value travels alone: packing it would cost a pass through device memory
+# and a second buffer of its size.
+PACK_BELOW = 1 << 22
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """How :func:`packed` laid values out: which travel alone, and the rest in one buffer.
+
+    Attributes:
+      alone: the positions of the values that travel alone, in order.
+      pieces: the position, shape and dtype of each value in the buffer, in order.
+    """
+
+    alone: tuple[int, ...]
+    pieces: tuple[tuple[int, tuple[int, ...], Any], ...]
+
+
+def packed(values: list[jax.Array]) -> tuple[list[jax.Array], Packing]:
+    """``values`` as fewer arrays: the large and the sharded ones alone, the rest as bytes in one.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> moving, packing = packed([jnp.ones(3), jnp.arange(2, dtype=jnp.int8), jnp.zeros(1)])
+      >>> [m.shape for m in moving], packing.alone
+      ([(18,)], ())
+      >>> [v.tolist() for v in unpacked(moving, packing)]
+      [[1.0, 1.0, 1.0], [0, 1], [0.0]]
+    """
+    small = [n for n, v in enumerate(values) if _packable(v)]
+    if len(small) < 2:
+        return list(values), Packing(tuple(range(len(values))), ())
+    alone = tuple(n for n in range(len(values)) if n not in small)
+    pieces = tuple((n, values[n].shape, values[n].dtype) for n in small)
+    buffer = jax.numpy.concatenate([_bytes_of(values[n]) for n in small])
+    return [values[n] for n in alone] + [buffer], Packing(alone, pieces)
+
+
+def unpacked(moving: list[jax.Array], packing: Packing) -> list[jax.Array]:
+    """The values that :func:`packed` laid out as ``moving``, in their first order."""
+    values: list[Any] = [None] * (len(packing.alone) + len(packing.pieces))
+    for n, value in zip(packing.alone, moving):
+        values[n] = value
+    if packing.pieces:
+        buffer, start = moving[-1], 0
+        for n, shape, dtype in packing.pieces:
+            size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            values[n] = _from_bytes(buffer[start : start + size], shape, dtype)
+            start += size
+    return values
+
+
+def _packable(value) -> bool:
+    """Small, and whole on every device: a sharded value cannot be flattened into another."""
+    spec = getattr(jax.typeof(value).sharding, "spec", None) or ()
+    return value.nbytes < PACK_BELOW and all(axes is None for axes in spec)
+
+
+def _bytes_of(value) -> jax.Array:
+    if value.dtype == np.bool_:
+        value = value.astype(np.uint8)
+    if value.dtype.itemsize > 1:
+        value = jax.lax.bitcast_convert_type(value, np.uint8)
+    elif value.dtype != np.uint8:
+        value = jax.lax.bitcast_convert_type(value, np.uint8)
+    return value.reshape(-1)
+
+
+def _from_bytes(flat, shape, dtype) -> jax.Array:
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return flat.reshape(shape).astype(np.bool_)
+    if dtype.itemsize > 1:
+        return jax.lax.bitcast_convert_type(flat.reshape(*shape, dtype.itemsize), dtype)
+    return jax.lax.bitcast_convert_type(flat.reshape(shape), dtype)
 
 
 def _put(value, space):

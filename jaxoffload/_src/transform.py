@@ -112,6 +112,7 @@ def offload(
     max_recompute: float = 0.25,
     window: int = 1,
     max_bytes: int | None = None,
+    fetch_window: int | None = None,
     device_argnums: int | Sequence[int] = (),
     static_argnums: int | Sequence[int] = (),
 ) -> F: ...
@@ -127,6 +128,7 @@ def offload(
     max_recompute: float = 0.25,
     window: int = 1,
     max_bytes: int | None = None,
+    fetch_window: int | None = None,
     device_argnums: int | Sequence[int] = (),
     static_argnums: int | Sequence[int] = (),
 ) -> Callable[[F], F]: ...
@@ -141,6 +143,7 @@ def offload(
     max_recompute=0.25,
     window=1,
     max_bytes=None,
+    fetch_window=None,
     device_argnums=(),
     static_argnums=(),
 ):
@@ -192,6 +195,8 @@ def offload(
         flight; 1 waits for this call's own transfers.
       max_bytes: move at most this many bytes, the largest residuals first;
         the rest stays on the device.
+      fetch_window: how many wrapped calls ahead of its own the backward pass
+        fetches the residuals; ``None`` for ``window``.
       device_argnums: positional arguments kept on the device anyway
         (parameters): they never move.
       static_argnums: positional arguments that are not arrays, as in
@@ -218,6 +223,7 @@ def offload(
         max_recompute=max_recompute,
         window=window,
         max_bytes=max_bytes,
+        fetch_window=fetch_window,
     )
 
     def decorate(fun):
@@ -427,11 +433,11 @@ def _custom_call(traced: TracedCall, strategy: Strategy, fun) -> Any:
     call, device_leaves = traced.replay, traced.device_leaves
     chain = transfers.Chain.of_current_trace()
     index, gates = chain.next_gates()
-    window = strategy.window
+    window, fetch_window = strategy.window, strategy.fetch_window or strategy.window
     chosen: dict[str, Any] = {}  # the selection, made when the forward pass is traced
 
     def run(dynamic, kwargs, gates):
-        return call(dynamic, kwargs), transfers.empty_token()
+        return call(dynamic, kwargs), transfers.empty_token(), transfers.empty_token()
 
     run.__name__ = _CALL_NAME  # how an enclosing call finds it
     run = jax.custom_vjp(run)
@@ -447,16 +453,30 @@ def _custom_call(traced: TracedCall, strategy: Strategy, fun) -> Any:
         out = jax.tree.unflatten(kept.out_tree, flat[: kept.num_outputs])
         saved = list(flat[kept.num_outputs :])
         with jax.named_scope("jaxoffload/to_host"):
-            out, saved, token, anchors = transfers.move_out(out, saved, kept.to_host, gates, window)
-        return (out, token), (saved, anchors)
+            out, saved, host, token, anchors, chosen["packing"] = transfers.move_out(
+                out, saved, kept.to_host, gates, window
+            )
+        # Its cotangent starts the fetch: it exists once the call fetch_window - 1 calls
+        # later starts its backward pass. Apart from the copies' token, it gates nothing.
+        fetch_token = token if fetch_window == window else transfers.scalar_of(out)
+        return (out, token, fetch_token), (saved, host, anchors)
 
     def run_bwd(residuals, cotangents):
         kept = chosen["kept"]
-        saved, anchors = residuals
-        cotangent, token_cotangent = cotangents
+        saved, host, anchors = residuals
+        cotangent, token_cotangent, fetch_cotangent = cotangents
+        if fetch_window == window:
+            fetch_cotangent = token_cotangent
         with jax.named_scope("jaxoffload/to_device"):
             saved, cotangent, anchors = transfers.fetch(
-                saved, kept.to_host, cotangent, token_cotangent, anchors, window
+                saved,
+                host,
+                chosen["packing"],
+                kept.to_host,
+                cotangent,
+                fetch_cotangent,
+                anchors,
+                fetch_window,
             )
         if kept.recomputes:
             # Recomputed after the cotangent arrives, as jax.checkpoint does:
@@ -474,6 +494,8 @@ def _custom_call(traced: TracedCall, strategy: Strategy, fun) -> Any:
         return (*transfers.barrier_arrays(cotangents_in), gate_cotangents)
 
     run.defvjp(run_fwd, run_bwd)
-    out, token = run(traced.dynamic, traced.kwargs, gates)
+    out, token, fetch_token = run(traced.dynamic, traced.kwargs, gates)
     chain.push(index, window, token)
+    if fetch_window != window:
+        chain.push(index, fetch_window, fetch_token)
     return out

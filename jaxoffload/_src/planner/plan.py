@@ -49,7 +49,7 @@ class Plan:
       >>> import jaxoffload
       >>> p = Plan((("Block_0", jaxoffload.Lean()), ("Block_1", jaxoffload.Offload(window=2))))
       >>> p.strategy_for("Block_1")
-      Offload(names=None, recompute=False, min_bytes=0, max_recompute=0.25, window=2, max_bytes=None)
+      Offload(names=None, recompute=False, min_bytes=0, max_recompute=0.25, window=2, max_bytes=None, fetch_window=None)
       >>> Plan.from_json(p.to_json()) == p
       True
     """

@@ -1,0 +1,246 @@
+"""Do host copies hide behind compute inside one jitted program? A GPU probe, not a test.
+
+    python benchmarks/probes/overlap_probe.py minimal OUT
+    python benchmarks/probes/overlap_probe.py resnet50 VARIANT OUT [option=value ...]
+
+``minimal``: a 1 GiB copy to the host (and one back) beside independent matrix products, in
+one program, each alone and together. ``resnet50``: Flax's ImageNet ResNet-50, b256, bf16,
+224², its blocks under VARIANT (lean, off10, off40, off150, full), compiled with the given
+XLA options (``compiler_options``), timed and traced. Writes VARIANT.json (and traces) to OUT.
+"""
+
+import glob
+import gzip
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxoffload import Lean, Offload
+from jaxoffload._src import schedule, timing, traces
+
+HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
+
+
+def options_of(args):
+    out = {}
+    for a in args:
+        k, v = a.split("=", 1)
+        out[k] = {"true": True, "false": False}.get(
+            v.lower(), int(v) if v.lstrip("-").isdigit() else v
+        )
+    return out
+
+
+def compiled_facts(compiled):
+    m = compiled.memory_analysis()
+    text = compiled.as_text()
+    return {
+        "temp_bytes": m.temp_size_in_bytes,
+        "host_temp_bytes": getattr(m, "host_temp_size_in_bytes", None),
+        "argument_bytes": m.argument_size_in_bytes,
+        "copy_starts": text.count("copy-start("),
+        "s5": text.count("S(5)"),
+    }, text
+
+
+def time_ms(fn, runs=10, warmup=3):
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    ts = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(ts), ts
+
+
+def lines_of(folder):
+    """Each GPU stream line of the trace: its name and how many events of each name kind."""
+    (path,) = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
+    data = jax.profiler.ProfileData.from_file(path)
+    out = []
+    for p in data.planes:
+        if not p.name.startswith("/device:GPU"):
+            continue
+        for line in p.lines:
+            names = {}
+            for e in line.events:
+                key = (
+                    e.name
+                    if e.name.startswith("Memcpy") or e.name.startswith("Memset")
+                    else "kernel"
+                )
+                names[key] = names.get(key, 0) + 1
+            sample = [
+                (e.name[:60], e.duration_ns, dict(e.stats).get("memcpy_details"))
+                for e in list(line.events)[:3]
+            ]
+            out.append({"plane": p.name, "line": line.name, "counts": names, "sample": sample})
+    return out
+
+
+def overlap_record(run, folder, steps=5):
+    o = traces.measure_overlap(run, steps=steps, warmup=1, log_dir=folder)
+    rec = o.fields()
+    rec["summary"] = o.summary()
+    rec["timeline"] = [(a.kind, a.start_ns, a.end_ns, a.name[:40], a.nbytes) for a in o.timeline]
+    rec["lines"] = lines_of(folder)
+    return rec
+
+
+def minimal(out):
+    x = jnp.ones((int(os.environ.get("WORDS", 2**28)),), jnp.float32)  # 1 GiB
+    a = jax.random.normal(jax.random.key(0), (int(os.environ.get("SIDE", 8192)),) * 2, jnp.bfloat16)
+    host_sh = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    xh = jax.device_put(x, host_sh)
+
+    def compute(a):
+        for _ in range(16):
+            a = jnp.tanh(a @ a)
+        return a
+
+    progs = {
+        "compute": (jax.jit(compute), (a,)),
+        "d2h": (jax.jit(lambda x: jax.device_put(x, HOST)), (x,)),
+        "d2h+compute": (jax.jit(lambda x, a: (jax.device_put(x, HOST), compute(a))), (x, a)),
+        "h2d": (jax.jit(lambda xh: jax.device_put(xh, DEVICE).sum()), (xh,)),
+        "h2d+compute": (
+            jax.jit(lambda xh, a: (jax.device_put(xh, DEVICE).sum(), compute(a))),
+            (xh, a),
+        ),
+        "d2h+compute+fdo": (jax.jit(lambda x, a: (jax.device_put(x, HOST), compute(a))), (x, a)),
+    }
+    res = {}
+    for name, (f, args) in progs.items():
+        try:
+            c = f.lower(*args).compile()
+            if name.endswith("fdo"):
+                c = f.lower(*args).compile(
+                    {
+                        "fdo_profile": copy_profile(c.as_text()).encode(),
+                        "xla_gpu_pgle_accuracy_checker": "PGLE_STRICTNESS_LEVEL_OFF",
+                    }
+                )
+            facts, text = compiled_facts(c)
+            ms, _ = time_ms(lambda c=c, args=args: c(*args))
+            rec = {"ms": ms, **facts}
+            if "+" in name:
+                rec.update(
+                    overlap_record(
+                        lambda c=c, args=args: c(*args), os.path.join(out, "trace-" + name.replace("+", "_"))
+                    )
+                )
+                with gzip.open(
+                    os.path.join(out, f"hlo-{name.replace('+', '_')}.txt.gz"), "wt"
+                ) as fh:
+                    fh.write(text)
+        except Exception as e:  # noqa: BLE001
+            rec = {"error": repr(e)[:2000]}
+        res[name] = rec
+        print(name, {k: v for k, v in rec.items() if k not in ("timeline", "lines")}, flush=True)
+    json.dump(res, open(os.path.join(out, "minimal.json"), "w"), indent=1, default=str)
+
+
+VARIANTS = {
+    "lean": Lean(),
+    "off10": Offload(window=2, max_bytes=10_000_000),
+    "off40": Offload(window=2, max_bytes=40_000_000),
+    "off150": Offload(window=2, max_bytes=150_000_000),
+    "full": Offload(),
+    "full2": Offload(window=2),
+    "full4": Offload(window=4),
+    "off40w4": Offload(window=4, max_bytes=40_000_000),
+    "full21": Offload(window=2, fetch_window=1),
+    "full12": Offload(window=1, fetch_window=2),
+    "full31": Offload(window=3, fetch_window=1),
+    "off150w3": Offload(window=3, max_bytes=150_000_000),
+    "off150w4": Offload(window=4, max_bytes=150_000_000),
+}
+
+
+def copy_profile(text):
+    """Each host copy priced at its bytes over 52 GB/s (the link as measured), for fdo_profile."""
+    return schedule.copy_cost_profile(text, 52.0)
+
+
+def resnet50(variant, out, options):
+    from jaxoffload.bench import benchmark, models
+
+    w = benchmark.Workload(
+        model="flax-resnet50",
+        batch=int(os.environ.get("BATCH", 256)),
+        image_size=int(os.environ.get("IMAGE", 224)),
+        dtype="bfloat16",
+        strategy="lean",
+    )
+    model = models.create(
+        "flax-resnet50", strategy=(VARIANTS[variant],) * 16, dtype=jnp.bfloat16, num_classes=1000
+    )
+    step, state, batch, _ = benchmark.training(w, model, abstract=False)
+    step = jax.jit(step, donate_argnums=0)
+    fdo = options.pop("fdo", None)
+    if options.pop("nopack", None):
+        from jaxoffload._src import transfers
+
+        transfers.PACK_BELOW = 0
+    t = time.perf_counter()
+    lowered = step.lower(state, batch)
+    compiled = lowered.compile(options) if options else lowered.compile()
+    if fdo:
+        profile = copy_profile(compiled.as_text())
+        print("profile entries", profile.count("costs"), flush=True)
+        compiled = lowered.compile(
+            {
+                **options,
+                "fdo_profile": profile.encode(),
+                "xla_gpu_pgle_accuracy_checker": "PGLE_STRICTNESS_LEVEL_OFF",
+            }
+        )
+        options["fdo"] = 1
+    compile_s = time.perf_counter() - t
+    if os.environ.get("PGLE"):  # jit's own path, which profiles its first runs and recompiles
+        jax.config.update("jax_enable_pgle", True)
+        jax.config.update("jax_pgle_profiling_runs", int(os.environ["PGLE"]))
+        compiled = step
+    facts, text = compiled_facts(compiled)
+    tag = variant + "".join(f"-{k.replace('xla_gpu_', '')}_{v}" for k, v in options.items())
+    tag += "-pgle" if os.environ.get("PGLE") else ""
+    if variant.startswith(("off40", "full")):
+        with gzip.open(os.path.join(out, f"hlo-{tag}.txt.gz"), "wt") as fh:
+            fh.write(text)
+    holder = {"state": state}
+
+    def run():
+        holder["state"], loss = compiled(holder["state"], batch)
+        return loss
+
+    ms, times = time_ms(run, runs=10, warmup=3)
+    peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    rec = {
+        "variant": variant,
+        "options": options,
+        "compile_s": compile_s,
+        "step_ms": ms,
+        "times": times,
+        "peak_bytes_in_use": peak,
+        **facts,
+    }
+    rec.update(overlap_record(run, os.path.join(out, "trace-" + tag)))
+    holder.clear()  # the state, freed before the link is probed
+    rec.update(timing.measure_link(2**30, devices=jax.devices()[:1]))
+    json.dump(rec, open(os.path.join(out, f"{tag}.json"), "w"), indent=1, default=str)
+    print(
+        tag, {k: v for k, v in rec.items() if k not in ("timeline", "lines", "times")}, flush=True
+    )
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "minimal":
+        minimal(sys.argv[2])
+    else:
+        resnet50(sys.argv[2], sys.argv[3], options_of(sys.argv[4:]))

@@ -1,0 +1,98 @@
+"""XLA options that let a step's host copies run under its compute.
+
+XLA:GPU runs host copies on streams of their own, but its latency-hiding scheduler lets two
+asynchronous operations be in flight at a time by default, and prices every copy at one
+constant whatever its size. The first makes copies wait for one another, and calls wait for
+them; the second starts a long copy too late to hide it. ``docs/design.md`` ("Copies that
+hide") has what each option did on the measured steps.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ASYNC_IN_FLIGHT", "compiler_options", "copy_cost_profile"]
+
+# Asynchronous operations the scheduler may keep in flight: host copies among them.
+ASYNC_IN_FLIGHT = 64
+# A copy's fixed cost on top of its bytes: stream synchronisation, a few microseconds.
+_COPY_OVERHEAD_US = 5.0
+_COPY_START = re.compile(r"%(copy-start[\w.\-]*) = \((\w+)\[([\d,]*)\]\{[^}]*S\(5\)")
+_COPY_BACK = re.compile(
+    r"%(copy-start[\w.\-]*) = \((\w+)\[([\d,]*)\]\{[^}]*\}, \w+\[[\d,]*\]\{[^}]*S\(5\)"
+)
+
+
+def compiler_options(lowered=None, *, link_gbps: float | None = None) -> dict[str, Any]:
+    """Options for ``jax.jit(..., compiler_options=...)`` or ``.compile(...)`` of an offloading step.
+
+    Without arguments, the options let copies run in parallel with one another and with compute.
+    Given the lowered step, they also tell the scheduler how long each of its host copies takes:
+    its bytes over the host link. That costs one compile here, whose copy names the profile uses.
+
+    Args:
+      lowered: ``jax.jit(step).lower(*args)``, or ``None``.
+      link_gbps: the host link's speed in 10⁹ bytes per second, to price the copies; measured
+        on the first device (:func:`jaxoffload._src.timing.measure_link`) if ``None``.
+
+    Returns:
+      A dict of XLA options; options of other backends are ignored on a CPU.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> step = jax.jit(lambda x: x * 2, compiler_options=compiler_options())
+      >>> step(jnp.ones(2)).tolist()
+      [2.0, 2.0]
+    """
+    options: dict[str, Any] = {"xla_gpu_experimental_parallel_async_compute_limit": ASYNC_IN_FLIGHT}
+    if lowered is None:
+        return options
+    if not hasattr(lowered, "compile"):
+        raise TypeError(
+            f"compiler_options takes a lowered step, jax.jit(step).lower(*args), got {lowered!r}."
+        )
+    text = lowered.compile(options).as_text()
+    if link_gbps is None:
+        from jaxoffload._src.timing import measure_link
+
+        link = measure_link(2**28)
+        link_gbps = min(link["d2h_gbps"], link["h2d_gbps"])
+    profile = copy_cost_profile(text, link_gbps)
+    if profile:
+        options["fdo_profile"] = profile.encode()
+        # The profile prices the copies alone: the other instructions keep the default costs.
+        options["xla_gpu_pgle_accuracy_checker"] = "PGLE_STRICTNESS_LEVEL_OFF"
+    return options
+
+
+def copy_cost_profile(hlo_text: str, link_gbps: float) -> str:
+    """A latency profile (``ProfiledInstructionsProto``, text) pricing each host copy of a program.
+
+    Each ``copy-start`` to or from host memory (``S(5)``) in ``hlo_text`` costs its bytes over
+    ``link_gbps``, plus a fixed few microseconds.
+
+    Example:
+      >>> hlo = "%copy-start.3 = (bf16[1000,1000]{1,0:S(5)}, bf16[1000,1000]{1,0}, u32[]) ..."
+      >>> copy_cost_profile(hlo, link_gbps=50.0)
+      'costs { name: "copy-start.3" cost_us: 45.000 }'
+    """
+    if not link_gbps > 0:
+        raise ValueError(f"link_gbps must be a positive speed, got {link_gbps!r}.")
+    lines = []
+    for match in [*_COPY_START.finditer(hlo_text), *_COPY_BACK.finditer(hlo_text)]:
+        name, dtype, dims = match.groups()
+        size = int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
+        us = size * _itemsize(dtype) / (link_gbps * 1e3) + _COPY_OVERHEAD_US
+        lines.append(f'costs {{ name: "{name}" cost_us: {us:.3f} }}')
+    return "\n".join(sorted(set(lines)))
+
+
+def _itemsize(hlo_type: str) -> int:
+    """Bytes per element of an HLO element type (``bf16``, ``f32``, ``pred``, ``s8``...)."""
+    if hlo_type == "pred":
+        return 1
+    bits = re.search(r"\d+", hlo_type)
+    return max(1, int(bits.group()) // 8) if bits else 4
