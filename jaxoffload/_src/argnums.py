@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,6 +19,7 @@ __all__ = [
     "check_argnums",
     "check_positions",
     "holds_arrays",
+    "named_after",
     "positional_names",
 ]
 
@@ -136,6 +138,32 @@ def positional_names(fun: Callable[..., Any]) -> tuple[str, ...]:
         return ()
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return tuple(p.name for p in parameters if p.kind in kinds)
+
+
+def named_after(
+    call: Callable[..., Any],
+    fun: Callable[..., Any],
+    positions: Sequence[int],
+    kwargs: dict,
+    leading: Sequence[str] = (),
+) -> Callable[..., Any]:
+    """``call``, named as ``fun``; its arguments ``leading``, then ``fun``'s at ``positions``,
+    then ``kwargs``, each by ``fun``'s name for it.
+
+    jax names a traced function and its arguments in its errors (a traced ``train``
+    flag says which argument it came from): they should be the user's, not those of
+    the function that jaxoffload traces in their place.
+    """
+    names = positional_names(fun)
+    given = [*leading, *(names[i] if i < len(names) else f"arg{i}" for i in positions)]
+    call = functools.wraps(fun)(call)
+    if len(set(given) | set(kwargs)) == len(given) + len(kwargs):
+        only, keyword = inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.KEYWORD_ONLY
+        call.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [inspect.Parameter(n, only) for n in given]
+            + [inspect.Parameter(k, keyword) for k in kwargs]
+        )
+    return call
 
 
 def check_argnums(what: str, argnums) -> tuple[int, ...]:

@@ -20,9 +20,15 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jaxoffload._src import context, jaxprs, measured, targets, transfers
-from jaxoffload._src.argnums import Argnums, check_argnums, holds_arrays, positional_names
-from jaxoffload._src.residuals import describe, restructured, select_once
-from jaxoffload._src.strategies import Offload, Strategy, check_strategy
+from jaxoffload._src.argnums import (
+    Argnums,
+    check_argnums,
+    holds_arrays,
+    named_after,
+    positional_names,
+)
+from jaxoffload._src.residuals import check_marked, describe, restructured, select_once
+from jaxoffload._src.strategies import Offload, Strategy, brief, check_strategy
 
 __all__ = [
     "TracedCall",
@@ -262,7 +268,7 @@ def trace_call(fun: Callable[..., Any], argnums: Argnums, args: tuple, kwargs: d
     static_kwargs = {k: v for k, v in kwargs.items() if not holds_arrays(v)}
     kwargs = {k: v for k, v in kwargs.items() if k not in static_kwargs}
 
-    def call(dynamic, kwargs):
+    def call(*dynamic, **kwargs):
         args, kwargs = rebuild(dynamic, kwargs)
         return fun(*args, **kwargs, **static_kwargs)
 
@@ -270,7 +276,18 @@ def trace_call(fun: Callable[..., Any], argnums: Argnums, args: tuple, kwargs: d
     sizes = [len(jax.tree.leaves(a)) for a in dynamic]
     starts = np.cumsum([0, *sizes])
     device_leaves = {int(starts[n]) + k: why for n, why in device.items() for k in range(sizes[n])}
-    closed, out_shape = jax.make_jaxpr(call, return_shape=True)(dynamic, kwargs)
+    positions = [i for i in range(len(args)) if i not in {j % len(args) for j in argnums.static}]
+    call = named_after(call, fun, positions, kwargs)
+    try:
+        closed, out_shape = jax.make_jaxpr(call, return_shape=True)(*dynamic, **kwargs)
+    except jax.errors.ConcretizationTypeError as e:
+        e.add_note(
+            f"jaxoffload traces {call.__qualname__} once, with its array arguments abstract, as "
+            "jax.jit does: an argument that steers Python control flow (`if train:`) must be "
+            "static. Pass it as a Python value (train=True), or name its position in "
+            "static_argnums."
+        )
+        raise
     out_tree = jax.tree.structure(out_shape)
     run = jex_core.jaxpr_as_fun(closed)
 
@@ -295,7 +312,7 @@ _INNER_CALLS = ("checkpoint", "remat", "remat2")
 def _wrapped_call(fun, strategy, argnums: Argnums, args: tuple, kwargs: dict, check_names=True):
     traced = trace_call(fun, argnums, args, kwargs)
     if check_names and strategy.required_names:
-        _check_names(strategy.required_names, traced.closed)
+        check_marked(strategy.required_names, traced.closed)
     if has_inner_calls(traced):
         flat = _run_regions(traced, strategy)
         return jax.tree.unflatten(traced.out_tree, flat)
@@ -313,24 +330,6 @@ def resolved(strategy: Strategy, traced: TracedCall) -> Strategy:
         return strategy
     device = tuple(sorted(traced.device_leaves))
     return measured.fastest_enough(strategy, traced.closed, device, wrap)
-
-
-def _check_names(names: tuple[str, ...], closed) -> None:
-    """Raises if ``names`` holds a name that the traced function never marks.
-
-    A typo would otherwise keep nothing but the inputs, and recompute the rest.
-    """
-    marked = {
-        e.params["name"] for e in jaxprs.equations(closed.jaxpr) if e.primitive.name == "name"
-    }
-    missing = [n for n in names if n not in marked]
-    if missing:
-        raise ValueError(
-            f"Offload(names={names!r}): the function marks no value named "
-            f"{', '.join(map(repr, missing))} with jax.ad_checkpoint.checkpoint_name; "
-            + (f"the names it marks are {sorted(marked)}." if marked else "it marks no value.")
-            + " Fix the name, or mark the value: checkpoint_name(x, name)."
-        )
 
 
 def _is_inner_call(eqn) -> bool:
@@ -474,6 +473,19 @@ def _custom_call(traced: TracedCall, strategy: Strategy, fun) -> Any:
         return (*transfers.barrier_arrays(cotangents_in), gate_cotangents)
 
     run.defvjp(run_fwd, run_bwd)
-    out, token = run(traced.dynamic, traced.kwargs, gates)
+    operands = traced.dynamic, traced.kwargs, gates
+    try:
+        out, token = run(*operands)  # for jax.jvp, even under jit, wrap with Remat() or Store()
+    except TypeError as e:  # jax.jvp of a custom_vjp, as jax words it: say which, and what works
+        if "forward-mode" not in str(e):
+            raise
+        name = getattr(fun, "__qualname__", None) or getattr(fun, "__name__", repr(fun))
+        raise TypeError(
+            f"jax.jvp, jax.jacfwd and jax.hessian differentiate in forward mode, which {name}, "
+            f"wrapped with {brief(strategy)}, does not support: a custom_vjp rule chooses its "
+            "residuals, and jax differentiates those in reverse mode only. For forward mode, "
+            "wrap it with Remat() or Store(); for second order, go reverse over reverse: "
+            "jax.jacrev(jax.jacrev(f)), or jax.grad of jax.grad."
+        ) from e
     chain.push(index, window, token)
     return out
