@@ -174,6 +174,10 @@ class Lean(Strategy):
     convolution or matrix product, and under :class:`Store`; it takes the
     first of them within ``max_slowdown`` of Store's time.
 
+    Its residuals are chosen in a ``jax.custom_vjp`` rule, as :class:`Offload`'s are:
+    it is differentiated in reverse mode (a gradient of a gradient too), not forward
+    (``jax.jvp``, ``jax.hessian``), where :class:`Remat` and :class:`Store` serve.
+
     Attributes:
       max_recompute: the FLOPs of convolutions and matrix products that the
         backward pass may recompute, as a share of the block's forward pass's,

@@ -35,7 +35,27 @@ __all__ = [
 
 _HOST = jax.memory.Space.Host
 _DEVICE = jax.memory.Space.Device
-_barrier = jax.lax.optimization_barrier
+
+
+@jax.custom_jvp
+def _barrier(tree):
+    """``jax.lax.optimization_barrier``, whose tangents pass through unbarriered.
+
+    A second-order gradient differentiates the forward and backward rules of an
+    offloaded call. jax's own rules for the barrier make a zero tangent or
+    cotangent in device memory for a value in host memory, and the cotangent check
+    then fails (``Expected cotangent type float32[4,8] but got float32<host>[4,8]``).
+    A barrier is the identity on values, so its tangents need none: only the
+    program's order is at stake, and that is the primal pass's.
+    ``tests/test_composition.py::test_a_gradient_of_a_gradient_is_the_plain_one``.
+    """
+    return jax.lax.optimization_barrier(tree)
+
+
+@functools.partial(_barrier.defjvp, symbolic_zeros=True)
+def _barrier_jvp(primals, tangents):
+    (tree,), (tangent,) = primals, tangents
+    return _barrier(tree), tangent
 
 
 def without_host_placement():
@@ -162,7 +182,11 @@ def fetch(saved, to_host, cotangent, token_cotangent, anchors, window):
 
 def _put(value, space):
     """``jax.device_put(value, space)``, or ``value`` itself in a twin (:class:`without_host_placement`)."""
-    return value if context.host_placement_is_off() else jax.device_put(value, space)
+    if context.host_placement_is_off():
+        return value
+    # The source named: a second-order gradient transposes the copy, and without a source
+    # jax leaves the cotangent of a device value on the host.
+    return jax.device_put(value, space, src=_DEVICE if space == _HOST else _HOST)
 
 
 def empty_token() -> jax.Array:

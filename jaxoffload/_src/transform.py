@@ -184,7 +184,8 @@ def offload(
     wrapped calls that follow, whatever wraps them.
 
     ``offload`` is built on :func:`jax.custom_vjp`: it supports reverse-mode
-    differentiation, ``jit``, ``vmap`` and sharding, but not forward mode.
+    differentiation (a gradient of a gradient too), ``jit``, ``vmap`` and sharding,
+    but not forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``).
 
     Args:
       fun: the function to wrap.
