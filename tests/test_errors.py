@@ -760,3 +760,36 @@ def test_a_traced_flag_is_named_as_the_user_names_it(face):
         run()
     assert "static_argnums" in "".join(getattr(raised.value, "__notes__", []))
     assert "dynamic" not in str(raised.value) and "rest[" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [(lambda: jaxoffload.offloaded_calls(3, X), TypeError,
+      r"offloaded_calls takes a function .* got 3: write offloaded_calls\(step, \*args\)"),
+     (lambda: jaxoffload.Plan(None), TypeError, r"blocks must be \(path, strategy\) pairs"),
+     (lambda: jaxoffload.Plan((("Block_0",),)), TypeError, r"blocks must be \(path, strategy\)"),
+     (lambda: jaxoffload.Plan.from_json(3), TypeError, r"for a file, write Plan\.load\(path\)"),
+     (lambda: jaxoffload.linen.wrap(3, Lean()), TypeError,
+      r"take a linen Module class or a method, got 3"),
+     (lambda: jaxoffload.linen.wrap(nn.Dense, Lean(), methods="__call__"), TypeError,
+      r"methods is a sequence of method names, got '__call__'; write methods=\('__call__',\)"),
+     (lambda: jaxoffload.linen.wrap(nn.Dense, Lean(), methods=["call"]), ValueError,
+      r"methods=\('call',\) names \['call'\], which Dense does not have"),
+     (lambda: Remat("dots_saveable"), TypeError,
+      r"got 'dots_saveable'; write policy=jax\.checkpoint_policies\.dots_saveable"),
+     (lambda: jaxoffload.memory_report(jax.jit(jnp.sin), X, twin="yes"), TypeError,
+      r"twin must be a bool, got 'yes'")],
+    ids=["offloaded_calls", "Plan(None)", "a single", "from_json", "linen.wrap(3)",
+         "methods string", "methods missing", "policy by name", "twin"],
+)  # fmt: skip
+def test_other_mistakes_are_named_too(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_positions_and_budgets_take_numpy_numbers():
+    lean = wrap(_layer, Lean(), device_argnums=np.int64(0))
+    assert rel_err(lean(W, X), _layer(W, X)) == 0.0
+    _refused_before_compiling(  # a list of budgets as an array: bytes that no plan can fit
+        ValueError, r"budget=2 bytes is less than", _plan_call(budget=np.array([0.5, 2]))
+    )

@@ -11,6 +11,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxoffload._src import checks
+
 __all__ = [
     "MODULE_RNGS",
     "MODULE_VARIABLES",
@@ -167,16 +169,19 @@ def named_after(
 
 
 def check_argnums(what: str, argnums) -> tuple[int, ...]:
-    if isinstance(argnums, bool | str) or not isinstance(argnums, int | Sequence):
+    """``argnums`` as a tuple of Python ints: one position, or a sequence of them (NumPy's
+    integers too, as ``jax.jit`` takes them)."""
+    single = isinstance(checks.as_number(argnums), int)
+    if not single and (isinstance(argnums, str) or not isinstance(argnums, Sequence)):
         raise TypeError(
-            f"{what} must be an int or a sequence of ints, got {argnums!r} of type "
-            f"{type(argnums).__name__}; {_hint(what, argnums)}."
+            f"{what} must be an int or a sequence of ints, got {checks.written(argnums)}; "
+            f"{_hint(what, argnums)}."
         )
-    argnums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    bad = [a for a in argnums if isinstance(a, bool) or not isinstance(a, int)]
+    argnums = (argnums,) if single else tuple(argnums)
+    bad = [a for a in argnums if not isinstance(checks.as_number(a), int)]
     if bad:
         raise TypeError(f"{what} must be ints, got {bad!r} in {argnums!r}; {_hint(what, argnums)}.")
-    return argnums
+    return tuple(int(a) for a in argnums)
 
 
 def _hint(what: str, argnums) -> str:

@@ -85,6 +85,11 @@ def offloaded_calls(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
       >>> [(c.flops, c.host_bytes) for c in calls]
       [(512, 256), (512, 256)]
     """
+    if not callable(fun):
+        raise TypeError(
+            f"offloaded_calls takes a function that differentiates wrapped calls (a training "
+            f"step), got {fun!r}: write offloaded_calls(step, *args)."
+        )
     with context.recording_calls() as calls:
         jax.make_jaxpr(fun)(*args, **kwargs)
     return calls

@@ -99,6 +99,11 @@ def wrap(
         )
     Argnums(device=device_argnums, static=static_argnums)  # refuses overlaps
     targets.check_linen_target(target, strategy)
+    if targets.linen_class(target) is None and not callable(target):
+        raise TypeError(
+            f"jaxoffload.linen.wrap and jaxoffload.linen.offload take a linen Module class or a "
+            f"method, got {target!r}; for a function of arrays, write jaxoffload.wrap(f, strategy)."
+        )
     _check_methods(target, methods)
     if strategy.is_identity:
         return target

@@ -240,8 +240,11 @@ class Remat(Strategy):
 
     def __post_init__(self):
         if self.policy is not None and not callable(self.policy):
+            named = isinstance(self.policy, str) and hasattr(jax.checkpoint_policies, self.policy)
+            fix = f"jax.checkpoint_policies.{self.policy}" if named else "None"
             raise TypeError(
-                f"policy must be a jax.checkpoint_policies policy or None, got {self.policy!r}."
+                f"policy must be a jax.checkpoint_policies policy or None, got "
+                f"{checks.written(self.policy)}; write policy={fix}."
             )
         object.__setattr__(self, "prevent_cse", checks.flag("prevent_cse", self.prevent_cse))
 

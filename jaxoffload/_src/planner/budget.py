@@ -26,9 +26,12 @@ __all__ = ["argument_bytes", "check_budget", "check_budgets", "check_room", "dev
 def check_budgets(budget: Any, of: str) -> tuple[list[int | float], bool]:
     """``(budgets, many)``: each budget checked (:func:`check_budget`), and whether a
     sequence of them was given."""
-    # A string is a Sequence too, but one budget written wrong, not a list of them.
-    many = isinstance(budget, Sequence) and not isinstance(budget, str | bytes)
-    if many and not budget:
+    # A string is a Sequence too, but one budget written wrong, not a list of them; an
+    # array of one dimension is a list of budgets.
+    many = (isinstance(budget, Sequence) and not isinstance(budget, str | bytes)) or (
+        getattr(budget, "ndim", None) == 1
+    )
+    if many and not len(budget):
         raise ValueError(
             f"budget={budget!r} holds no budget: give one, budget=0.5 (a share of {of}) or "
             "budget=8 * 2**30 (bytes), or several, budget=[0.75, 0.5]."

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from jaxoffload._src import checks
@@ -77,11 +78,14 @@ class Plan:
     notes: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self):
-        pairs = [b for b in self.blocks if not isinstance(b, str) and len(b) == 2]
-        if isinstance(self.blocks, str) or len(pairs) != len(self.blocks):
+        def pair(b):
+            return isinstance(b, Sequence) and not isinstance(b, str) and len(b) == 2
+
+        given = self.blocks
+        if isinstance(given, str) or not isinstance(given, Sequence) or not all(map(pair, given)):
             raise TypeError(
                 "blocks must be (path, strategy) pairs, such as (('Block_0', Lean()),), got "
-                f"{self.blocks!r}."
+                f"{given!r}."
             )
         blocks = tuple((path, check_strategy(s)) for path, s in self.blocks)
         bad = [path for path, _ in blocks if not isinstance(path, str)]
@@ -182,6 +186,11 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> Plan:
         """The plan that :meth:`to_json` wrote; a ``ValueError`` says what is wrong if not."""
+        if not isinstance(text, str | bytes):
+            raise TypeError(
+                f"Plan.from_json takes the text that Plan.to_json wrote, got {text!r}; for a "
+                "file, write Plan.load(path)."
+            )
         return cls._read(_parsed(text, "the JSON text"), "the JSON text")
 
     def save(self, path: str) -> None:
