@@ -35,11 +35,11 @@ def host_device_puts(jaxpr) -> int:
 
 def host_copies(moved) -> int:
     """How many copies the moved residuals of one call travel in: each large one alone, the
-    small ones packed into one buffer (``jaxoffload._src.transfers.packed``)."""
+    small ones one buffer a dtype (``jaxoffload._src.transfers.packed``)."""
     from jaxoffload._src.transfers import PACK_BELOW
 
-    small = sum(r.nbytes < PACK_BELOW for r in moved)
-    return len(moved) - small + min(small, 1)
+    small = [r.dtype for r in moved if r.nbytes < PACK_BELOW]
+    return len(moved) - len(small) + len(set(small))
 
 
 def normal(key: int, shape, dtype=jnp.float32):

@@ -230,7 +230,7 @@ def test_a_size_search_over_a_mesh_keeps_the_sizes_that_split():
     # Each probe compiled with the rows split: its bytes are one device's (Auto axes, which
     # eval_shape does not keep in the structs' types).
     assert found["max_image_size"] == 96 and probes[96] <= budget < probes[128]
-    assert found["max_image_size_confirmed"]
+    assert not found["max_image_size_confirmed"]  # a CPU reports no runtime peak
 
 
 @needs_four
@@ -271,8 +271,11 @@ def test_the_size_search_finds_the_largest_size_that_compiles_within_the_budget(
     over = min(s for s, nbytes in probes.items() if nbytes > budget)
     assert low <= size < high and probes[size] <= budget
     assert over <= size * 1.02 + fit.AXES[axis][0]
-    assert found[f"max_{axis}_confirmed"] and found[f"max_{axis}_budget_bytes"] == budget
+    assert found[f"max_{axis}_budget_bytes"] == budget
     speed = "images_per_s" if axis == "batch" else "ms_per_megapixel"
-    assert found[f"max_{axis}_{speed}"] > 0 and found[f"max_{axis}_stopped"] is None
+    assert found[f"max_{axis}_{speed}"] > 0
+    # A CPU reports no runtime peak: the size stands on its compiled bytes, and says so.
+    assert not found[f"max_{axis}_confirmed"]
+    assert found[f"max_{axis}_stopped"].startswith("no runtime peak was read")
     assert (f"max_{axis}_plan" in found) == plan
     assert found["jax_version"] == jax.__version__ and found["platform"] == "cpu"

@@ -1,20 +1,25 @@
 """A newcomer's mistakes: each is named, with what to write instead, or works as in jax."""
 
+import contextlib
 import functools
+import re
 import warnings
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from helpers import normal, rel_err
 from jax.ad_checkpoint import checkpoint_name
 
 import jaxoffload
-from jaxoffload import Lean, Offload, Remat, offload, wrap
+from jaxoffload import Lean, Offload, Remat, Store, offload, wrap
 from jaxoffload._src import context
 from jaxoffload.bench.layers import BatchNorm
+from tests.test_plan import ARGS, PLANNABLE, VARIABLES, Net, step
+from tests.test_plan import X as IMAGES
 
 W, X = normal(0, (3, 3)), normal(1, (2, 3))
 
@@ -332,7 +337,9 @@ def test_lean_batch_norm_refuses_other_axes_and_a_mask_at_the_call():
 @pytest.mark.parametrize(
     ("value", "write"),
     [(2, r"got 2; write max_recompute=1\.0"), (-0.1, r"got -0\.1; write max_recompute=0\.0"),
-     ("0.5", r"got '0\.5'; write a number such as max_recompute=0\.25")],
+     ("0.5", r"got '0\.5'; write max_recompute=0\.5, without quotes"),
+     ("half", r"got 'half'; write a number such as max_recompute=0\.25"),
+     (float("nan"), r"got nan; write a number such as max_recompute=0\.25")],
 )  # fmt: skip
 def test_max_recompute_is_a_share_from_0_to_1(make, value, write):
     with pytest.raises(ValueError, match=r"max_recompute is a share .* at most 1, " + write):
@@ -414,3 +421,375 @@ def test_module_variables_are_kept_on_the_device_as_variables_not_as_device_argn
     step = jax.grad(lambda state, x: lean(nnx.merge(graphdef, state), x).sum())
     reasons = _input_reasons(jaxoffload.offloaded_calls(step, state, X))
     assert reasons == ["Lean", "a Module's variable"], reasons
+
+
+# ---- every mistake answered, before anything compiles ----------------------------------------
+
+# The event jax records around every backend compile, persistent-cache hits included.
+_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def _compiles():
+    """The names of the programs compiled inside it."""
+    names = []
+
+    def listen(event, duration, **kwargs):
+        if event == _COMPILE:
+            names.append(kwargs.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def _refused_before_compiling(error, match, call):
+    """Asserts that ``call()`` raises ``error`` matching ``match``, having compiled nothing."""
+    with _compiles() as compiled, pytest.raises(error, match=match):
+        call()
+    assert compiled == [], compiled
+
+
+def test_the_compile_counter_counts():
+    with _compiles() as compiled:
+        jax.jit(lambda x: x * 3 + 1)(X)
+    assert len(compiled) == 1
+
+
+def _plan_call(**kwargs):
+    the_step = kwargs.pop("step", step)
+    options = {"budget": 1.0, "runs": 1, "progress": False, **kwargs}
+    return lambda: jaxoffload.plan(PLANNABLE, the_step, *ARGS, **options)
+
+
+def _fit_call(**kwargs):
+    options = {"budget": 10**9, "progress": False, **kwargs}
+    return lambda: jaxoffload.largest_size(Net(), step, _args_at, **options)
+
+
+def _args_at(batch):
+    x = jnp.zeros((batch, 16, 16, 3))
+    return VARIABLES["params"], VARIABLES["batch_stats"], x, jnp.zeros((batch,), jnp.int32)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [({"budget": 50}, ValueError,
+      r"budget=50 bytes is less than the step's arguments alone, .* so nothing can fit it; a "
+      r"share of the plain step's memory is a float: did you mean budget=0\.5\?"),
+     ({"budget": 1}, ValueError, r"budget=1 bytes is less .* did you mean budget=1\.0\?"),
+     ({"budget": np.int64(1)}, ValueError, r"did you mean budget=1\.0\?"),
+     ({"budget": []}, ValueError, r"budget=\[\] holds no budget: give one, budget=0\.5"),
+     ({"budget": float("nan")}, ValueError, r"budget must be positive.*got nan"),
+     ({"budget": 2.5}, ValueError, r"a share of the plain step's memory, in \(0, 1\].*got 2\.5"),
+     ({"budget": np.bool_(True)}, TypeError, r"got np\.True_ \(a bool\)"),
+     ({"runs": 0}, ValueError, r"runs must be an int of at least 1, got 0; write runs=1 or more"),
+     ({"runs": 2.0}, TypeError, r"runs must be an int of at least 1, got 2\.0; write runs=2\."),
+     ({"max_rounds": 0}, ValueError, r"max_rounds must be an int of at least 1, got 0"),
+     ({"per_round": "4"}, TypeError, r"per_round must be .*got '4'; write per_round=4, without"),
+     ({"options": []}, ValueError, r"options is empty"),
+     ({"options": Lean()}, TypeError, r"options is a sequence of strategies, got Lean"),
+     ({"blocks": nn.Dense}, TypeError, r"blocks= selects the blocks of an NNX model"),
+     ({"donate_argnums": 9}, ValueError, r"donate_argnums=\(9,\) names positions \[9\], but the "
+      r"step takes 4 arguments"),
+     ({"block_costs": "flops"}, ValueError, r"block_costs is one of \('timed', 'traced'\)"),
+     ({"progress": "yes"}, TypeError, r"progress must be True .* got 'yes'"),
+     ({"step": jax.jit(step)}, TypeError,
+      r"jaxoffload\.plan takes the training step unjitted, but got a jitted one "
+      r"\(jax\.jit\(step\) or nnx\.jit\(step\)\).*Pass step itself, and jit it"),
+     ({"step": "step"}, TypeError, r"takes the training step as a function step\(model, \*args\)")],
+    ids=lambda v: repr(v)[:40],
+)  # fmt: skip
+def test_plan_refuses_what_it_is_given_wrong_before_it_compiles(kwargs, error, match):
+    _refused_before_compiling(error, match, _plan_call(**kwargs))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [({"runs": 0}, ValueError, r"runs must be an int of at least 1, got 0"),
+     ({"exponent": 0}, ValueError,
+      r"exponent must be a finite number above 0 \(1 for a batch, 2 for an image's side\), "
+      r"got 0; write a number such as exponent=1\.0\."),
+     ({"exponent": -1}, ValueError, r"exponent must be a finite number above 0 .*got -1;"),
+     ({"exponent": float("nan")}, ValueError, r"exponent must be .*got nan;"),
+     ({"exponent": float("inf")}, ValueError, r"exponent must be .*got inf;"),
+     ({"time_limit_s": -5}, ValueError,
+      r"time_limit_s must be a number of at least 0 \(seconds\), got -5; write a number such as "
+      r"time_limit_s=600\.0\."),
+     ({"time_limit_s": float("nan")}, ValueError, r"time_limit_s must be .*got nan"),
+     ({"multiple_of": 32, "limit": 16}, ValueError,
+      r"no size in \[smallest=1, limit=16\] is a multiple of multiple_of=32, so there is "
+      r"nothing to search: write limit=32 or more"),
+     ({"start": 10, "limit": 5}, ValueError, r"start must be in \[smallest=1, limit=5\], got 10"),
+     ({"tolerance": 1}, ValueError, r"tolerance must be a finite number above 0 below 1"),
+     ({"limit": 2**40 + 0.5}, TypeError, r"limit must be an int of at least 1, got"),
+     ({"min_speed": 0.7}, ValueError, r"min_speed .*without plan=True: write plan=True"),
+     ({"options": (Lean(),)}, ValueError, r"options choose what a plan may do, but plan=False"),
+     ({"plan": 1}, TypeError, r"plan must be a bool, got 1; write plan=True"),
+     ({"budget": 0.5}, ValueError,
+      r"budget=0\.5 is a share of the device's memory, but this cpu device reports no memory "
+      r"limit: give bytes"),
+     ({"budget": 100}, ValueError, r"budget=100 bytes is less than the step's arguments alone.*"
+      r"a share of the device's memory is a float: did you mean budget=1\.0\?"),
+     ({"budget": "80%"}, TypeError, r"got the string '80%'; write budget=0\.8, a share"),
+     ({"donate_argnums": 4}, ValueError, r"donate_argnums=\(4,\) names positions \[4\]")],
+    ids=lambda v: repr(v)[:40],
+)  # fmt: skip
+def test_largest_size_refuses_what_it_is_given_wrong_before_it_compiles(kwargs, error, match):
+    _refused_before_compiling(error, match, _fit_call(**kwargs))
+
+
+@pytest.mark.parametrize(
+    ("returns", "got"),
+    [(None, "None"), (VARIABLES["params"], "a dict"), (X, r"a float32 array of shape \(2, 3\)")],
+    ids=["None", "a dict", "an array"],
+)
+def test_largest_size_says_what_args_at_must_return(returns, got):
+    args_at = lambda n: returns  # noqa: E731
+    match = rf"args_at\(1\) must return the step's arguments after the model, as a tuple such as \(state, batch\), got .*{got}"
+    _refused_before_compiling(
+        TypeError,
+        match,
+        lambda: jaxoffload.largest_size(Net(), step, args_at, budget=10**9, progress=False),
+    )
+    with pytest.raises(TypeError, match="args_at must be a function of the size"):
+        jaxoffload.largest_size(Net(), step, (X,), budget=10**9, progress=False)
+
+
+def test_a_size_search_that_fits_nothing_says_so_and_takes_numbers_of_any_kind():
+    least = sum(x.nbytes for x in jax.tree.leaves(_args_at(1)))
+    found = jaxoffload.largest_size(
+        Net(), step, _args_at, budget=np.int64(least + 1), start=np.int32(2), limit=4,
+        progress=False,
+    )  # fmt: skip
+    assert found.size == 0 and found.budget_bytes == least + 1 and not found.confirmed
+    smallest, nbytes = min(found.probes)
+    assert smallest == 1 and nbytes > least + 1
+    assert found.stopped.startswith("nothing fits: the smallest size compiled, 1, takes ")
+
+
+def test_strategies_take_numpy_numbers_and_keep_python_ones():
+    assert Offload(window=np.int64(2), max_bytes=np.uint32(7)) == Offload(window=2, max_bytes=7)
+    assert "window=2, max_bytes=7" in repr(Offload(window=np.int64(2), max_bytes=np.uint32(7)))
+    lean = Lean(max_recompute=np.float32(0.5), max_slowdown=jnp.array(0.03, jnp.float32))
+    assert repr(lean) == "Lean(max_recompute=0.5, max_slowdown=0.03)"
+    assert hash(lean) == hash(Lean(0.5, 0.03)) and Remat(prevent_cse=np.bool_(False)) == Remat(
+        prevent_cse=False
+    )
+    json = jaxoffload.Plan((("Block_0", Offload(window=np.int64(2))),)).to_json()
+    assert '"window": 2' in json
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [({"window": True}, TypeError, r"window must be an int of at least 1, got True \(a bool\)"),
+     ({"window": 2.0}, TypeError, r"window must be an int of at least 1, got 2\.0; write window=2\."),
+     ({"window": "2"}, TypeError, r"got '2'; write window=2, without quotes"),
+     ({"max_bytes": 1e9}, TypeError, r"max_bytes must be a non-negative int .*write max_bytes=1000000000\."),
+     ({"min_bytes": -1}, ValueError, r"min_bytes must be a non-negative int \(bytes\), got -1"),
+     ({"max_recompute": np.float32(1.5)}, ValueError, r"at most 1, got 1\.5; write max_recompute=1\.0"),
+     ({"names": 3}, TypeError, r"names must be a sequence of strings, got 3"),
+     ({"recompute": 0}, TypeError, r"recompute must be a bool, got 0; write recompute=False")],
+    ids=lambda v: repr(v)[:30],
+)  # fmt: skip
+def test_offload_fields_say_what_to_write(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Offload(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [(float("nan"), ValueError, r"got nan; write a number such as max_slowdown=0\.03"),
+     (float("inf"), ValueError, r"got inf; write None"),
+     (np.float64(-0.5), ValueError, r"got -0\.5")],
+)  # fmt: skip
+def test_lean_refuses_a_max_slowdown_that_is_no_share_of_a_time(value, error, match):
+    # NaN was accepted, and its first trace ended in a bare StopIteration.
+    with pytest.raises(
+        error, match=r"max_slowdown must be a finite number of at least 0 .*" + match
+    ):
+        Lean(max_slowdown=value)
+
+
+def test_the_strategy_base_class_is_no_strategy():
+    message = r"Strategy is the base class of the strategies.*write Store\(\), Lean\(\), Remat\(\)"
+    with pytest.raises(TypeError, match=message):
+        jaxoffload.Strategy()
+    with pytest.raises(TypeError, match=r"write Lean\(\), not Lean"):
+        jaxoffload.linen.wrap(_Block, Lean)
+
+
+def test_nnx_wrap_of_a_module_class_says_to_wrap_an_instance():
+    message = (
+        r"NNX Module class Linear: it would wrap the constructor, and the Modules it builds "
+        r"would run plain\. Build the Module, then write jaxoffload\.nnx\.wrap\(module, Lean\(\)\)"
+    )
+    with pytest.raises(TypeError, match=message):
+        jaxoffload.nnx.wrap(nnx.Linear, Lean())
+    with pytest.raises(TypeError, match=r"NNX Module class Linear: it would wrap the constructor"):
+        jaxoffload.nnx.offload(nnx.Linear)
+
+
+def test_a_linen_plan_of_a_block_the_model_lacks_is_refused():
+    blocks = (("Block_0", Lean()), ("Block_1", Remat()), ("Block_2", Store()), ("Block_7", Lean()))
+    planned = jaxoffload.Plan(blocks).apply(PLANNABLE)
+    message = (
+        r"the plan names \['Block_7'\], which Net did not call; the plannable blocks it called "
+        r"are Block_0, Block_1, Block_2\. The plan was made for another model"
+    )
+    with pytest.raises(ValueError, match=message):
+        planned.init(jax.random.key(0), IMAGES)
+    with pytest.raises(ValueError, match=message):
+        planned.apply(VARIABLES, IMAGES, mutable=["batch_stats"])
+
+
+def test_a_plan_on_a_model_without_plannable_blocks_is_refused():
+    planned = jaxoffload.Plan((("Block_0", Lean()), ("Block_1", Lean()))).apply(Net())
+    message = (
+        r"the plan names the blocks \['Block_0', 'Block_1'\], but Net called no plannable block, "
+        r"so none would take its strategy: .*jaxoffload\.linen\.plannable\(Block\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        planned.apply(VARIABLES, IMAGES, mutable=["batch_stats"])
+
+
+def _damaged(tmp_path, text):
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    return path
+
+
+_SAVED = jaxoffload.Plan((("Block_0", Lean()), ("Block_1", Offload(window=2))), budget_bytes=5)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [('{"outside": {"kind": "Store"}}',
+      r"plan\.json holds no plan: what Plan\.save writes: an object whose \"blocks\" are \[path, "
+      r"strategy\] pairs, but it has no \"blocks\" \(its keys: 'outside'\)\."),
+     ("[1, 2]", r"plan\.json holds no plan: .* but it holds a list\."),
+     (_SAVED.to_json()[:40],
+      r"plan\.json holds no plan: its JSON is damaged or cut off at line \d+, column \d+ \(.*\)\. "
+      r"Save the plan again"),
+     (_SAVED.to_json().replace('"window"', '"windw"'),
+      r"plan\.json, block 1 \('Block_1'\): Offload has no field 'windw' \(did you mean "
+      r"'window'\?\); its fields are max_bytes, max_recompute, min_bytes, names, recompute, "
+      r"window\."),
+     (_SAVED.to_json().replace('"window": 2', '"window": 0'),
+      r"plan\.json, block 1 \('Block_1'\): window must be an int of at least 1, got 0"),
+     (_SAVED.to_json().replace('"Lean"', '"Laen"'),
+      r"plan\.json, block 0 \('Block_0'\): unknown strategy kind 'Laen'"),
+     ('{"blocks": [["Block_0"]]}', r"plan\.json, block 0: a block is a \[path, strategy\] pair"),
+     ('{"blocks": [], "budget": 3}',
+      r"plan\.json: a plan has no field 'budget' \(did you mean 'budget_bytes'\?\)"),
+     (_SAVED.to_json().replace('"budget_bytes": 5', '"budget_bytes": -5'),
+      r"plan\.json: budget_bytes must be a non-negative int, or None, got -5")],
+    ids=["no blocks", "a list", "cut off", "misspelled", "bad window", "bad kind", "not a pair",
+         "unknown field", "bad figure"],
+)  # fmt: skip
+def test_a_damaged_plan_file_says_which_file_what_and_where(tmp_path, text, match):
+    path = _damaged(tmp_path, text)
+    with pytest.raises(ValueError, match=match) as raised:
+        jaxoffload.Plan.load(path)
+    assert type(raised.value) is ValueError and str(path) in str(raised.value)
+    assert jaxoffload.Plan.load(_damaged(tmp_path, _SAVED.to_json())) == _SAVED
+
+
+def test_forward_mode_through_lean_or_offload_names_the_block_and_what_works():
+    lean = wrap(_layer, Lean(), device_argnums=0)
+    message = (
+        r"jax\.jvp, jax\.jacfwd and jax\.hessian differentiate in forward mode, which _layer, "
+        r"wrapped with Lean\(\), does not support: .* For forward mode, wrap it with Remat\(\) or "
+        r"Store\(\); for second order, go reverse over reverse"
+    )
+    with pytest.raises(TypeError, match=message):
+        jax.jvp(lambda x: lean(W, x), (X,), (X,))
+    with pytest.raises(TypeError, match=message.replace("Lean", "Offload")):
+        jax.jacfwd(lambda x: offload(_layer, device_argnums=0)(W, x))(X)
+    # In linen, the Module's method is named.
+    block = jaxoffload.linen.wrap(_Block, Lean())
+    variables = _init_with(block, lambda b, x: b(x, x, x))
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return block()(x, x, x)
+
+    with pytest.raises(TypeError, match=r"which _Block\.__call__, wrapped with Lean\(\), does not"):
+        jax.jvp(lambda x: Model().apply(variables, x), (X,), (X,))
+
+
+@pytest.mark.parametrize(
+    "face",
+    ["function", "linen", "nnx"],
+)
+def test_a_traced_flag_is_named_as_the_user_names_it(face):
+    # It was `dynamic[3]` of jaxoffload's inner `call`, or `rest[0][2]` of its `pure`.
+    flag = jnp.array(True)
+    if face == "function":
+        f = wrap(lambda x, train: jnp.tanh(x) if train else x, Lean())
+        run = lambda: jax.jit(f)(X, flag)  # noqa: E731
+        where = "<lambda>"
+    elif face == "linen":
+        block = jaxoffload.linen.wrap(_Flagged, Lean())
+        variables = _init_with(block, lambda b, x: b(x, True))
+
+        class Model(nn.Module):
+            @nn.compact
+            def __call__(self, x, train):
+                return block()(x, train)
+
+        run = lambda: jax.jit(Model().apply)(variables, X, flag)  # noqa: E731
+        where = "__call__"
+    else:
+
+        class Flagged(nnx.Module):
+            def __init__(self):
+                self.dense = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+
+            def __call__(self, x, train):
+                return jnp.tanh(self.dense(x)) if train else x
+
+        module = jaxoffload.nnx.wrap(Flagged(), Lean())
+        run = lambda: nnx.jit(lambda m, x, t: m(x, t))(module, X, flag)  # noqa: E731
+        where = "__call__"
+    message = rf"tracing the function {re.escape(where)} at .*depends on the value of the argument train\."
+    with pytest.raises(jax.errors.TracerBoolConversionError, match=message) as raised:
+        run()
+    assert "static_argnums" in "".join(getattr(raised.value, "__notes__", []))
+    assert "dynamic" not in str(raised.value) and "rest[" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [(lambda: jaxoffload.offloaded_calls(3, X), TypeError,
+      r"offloaded_calls takes a function .* got 3: write offloaded_calls\(step, \*args\)"),
+     (lambda: jaxoffload.Plan(None), TypeError, r"blocks must be \(path, strategy\) pairs"),
+     (lambda: jaxoffload.Plan((("Block_0",),)), TypeError, r"blocks must be \(path, strategy\)"),
+     (lambda: jaxoffload.Plan.from_json(3), TypeError, r"for a file, write Plan\.load\(path\)"),
+     (lambda: jaxoffload.linen.wrap(3, Lean()), TypeError,
+      r"take a linen Module class or a method, got 3"),
+     (lambda: jaxoffload.linen.wrap(nn.Dense, Lean(), methods="__call__"), TypeError,
+      r"methods is a sequence of method names, got '__call__'; write methods=\('__call__',\)"),
+     (lambda: jaxoffload.linen.wrap(nn.Dense, Lean(), methods=["call"]), ValueError,
+      r"methods=\('call',\) names \['call'\], which Dense does not have"),
+     (lambda: Remat("dots_saveable"), TypeError,
+      r"got 'dots_saveable'; write policy=jax\.checkpoint_policies\.dots_saveable"),
+     (lambda: jaxoffload.memory_report(jax.jit(jnp.sin), X, twin="yes"), TypeError,
+      r"twin must be a bool, got 'yes'")],
+    ids=["offloaded_calls", "Plan(None)", "a single", "from_json", "linen.wrap(3)",
+         "methods string", "methods missing", "policy by name", "twin"],
+)  # fmt: skip
+def test_other_mistakes_are_named_too(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_positions_and_budgets_take_numpy_numbers():
+    lean = wrap(_layer, Lean(), device_argnums=np.int64(0))
+    assert rel_err(lean(W, X), _layer(W, X)) == 0.0
+    _refused_before_compiling(  # a list of budgets as an array: bytes that no plan can fit
+        ValueError, r"budget=2 bytes is less than", _plan_call(budget=np.array([0.5, 2]))
+    )

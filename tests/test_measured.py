@@ -71,9 +71,13 @@ def test_without_max_slowdown_nothing_is_timed(monkeypatch):
     gradients(wrap(block, Lean(), device_argnums=(1, 2)))
 
 
-@pytest.mark.parametrize("bad", [-0.1, "3%", True])
-def test_a_bad_max_slowdown_is_refused(bad):
-    with pytest.raises(ValueError, match="max_slowdown"):
+@pytest.mark.parametrize(
+    ("bad", "error", "got"),
+    [(-0.1, ValueError, "got -0.1"), ("3%", TypeError, "got '3%'"),
+     (True, TypeError, r"got True \(a bool\)"), (float("nan"), ValueError, "got nan")],
+)  # fmt: skip
+def test_a_bad_max_slowdown_is_refused(bad, error, got):
+    with pytest.raises(error, match=rf"max_slowdown must be a finite number of at least 0 .*{got}"):
         Lean(max_slowdown=bad)
 
 

@@ -6,6 +6,7 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -318,7 +319,11 @@ def test_estimates_are_predictions_within_15_percent_of_the_compiled_bytes(share
 
 
 def test_a_list_of_budgets_loses_the_ones_that_fit_to_none_that_does_not():
-    plans = jaxoffload.plan(PLANNABLE, step, *ARGS, budget=[1.0, 1000], runs=1, progress=False)
+    # The step's arguments and a byte: a budget that no plan fits, but one that may be meant.
+    # NumPy's numbers are numbers: a share and bytes.
+    least = np.int64(sum(x.nbytes for x in jax.tree.leaves(ARGS)) + 1)
+    budgets = [np.float32(1.0), least]
+    plans = jaxoffload.plan(PLANNABLE, step, *ARGS, budget=budgets, runs=1, progress=False)
     fits, too_small = plans
     assert isinstance(fits, Plan) and fits.compiled_bytes <= fits.budget_bytes
     assert isinstance(too_small, jaxoffload.NoPlanFits)

@@ -73,7 +73,7 @@ def test_the_fit_example_finds_a_batch_that_fits(tmp_path, monkeypatch):
     fit = namespace["fit"]
     probes = dict(fit.probes)
     assert 0 < fit.size < 256 and probes[fit.size] <= 64 * 2**20 < max(probes.values())
-    assert fit.confirmed and fit.per_second > 0
+    assert fit.per_second > 0 and not fit.confirmed  # a CPU reports no runtime peak
 
 
 def test_the_nesting_and_function_examples_run():

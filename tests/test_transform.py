@@ -307,7 +307,13 @@ def test_nested_calls_keep_their_strategies():
 
 def test_forward_mode_is_refused_clearly():
     f = offload(jnp.sin)
-    with pytest.raises(TypeError, match="forward-mode"):
+    message = (
+        r"jax\.jvp, jax\.jacfwd and jax\.hessian differentiate in forward mode, which sin, "
+        r"wrapped with Offload\(\), does not support: .* reverse mode only\. For forward mode, "
+        r"wrap it with Remat\(\) or Store\(\); for second order, go reverse over reverse: "
+        r"jax\.jacrev\(jax\.jacrev\(f\)\), or jax\.grad of jax\.grad\."
+    )
+    with pytest.raises(TypeError, match=message):
         jax.jvp(f, (jnp.ones(3),), (jnp.ones(3),))
 
 
@@ -318,10 +324,14 @@ def test_forward_mode_is_refused_clearly():
         ({"names": [1]}, TypeError, "must be strings"),
         ({"names": ["a"], "recompute": True}, ValueError, "takes no names"),
         ({"min_bytes": -1}, ValueError, "non-negative"),
-        ({"min_bytes": 1.5}, ValueError, "non-negative"),
+        (
+            {"min_bytes": 1.5},
+            TypeError,
+            r"min_bytes must be a non-negative int \(bytes\), got 1\.5",
+        ),
         ({"max_recompute": -0.1}, ValueError, "non-negative"),
         ({"window": 0}, ValueError, "window must be an int of at least 1"),
-        ({"window": True}, ValueError, "window must be an int of at least 1"),
+        ({"window": True}, TypeError, r"window must be an int of at least 1, got True \(a bool\)"),
         ({"recompute": 1}, TypeError, "recompute must be a bool"),
         ({"device_argnums": "0"}, TypeError, "int or a sequence of ints"),
         ({"device_argnums": 1.0}, TypeError, "int or a sequence of ints"),
@@ -651,7 +661,7 @@ def test_packing_gives_back_every_value_bit_for_bit(specs):
         for n, (dtype, shape) in enumerate(specs)
     ]
     moving, packing = packed(values)
-    assert len(moving) == (len(values) if len(values) < 2 else 1)
+    assert len(moving) == len({v.dtype for v in values})  # one buffer a dtype, or the one value
     back = unpacked(moving, packing)
     for a, b in zip(values, back):
         assert a.dtype == b.dtype and a.shape == b.shape

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+
+from jaxoffload._src import checks
 
 __all__ = [
     "MODULE_RNGS",
@@ -18,6 +21,7 @@ __all__ = [
     "check_argnums",
     "check_positions",
     "holds_arrays",
+    "named_after",
     "positional_names",
 ]
 
@@ -138,17 +142,46 @@ def positional_names(fun: Callable[..., Any]) -> tuple[str, ...]:
     return tuple(p.name for p in parameters if p.kind in kinds)
 
 
-def check_argnums(what: str, argnums) -> tuple[int, ...]:
-    if isinstance(argnums, bool | str) or not isinstance(argnums, int | Sequence):
-        raise TypeError(
-            f"{what} must be an int or a sequence of ints, got {argnums!r} of type "
-            f"{type(argnums).__name__}; {_hint(what, argnums)}."
+def named_after(
+    call: Callable[..., Any],
+    fun: Callable[..., Any],
+    positions: Sequence[int],
+    kwargs: dict,
+    leading: Sequence[str] = (),
+) -> Callable[..., Any]:
+    """``call``, named as ``fun``; its arguments ``leading``, then ``fun``'s at ``positions``,
+    then ``kwargs``, each by ``fun``'s name for it.
+
+    jax names a traced function and its arguments in its errors (a traced ``train``
+    flag says which argument it came from): they should be the user's, not those of
+    the function that jaxoffload traces in their place.
+    """
+    names = positional_names(fun)
+    given = [*leading, *(names[i] if i < len(names) else f"arg{i}" for i in positions)]
+    call = functools.wraps(fun)(call)
+    if len(set(given) | set(kwargs)) == len(given) + len(kwargs):
+        only, keyword = inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.KEYWORD_ONLY
+        call.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [inspect.Parameter(n, only) for n in given]
+            + [inspect.Parameter(k, keyword) for k in kwargs]
         )
-    argnums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    bad = [a for a in argnums if isinstance(a, bool) or not isinstance(a, int)]
+    return call
+
+
+def check_argnums(what: str, argnums) -> tuple[int, ...]:
+    """``argnums`` as a tuple of Python ints: one position, or a sequence of them (NumPy's
+    integers too, as ``jax.jit`` takes them)."""
+    single = isinstance(checks.as_number(argnums), int)
+    if not single and (isinstance(argnums, str) or not isinstance(argnums, Sequence)):
+        raise TypeError(
+            f"{what} must be an int or a sequence of ints, got {checks.written(argnums)}; "
+            f"{_hint(what, argnums)}."
+        )
+    argnums = (argnums,) if single else tuple(argnums)
+    bad = [a for a in argnums if not isinstance(checks.as_number(a), int)]
     if bad:
         raise TypeError(f"{what} must be ints, got {bad!r} in {argnums!r}; {_hint(what, argnums)}.")
-    return argnums
+    return tuple(int(a) for a in argnums)
 
 
 def _hint(what: str, argnums) -> str:

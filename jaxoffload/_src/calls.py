@@ -9,6 +9,7 @@ from typing import Any
 import jax
 
 from jaxoffload._src import context, transform
+from jaxoffload._src import traced as traced_call
 from jaxoffload._src.errors import OffloadWarning
 from jaxoffload._src.residuals import OffloadedCall, Residual, select
 
@@ -48,8 +49,8 @@ def saved_residuals(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
             f"got {fun!r}; for jax's own residuals, wrap it with Store(): "
             "saved_residuals(jaxoffload.wrap(f, jaxoffload.Store()), *args)."
         ) from None
-    traced = transform.trace_call(inner, argnums, args, kwargs)
-    if transform.has_inner_calls(traced) and not strategy.is_identity:
+    traced = traced_call.trace_call(inner, argnums, args, kwargs)
+    if traced_call.has_inner_calls(traced) and not strategy.is_identity:
         # The code between inner wrapped calls is cut into regions: list the first call's.
         calls = offloaded_calls(
             lambda args, kwargs: jax.vjp(lambda *a: fun(*a, **kwargs), *args), args, kwargs
@@ -85,6 +86,11 @@ def offloaded_calls(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> list[
       >>> [(c.flops, c.host_bytes) for c in calls]
       [(512, 256), (512, 256)]
     """
+    if not callable(fun):
+        raise TypeError(
+            f"offloaded_calls takes a function that differentiates wrapped calls (a training "
+            f"step), got {fun!r}: write offloaded_calls(step, *args)."
+        )
     with context.recording_calls() as calls:
         jax.make_jaxpr(fun)(*args, **kwargs)
     return calls

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -98,20 +99,28 @@ def wrap(
         )
     Argnums(device=device_argnums, static=static_argnums)  # refuses overlaps
     targets.check_linen_target(target, strategy)
+    if targets.linen_class(target) is None and not callable(target):
+        raise TypeError(
+            f"jaxoffload.linen.wrap and jaxoffload.linen.offload take a linen Module class or a "
+            f"method, got {target!r}; for a function of arrays, write jaxoffload.wrap(f, strategy)."
+        )
+    _check_methods(target, methods)
     if strategy.is_identity:
         return target
-    transformed = linen_transforms.lift_transform(
-        _lifted,
-        target,
+    options = dict(
         strategy=strategy,
         variables=variables,
         rngs=rngs,
         device_argnums=device_argnums,
         static_argnums=static_argnums,
-        methods=methods,
     )
-    if targets.linen_class(target) is None:
+    base = targets.linen_class(target)
+    if base is None:
+        transformed = linen_transforms.lift_transform(_lifted, target, **options, method=target)
         return _method(transformed, target)
+    # Each method is lifted knowing itself, so that jax's errors name it and its arguments.
+    each = {m: {**options, "method": getattr(base, m)} for m in (methods or ("__call__",))}
+    transformed = linen_transforms.lift_transform(_lifted, target, methods=each)
     return _named_like(transformed, target)
 
 
@@ -222,6 +231,30 @@ def plannable(
     return planned  # type: ignore[return-value]
 
 
+def _check_methods(target: Any, methods: Any) -> None:
+    """Raises unless ``methods`` is ``None`` or names methods of the Module class ``target``."""
+    base = targets.linen_class(target)
+    if methods is None:
+        return
+    if base is None:
+        raise TypeError(
+            f"methods names the methods of a Module class to wrap, but got the method "
+            f"{getattr(target, '__name__', target)!r} itself, which is what is wrapped: leave "
+            "methods out."
+        )
+    if isinstance(methods, str) or not isinstance(methods, Sequence):
+        write = (methods,) if isinstance(methods, str) else ("__call__",)
+        raise TypeError(
+            f"methods is a sequence of method names, got {methods!r}; write methods={write!r}."
+        )
+    missing = [m for m in methods if not callable(getattr(base, str(m), None))]
+    if missing:
+        raise ValueError(
+            f"methods={tuple(methods)} names {missing}, which {base.__name__} does not have as "
+            "methods: name methods that the class defines, such as '__call__'."
+        )
+
+
 def _named_like(transformed, target):
     """A transformed Module class under ``target``'s name, so that Flax names instances as it would."""
     cls = transformed.func if isinstance(transformed, functools.partial) else transformed
@@ -255,6 +288,26 @@ def _method(transformed, target):
     return method
 
 
+def _named_after(wrapped: Callable[..., Any], method: Callable[..., Any] | None):
+    """``wrapped``, named as the Module's ``method``: its variables, RNGs and the method's
+    arguments after ``self``. A traced ``train`` flag is then ``train`` in jax's errors, in
+    ``Block.__call__``, not an argument of flax's or jaxoffload's inner functions."""
+    if method is None:
+        return wrapped
+    try:
+        after_self = list(inspect.signature(method).parameters.values())[1:]
+        lifted = [
+            inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in ("variables", "rngs")
+        ]
+        signature = inspect.Signature(lifted + after_self)
+    except (TypeError, ValueError):  # no signature, or one that names variables or rngs
+        return wrapped
+    wrapped.__wrapped__ = method  # type: ignore[attr-defined]
+    wrapped.__signature__ = signature  # type: ignore[attr-defined]
+    wrapped.__name__, wrapped.__qualname__ = method.__name__, method.__qualname__
+    return wrapped
+
+
 def _lifted(
     fn: Callable[..., Any],
     strategy: Strategy,
@@ -262,10 +315,12 @@ def _lifted(
     rngs: Any = True,
     device_argnums: tuple[int, ...] = (),
     static_argnums: tuple[int, ...] = (),
+    method: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
     """``transform.wrap`` lifted over Flax scopes, as ``flax.core.lift.checkpoint`` lifts ``jax.checkpoint``.
 
-    ``device_argnums`` and ``static_argnums`` count ``self`` as 0.
+    ``device_argnums`` and ``static_argnums`` count ``self`` as 0. ``method`` is the
+    Module's method that ``fn`` calls, by whose name and arguments jax's errors speak.
     """
 
     def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
@@ -283,14 +338,16 @@ def _lifted(
             reasons=(MODULE_VARIABLES, MODULE_RNGS, *(NAMED for _ in device_argnums)),
         )
 
-        @functools.partial(transform.wrap_with, strategy=strategy, argnums=argnums)
         @functools.wraps(fn)
         def wrapped(variable_groups, rng_groups, *args, **kwargs):
             scope = scope_fn(variable_groups, rng_groups)
             y = fn(scope, *args, **kwargs)
             return y, repack_fn(scope)
 
-        return wrapped(variable_groups, rng_groups, *args, **kwargs)
+        named = _named_after(wrapped, method)
+        return transform.wrap_with(named, strategy, argnums)(
+            variable_groups, rng_groups, *args, **kwargs
+        )
 
     # enable_kwargs: otherwise flax drops keyword arguments, with only a RuntimeWarning.
     return lift.pack(

@@ -43,7 +43,9 @@ def fastest_enough(
         candidates = strategy.fallbacks()
         times = time_candidates(candidates, closed, device_argnums, wrap)
         limit = (1 + strategy.max_slowdown) * times[-1]
-        chosen = next(c for c, ms in zip(candidates, times) if ms <= limit)
+        # The last is jax's own choice, within its own limit unless its time is unknown.
+        within = (c for c, ms in zip(candidates, times) if ms <= limit)
+        chosen = next(within, candidates[-1])
         if program is None:  # a constant is a tracer: this call is not seen again
             return chosen
         _CHOSEN[key] = chosen

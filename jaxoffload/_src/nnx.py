@@ -21,7 +21,7 @@ import jax
 from flax import nnx
 
 from jaxoffload._src import context, targets, transform
-from jaxoffload._src.argnums import MODULE_VARIABLES, Argnums, check_argnums
+from jaxoffload._src.argnums import MODULE_VARIABLES, Argnums, check_argnums, named_after
 from jaxoffload._src.strategies import Offload, Strategy, check_strategy
 
 __all__ = ["offload", "wrap"]
@@ -197,30 +197,51 @@ _WRAPPED_CLASSES: dict[tuple, type] = {}
 
 def _call(f, strategy, static_argnums, args, kwargs):
     dynamic, rebuild, _ = Argnums(device=(), static=static_argnums).split(args, kwargs)
-    graphdef, variables, rest = nnx.split((dynamic, kwargs), nnx.Variable, ...)
+    # Arguments that hold Modules are split into their variables and the rest; the others
+    # pass as they are, so that jax's errors name them as the user does (``train``).
+    holds = [_holds_modules(a) for a in dynamic]
+    modules = tuple(a for a, h in zip(dynamic, holds) if h)
+    plain = tuple(a for a, h in zip(dynamic, holds) if not h)
+    module_kwargs = {k: v for k, v in kwargs.items() if _holds_modules(v)}
+    plain_kwargs = {k: v for k, v in kwargs.items() if k not in module_kwargs}
+    graphdef, variables, rest = nnx.split((modules, module_kwargs), nnx.Variable, ...)
     old_leaves, variables_tree = jax.tree.flatten(variables)
     changed: list[int] = []
 
-    def pure(variables, rest):
+    def pure(variables, rest, *plain, **plain_kwargs):
         inputs = jax.tree.leaves(variables)
         # Fresh Variables of this trace: NNX refuses to mutate those of an outer one.
-        dynamic, kwargs = nnx.merge(graphdef, variables, rest, copy=True)
-        all_args, all_kwargs = rebuild(dynamic, kwargs)
-        out = f(*all_args, **all_kwargs)
-        _, new_variables, _ = nnx.split((dynamic, kwargs), nnx.Variable, ...)
+        modules, module_kwargs = nnx.merge(graphdef, variables, rest, copy=True)
+        given, others = iter(modules), iter(plain)
+        dynamic = [next(given) if h else next(others) for h in holds]
+        all_args, all_kwargs = rebuild(dynamic, {**module_kwargs, **plain_kwargs})
+        out = f(*all_args, **{k: all_kwargs[k] for k in kwargs})
+        _, new_variables, _ = nnx.split((modules, module_kwargs), nnx.Variable, ...)
         new_leaves = jax.tree.leaves(new_variables)
         # Traced once: the variables whose values are new tracers are the ones it changed.
         changed[:] = [k for k, (a, b) in enumerate(zip(inputs, new_leaves)) if a is not b]
         return out, [new_leaves[k] for k in changed]
 
+    n = len(args)
+    positions = [i for i in range(n) if i not in {j % n for j in static_argnums}]
+    named = [p for p, h in zip(positions, holds) if not h]
+    pure = named_after(pure, f, named, plain_kwargs, leading=("variables", "rest"))
     # The variables stay on the device, as the user's Module keeps them, named or not.
     argnums = Argnums(device=(0,), static=(), reasons=(MODULE_VARIABLES,))
-    out, updates = transform.wrap_with(pure, strategy, argnums)(variables, rest)
+    out, updates = transform.wrap_with(pure, strategy, argnums)(
+        variables, rest, *plain, **plain_kwargs
+    )
     new_leaves = list(old_leaves)
     for k, value in zip(changed, updates):
         new_leaves[k] = value
-    nnx.update((dynamic, kwargs), jax.tree.unflatten(variables_tree, new_leaves))
+    nnx.update((modules, module_kwargs), jax.tree.unflatten(variables_tree, new_leaves))
     return out
+
+
+def _holds_modules(value) -> bool:
+    """Whether ``value`` holds NNX graph nodes: Modules, or Variables."""
+    is_node = nnx.graph.is_graph_node
+    return any(is_node(x) for x in jax.tree.leaves(value, is_leaf=is_node))
 
 
 # ---- what plans need of NNX models ------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxoffload._src import checks
 from jaxoffload._src.errors import OffloadDroppedError, OffloadWarning
 from jaxoffload._src.jaxprs import equations, format_bytes, nbytes
 from jaxoffload._src.transfers import without_host_placement
@@ -170,6 +171,8 @@ def memory_report(
             f"memory_report expects a jax.jit-wrapped function, got {jitted!r}; "
             "wrap it first: memory_report(jax.jit(f), *args)."
         )
+    _check_on_dropped(on_dropped)  # before the compile, not after
+    twin = checks.flag("twin", twin)
     traced = jitted.trace(*args, **kwargs)
     report = analyze(traced, traced.lower().compile(), on_dropped=on_dropped)
     if twin and report.moved:
@@ -218,8 +221,7 @@ def analyze(traced: Any, compiled: Any, *, on_dropped: str = "warn") -> MemoryRe
     Returns:
       A :class:`MemoryReport`.
     """
-    if on_dropped not in ("warn", "raise", "ignore"):
-        raise ValueError(f"on_dropped must be 'warn', 'raise' or 'ignore', got {on_dropped!r}.")
+    _check_on_dropped(on_dropped)
     analysis = compiled.memory_analysis()
     requested = requested_host_transfers(traced.jaxpr)
     report = MemoryReport(
@@ -322,6 +324,11 @@ def requested_host_transfers(jaxpr: Any) -> list[int]:
         for eqn in equations(jaxpr)
         if eqn.primitive.name == "device_put" and any(map(_is_host, eqn.params["devices"]))
     ]
+
+
+def _check_on_dropped(on_dropped: Any) -> None:
+    if on_dropped not in ("warn", "raise", "ignore"):
+        raise ValueError(f"on_dropped must be 'warn', 'raise' or 'ignore', got {on_dropped!r}.")
 
 
 def _complain(report: MemoryReport, on_dropped: str) -> None:

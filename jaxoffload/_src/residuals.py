@@ -20,7 +20,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jaxoffload._src import cut as cut_lib
-from jaxoffload._src import rewrite
+from jaxoffload._src import jaxprs, rewrite
 from jaxoffload._src.jaxprs import (
     eqn_flops,
     fingerprint,
@@ -37,6 +37,7 @@ __all__ = [
     "Residual",
     "Selection",
     "VjpTrace",
+    "check_marked",
     "describe",
     "restructured",
     "select",
@@ -472,3 +473,21 @@ def describe(closed, selection: Selection, device_leaves) -> OffloadedCall:
         closed,
         tuple(sorted(device_leaves)),
     )
+
+
+def check_marked(names: tuple[str, ...], closed) -> None:
+    """Raises if ``names`` holds a name that the traced function never marks.
+
+    A typo would otherwise keep nothing but the inputs, and recompute the rest.
+    """
+    marked = {
+        e.params["name"] for e in jaxprs.equations(closed.jaxpr) if e.primitive.name == "name"
+    }
+    missing = [n for n in names if n not in marked]
+    if missing:
+        raise ValueError(
+            f"Offload(names={names!r}): the function marks no value named "
+            f"{', '.join(map(repr, missing))} with jax.ad_checkpoint.checkpoint_name; "
+            + (f"the names it marks are {sorted(marked)}." if marked else "it marks no value.")
+            + " Fix the name, or mark the value: checkpoint_name(x, name)."
+        )

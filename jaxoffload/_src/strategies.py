@@ -14,10 +14,13 @@ function and :func:`jaxoffload.linen.wrap` to a Flax module:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import difflib
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
+
+from jaxoffload._src import checks
 
 __all__ = [
     "Lean",
@@ -70,6 +73,16 @@ class Strategy:
     recomputes: bool = False
     required_names: tuple[str, ...] = ()
     max_slowdown: float | None = None
+
+    def __new__(cls, *args, **kwargs):
+        # The base answers a plain block's questions, but names no strategy: a plan or a
+        # wrapped block under it would print as <Strategy object at 0x...> and do nothing.
+        if cls is Strategy:
+            raise TypeError(
+                "Strategy is the base class of the strategies, what each of them answers, not "
+                "a strategy to use: write Store(), Lean(), Remat() or Offload()."
+            )
+        return super().__new__(cls)
 
     def fallbacks(self) -> tuple[Strategy, ...]:
         """With ``max_slowdown``: what a call may take instead, leanest first, jax's own last."""
@@ -134,19 +147,13 @@ def stored_within(strategy: Strategy, outside: Strategy) -> Strategy:
 
 
 def _check_share(name: str, value: Any) -> float:
-    """``value`` as a float, if it is a share: a number from 0 to 1."""
-    number = not isinstance(value, bool) and isinstance(value, int | float)
-    if number and 0 <= value <= 1:
-        return float(value)
-    if number and value > 1:
-        fix = f"write {name}=1.0 to allow recomputing as many FLOPs as the forward pass has"
-    elif number and value < 0:
-        fix = f"write {name}=0.0 to recompute no convolution or matrix product"
-    else:
-        fix = f"write a number such as {name}=0.25"
-    raise ValueError(
-        f"{name} is a share of the block's forward FLOPs, a non-negative number of at most 1, "
-        f"got {value!r}; {fix}."
+    """``value`` as a float, if it is a share of the block's forward FLOPs: from 0 to 1."""
+    return checks.share(
+        name,
+        value,
+        of="the block's forward FLOPs",
+        low="to recompute no convolution or matrix product",
+        high="to allow recomputing as many FLOPs as the forward pass has",
     )
 
 
@@ -170,6 +177,10 @@ class Lean(Strategy):
     convolution or matrix product, and under :class:`Store`; it takes the
     first of them within ``max_slowdown`` of Store's time.
 
+    Its residuals are chosen in a ``jax.custom_vjp`` rule, as :class:`Offload`'s are:
+    it is differentiated in reverse mode (a gradient of a gradient too), not forward
+    (``jax.jvp``, ``jax.hessian``), where :class:`Remat` and :class:`Store` serve.
+
     Attributes:
       max_recompute: the FLOPs of convolutions and matrix products that the
         backward pass may recompute, as a share of the block's forward pass's,
@@ -188,14 +199,17 @@ class Lean(Strategy):
 
     def __post_init__(self):
         object.__setattr__(self, "max_recompute", _check_share("max_recompute", self.max_recompute))
-        slowdown = self.max_slowdown
-        if slowdown is not None and (
-            isinstance(slowdown, bool) or not isinstance(slowdown, int | float) or slowdown < 0
-        ):
-            raise ValueError(
-                f"max_slowdown is a share of Store's time, a non-negative number such as 0.03, "
-                f"or None to time nothing; got {slowdown!r}."
-            )
+        # A share of Store's time; None times nothing. NaN compared with no time, and inf
+        # timed every fallback to take the lean cut anyway, as None does untimed.
+        slowdown = checks.real(
+            "max_slowdown",
+            self.max_slowdown,
+            minimum=0,
+            none=True,
+            example=0.03,
+            meaning="a share of Store's time; None times nothing",
+        )
+        object.__setattr__(self, "max_slowdown", slowdown)
 
     def __repr__(self) -> str:  # as before max_slowdown, unless it is set
         slowdown = "" if self.max_slowdown is None else f", max_slowdown={self.max_slowdown!r}"
@@ -229,11 +243,13 @@ class Remat(Strategy):
 
     def __post_init__(self):
         if self.policy is not None and not callable(self.policy):
+            named = isinstance(self.policy, str) and hasattr(jax.checkpoint_policies, self.policy)
+            fix = f"jax.checkpoint_policies.{self.policy}" if named else "None"
             raise TypeError(
-                f"policy must be a jax.checkpoint_policies policy or None, got {self.policy!r}."
+                f"policy must be a jax.checkpoint_policies policy or None, got "
+                f"{checks.written(self.policy)}; write policy={fix}."
             )
-        if not isinstance(self.prevent_cse, bool):
-            raise TypeError(f"prevent_cse must be a bool, got {self.prevent_cse!r}.")
+        object.__setattr__(self, "prevent_cse", checks.flag("prevent_cse", self.prevent_cse))
 
     def checkpointed(self, fun: Function) -> Function:
         return jax.checkpoint(fun, policy=self.policy, prevent_cse=self.prevent_cse)
@@ -261,10 +277,9 @@ class Offload(Strategy):
         while they fit; the rest stays on the device. With a window, a cap
         of what the link moves while the next blocks compute keeps the
         transfers hidden (:func:`jaxoffload.plan` sets such caps).
-      fetch_window: how many wrapped blocks ahead of its own the backward pass
-        starts fetching this block's residuals (1: when its own backward pass
-        starts); ``None`` for ``window``. Each block ahead holds one more
-        block's residuals on the device.
+      fetch_window: how many blocks ahead of its own the backward pass fetches
+        this block's residuals (1: as its own starts), each holding one more
+        block's residuals on the device; ``None`` for ``window``.
 
     Example:
       >>> Offload(window=2)
@@ -287,36 +302,37 @@ class Offload(Strategy):
                     f"names must be a sequence of strings, got the string {names!r}; "
                     f"write names=({names!r},)."
                 )
+            if not isinstance(names, Iterable):
+                raise TypeError(
+                    f"names must be a sequence of strings, got {checks.written(names)}; write "
+                    "names=('a', 'b') with the names given to checkpoint_name, or None."
+                )
             names = tuple(names)
             bad = [n for n in names if not isinstance(n, str)]
             if bad:
                 raise TypeError(f"names must be strings, got {bad!r}.")
             object.__setattr__(self, "names", names)
-        if not isinstance(self.recompute, bool):
-            raise TypeError(f"recompute must be a bool, got {self.recompute!r}.")
+        object.__setattr__(self, "recompute", checks.flag("recompute", self.recompute))
         if self.recompute and names is not None:
             raise ValueError(
                 "recompute=True moves only the inputs and recomputes the rest; it takes no "
                 f"names (got names={names!r})."
             )
-        min_bytes = self.min_bytes
-        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
-            raise ValueError(f"min_bytes must be a non-negative int, got {min_bytes!r}.")
-        object.__setattr__(self, "max_recompute", _check_share("max_recompute", self.max_recompute))
-        window = self.window
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be an int of at least 1, got {window!r}.")
-        ahead = self.fetch_window
-        if ahead is not None and (isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1):
-            raise ValueError(
-                f"fetch_window must be an int of at least 1, or None for window, got {ahead!r}."
-            )
-        cap = self.max_bytes
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
-            raise ValueError(
-                f"max_bytes must be a non-negative int or None (no cap), got {cap!r}; "
-                "write max_bytes=2**30 for 1 GiB."
-            )
+        fields = {
+            "min_bytes": checks.integer("min_bytes", self.min_bytes, minimum=0, meaning="bytes"),
+            "max_recompute": _check_share("max_recompute", self.max_recompute),
+            "window": checks.integer("window", self.window, minimum=1),
+            "fetch_window": checks.integer(
+                "fetch_window", self.fetch_window, minimum=1, none=True,
+                meaning="calls ahead; None for window",
+            ),
+            "max_bytes": checks.integer(
+                "max_bytes", self.max_bytes, minimum=0, none=True, example=2**30,
+                meaning="bytes; None for no cap, 2**30 for 1 GiB",
+            ),
+        }  # fmt: skip
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
 
     to_host = True
 
@@ -411,19 +427,45 @@ def strategy_to_dict(strategy: Strategy) -> dict[str, Any]:
 
 
 def strategy_from_dict(fields: dict[str, Any]) -> Strategy:
-    """The strategy that :func:`strategy_to_dict` wrote."""
+    """The strategy that :func:`strategy_to_dict` wrote.
+
+    Raises:
+      ValueError: if ``fields`` is no strategy's: its kind unknown, a field
+        misspelled or missing its value's kind, or a value refused.
+
+    Example:
+      >>> strategy_from_dict({"kind": "Offload", "windw": 2})
+      Traceback (most recent call last):
+      ...
+      ValueError: Offload has no field 'windw' (did you mean 'window'?); its fields are fetch_window, max_bytes, max_recompute, min_bytes, names, recompute, window.
+    """
     kinds = {cls.__name__: cls for cls in _KINDS}
+    if not isinstance(fields, dict):
+        raise ValueError(
+            f'a strategy is written as an object such as {{"kind": "Lean"}}, got {fields!r}.'
+        )
     fields = dict(fields)
     kind = fields.pop("kind", None)
     if kind not in kinds:
         raise ValueError(f"unknown strategy kind {kind!r}; expected one of {sorted(kinds)}.")
+    known = sorted(f.name for f in dataclasses.fields(kinds[kind]))
+    unknown = [name for name in fields if name not in known]
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), known, n=1)
+        meant = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"{kind} has no field {unknown[0]!r}{meant}; its fields are {', '.join(known)}."
+        )
     if fields.get("policy") is not None:
         name = fields["policy"]
-        policy = getattr(jax.checkpoint_policies, name, None)
+        policy = getattr(jax.checkpoint_policies, str(name), None)
         if not callable(policy):
             raise ValueError(f"jax.checkpoint_policies has no policy {name!r}.")
         fields["policy"] = policy
-    return kinds[kind](**fields)
+    try:
+        return kinds[kind](**fields)
+    except TypeError as e:  # a field of the wrong kind: the same sentence, for a file
+        raise ValueError(str(e)) from e
 
 
 def _policy_name(policy: Callable[..., Any] | None) -> str | None:

@@ -108,13 +108,16 @@ def _nnx_argument_error(name: str) -> str:
 
 
 def check_nnx_target(f: Any, strategy: Strategy) -> None:
-    """Raises if ``f``, given to the NNX face, is a linen Module class or instance."""
+    """Raises if ``f``, given to the NNX face, is a linen Module or an NNX Module class."""
     face = "jaxoffload.nnx.wrap and jaxoffload.nnx.offload take NNX Modules and functions of them"
     _refuse(f, strategy, face, {
         "linen class": ". Write jaxoffload.linen.wrap({n}, {s}): it returns a linen Module class "
         "with {n}'s variables.",
         "linen Module": ", whose variables live in a Flax scope. Write "
         "jaxoffload.linen.wrap({n}, {s})(...) where you wrote {n}(...).",
+        "NNX class": ": it would wrap the constructor, and the Modules it builds would run "
+        "plain. Build the Module, then write jaxoffload.nnx.wrap(module, {s}): it wraps the "
+        "instance in place.",
     })  # fmt: skip
 
 

@@ -25,6 +25,7 @@ from jaxoffload._src.errors import OffloadWarning
 __all__ = [
     "PACK_BELOW",
     "Chain",
+    "HostValues",
     "Packing",
     "after_tokens",
     "barrier_arrays",
@@ -41,7 +42,27 @@ __all__ = [
 
 _HOST = jax.memory.Space.Host
 _DEVICE = jax.memory.Space.Device
-_barrier = jax.lax.optimization_barrier
+
+
+@jax.custom_jvp
+def _barrier(tree):
+    """``jax.lax.optimization_barrier``, whose tangents pass through unbarriered.
+
+    A second-order gradient differentiates the forward and backward rules of an
+    offloaded call. jax's own rules for the barrier make a zero tangent or
+    cotangent in device memory for a value in host memory, and the cotangent check
+    then fails (``Expected cotangent type float32[4,8] but got float32<host>[4,8]``).
+    A barrier is the identity on values, so its tangents need none: only the
+    program's order is at stake, and that is the primal pass's.
+    ``tests/test_composition.py::test_a_gradient_of_a_gradient_is_the_plain_one``.
+    """
+    return jax.lax.optimization_barrier(tree)
+
+
+@functools.partial(_barrier.defjvp, symbolic_zeros=True)
+def _barrier_jvp(primals, tangents):
+    (tree,), (tangent,) = primals, tangents
+    return _barrier(tree), tangent
 
 
 def without_host_placement():
@@ -127,12 +148,12 @@ def _warn_once_on_one_memory(platform: str) -> None:
 def move_out(out, saved, to_host, gates, window):
     """Moves saved values to the host, and ties the copies into the forward pass's data flow.
 
-    Returns ``(out, saved, host, token, anchors, packing)``: ``saved`` without the values that
-    moved, which ``host`` holds as :func:`packed` lays them out.
+    Returns ``(out, saved, host, token, anchors)``: ``saved`` without the values that moved,
+    which ``host`` (:class:`HostValues`) holds.
     """
     saved = list(saved)
     moving, packing = packed([saved[n] for n in to_host])
-    host = [_put(value, _HOST) for value in moving]
+    host = HostValues(tuple(_put(value, _HOST) for value in moving), tuple(to_host), packing)
     for n in to_host:
         saved[n] = None
     # Without a barrier between the move out and the move back, XLA deletes
@@ -154,73 +175,101 @@ def move_out(out, saved, to_host, gates, window):
         # This call's outputs wait for the copies of the earlier calls that gated here.
         out, gates = _barrier((out, list(gates)))
         anchors.extend(gates)
-    return out, saved, host, token, anchors, packing
+    return out, saved, host, token, anchors
 
 
-def fetch(saved, host, packing, to_host, cotangent, fetch_cotangent, anchors, fetch_window):
-    """Brings host values back once the backward pass needs them (see :class:`Chain`)."""
+def fetch(saved, host, cotangent, fetch_cotangent, anchors, fetch_window):
+    """Brings ``host``'s values back into ``saved`` once the backward pass needs them (see
+    :class:`Chain`)."""
     saved = list(saved)
-    if host and fetch_window == 1:
+    if host.arrays and fetch_window == 1:
         host, cotangent = barrier_arrays((host, cotangent))
-    elif host:
+    elif host.arrays:
         host, fetch_cotangent = barrier_arrays((host, fetch_cotangent))
         anchors = [*anchors, fetch_cotangent]
-    fetched = unpacked([_put(value, _DEVICE) for value in host], packing)
-    for n, value in zip(to_host, fetched):
+    fetched = unpacked([_put(value, _DEVICE) for value in host.arrays], host.packing)
+    for n, value in zip(host.positions, fetched):
         saved[n] = value
     return saved, cotangent, anchors
 
 
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class HostValues:
+    """What a call moved to the host: the arrays, and where their values go back.
+
+    Attributes:
+      arrays: the values in host memory, as :func:`packed` laid them out.
+      positions: where each value goes back among the call's saved values.
+      packing: the layout, to unpack them.
+    """
+
+    arrays: tuple[jax.Array, ...]
+    positions: tuple[int, ...]
+    packing: Packing
+
+    def tree_flatten(self):
+        return self.arrays, (self.positions, self.packing)
+
+    @classmethod
+    def tree_unflatten(cls, static, arrays):
+        return cls(tuple(arrays), *static)
+
+
 # A host copy costs a few microseconds of stream synchronisation whatever its size
-# (docs/design.md, "Copies that hide"), so a call's small values travel as one packed
+# (docs/design.md, "Copies that hide"), so a call's small values of one dtype travel as one
 # buffer. A large value travels alone: packing it would cost a pass through device memory
-# and a second buffer of its size.
+# and a second buffer of its size. Packing concatenates, which jax differentiates: a
+# gradient of a gradient reaches the packed values.
 PACK_BELOW = 1 << 22
 
 
 @dataclasses.dataclass(frozen=True)
 class Packing:
-    """How :func:`packed` laid values out: which travel alone, and the rest in one buffer.
+    """How :func:`packed` laid values out: which travel alone, and the rest by dtype.
 
     Attributes:
       alone: the positions of the values that travel alone, in order.
-      pieces: the position, shape and dtype of each value in the buffer, in order.
+      groups: per packed buffer, the position and shape of each value in it, in order.
     """
 
     alone: tuple[int, ...]
-    pieces: tuple[tuple[int, tuple[int, ...], Any], ...]
+    groups: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]
 
 
 def packed(values: list[jax.Array]) -> tuple[list[jax.Array], Packing]:
-    """``values`` as fewer arrays: the large and the sharded ones alone, the rest as bytes in one.
+    """``values`` as fewer arrays: the large and sharded ones alone, the rest one buffer a dtype.
 
     Example:
       >>> import jax.numpy as jnp
       >>> moving, packing = packed([jnp.ones(3), jnp.arange(2, dtype=jnp.int8), jnp.zeros(1)])
-      >>> [m.shape for m in moving], packing.alone
-      ([(18,)], ())
+      >>> [(m.shape, m.dtype.name) for m in moving]
+      [((2,), 'int8'), ((4,), 'float32')]
       >>> [v.tolist() for v in unpacked(moving, packing)]
       [[1.0, 1.0, 1.0], [0, 1], [0.0]]
     """
-    small = [n for n, v in enumerate(values) if _packable(v)]
-    if len(small) < 2:
-        return list(values), Packing(tuple(range(len(values))), ())
-    alone = tuple(n for n in range(len(values)) if n not in small)
-    pieces = tuple((n, values[n].shape, values[n].dtype) for n in small)
-    buffer = jax.numpy.concatenate([_bytes_of(values[n]) for n in small])
-    return [values[n] for n in alone] + [buffer], Packing(alone, pieces)
+    by_dtype: dict[Any, list[int]] = {}
+    for n, value in enumerate(values):
+        if _packable(value):
+            by_dtype.setdefault(value.dtype, []).append(n)
+    groups = [group for group in by_dtype.values() if len(group) > 1]
+    in_groups = {n for group in groups for n in group}
+    alone = tuple(n for n in range(len(values)) if n not in in_groups)
+    buffers = [jax.numpy.concatenate([values[n].reshape(-1) for n in g]) for g in groups]
+    layout = tuple(tuple((n, values[n].shape) for n in g) for g in groups)
+    return [values[n] for n in alone] + buffers, Packing(alone, layout)
 
 
 def unpacked(moving: list[jax.Array], packing: Packing) -> list[jax.Array]:
     """The values that :func:`packed` laid out as ``moving``, in their first order."""
-    values: list[Any] = [None] * (len(packing.alone) + len(packing.pieces))
+    values: list[Any] = [None] * (len(packing.alone) + sum(map(len, packing.groups)))
     for n, value in zip(packing.alone, moving):
         values[n] = value
-    if packing.pieces:
-        buffer, start = moving[-1], 0
-        for n, shape, dtype in packing.pieces:
-            size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-            values[n] = _from_bytes(buffer[start : start + size], shape, dtype)
+    for buffer, group in zip(moving[len(packing.alone) :], packing.groups):
+        start = 0
+        for n, shape in group:
+            size = int(np.prod(shape, dtype=np.int64))
+            values[n] = buffer[start : start + size].reshape(shape)
             start += size
     return values
 
@@ -231,28 +280,13 @@ def _packable(value) -> bool:
     return value.nbytes < PACK_BELOW and all(axes is None for axes in spec)
 
 
-def _bytes_of(value) -> jax.Array:
-    if value.dtype == np.bool_:
-        value = value.astype(np.uint8)
-    if value.dtype.itemsize > 1:
-        value = jax.lax.bitcast_convert_type(value, np.uint8)
-    elif value.dtype != np.uint8:
-        value = jax.lax.bitcast_convert_type(value, np.uint8)
-    return value.reshape(-1)
-
-
-def _from_bytes(flat, shape, dtype) -> jax.Array:
-    dtype = np.dtype(dtype)
-    if dtype == np.bool_:
-        return flat.reshape(shape).astype(np.bool_)
-    if dtype.itemsize > 1:
-        return jax.lax.bitcast_convert_type(flat.reshape(*shape, dtype.itemsize), dtype)
-    return jax.lax.bitcast_convert_type(flat.reshape(shape), dtype)
-
-
 def _put(value, space):
     """``jax.device_put(value, space)``, or ``value`` itself in a twin (:class:`without_host_placement`)."""
-    return value if context.host_placement_is_off() else jax.device_put(value, space)
+    if context.host_placement_is_off():
+        return value
+    # The source named: a second-order gradient transposes the copy, and without a source
+    # jax leaves the cotangent of a device value on the host.
+    return jax.device_put(value, space, src=_DEVICE if space == _HOST else _HOST)
 
 
 def empty_token() -> jax.Array:

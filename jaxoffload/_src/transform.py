@@ -16,23 +16,15 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, overload
 
 import jax
-import numpy as np
 from jax.extend import core as jex_core
 
 from jaxoffload._src import context, jaxprs, measured, targets, transfers
-from jaxoffload._src.argnums import Argnums, check_argnums, holds_arrays, positional_names
-from jaxoffload._src.residuals import describe, restructured, select_once
-from jaxoffload._src.strategies import Offload, Strategy, check_strategy
+from jaxoffload._src.argnums import Argnums, check_argnums
+from jaxoffload._src.residuals import check_marked, describe, restructured, select_once
+from jaxoffload._src.strategies import Offload, Strategy, brief, check_strategy
+from jaxoffload._src.traced import CALL_NAME, TracedCall, has_inner_calls, is_inner_call, trace_call
 
-__all__ = [
-    "TracedCall",
-    "has_inner_calls",
-    "offload",
-    "resolved",
-    "trace_call",
-    "wrap",
-    "wrap_with",
-]
+__all__ = ["offload", "resolved", "wrap", "wrap_with"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -181,7 +173,8 @@ def offload(
     wrapped calls that follow, whatever wraps them.
 
     ``offload`` is built on :func:`jax.custom_vjp`: it supports reverse-mode
-    differentiation, ``jit``, ``vmap`` and sharding, but not forward mode.
+    differentiation (a gradient of a gradient too), ``jit``, ``vmap`` and sharding,
+    but not forward mode (``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``).
 
     Args:
       fun: the function to wrap.
@@ -232,76 +225,10 @@ def offload(
     return decorate if fun is None else decorate(fun)
 
 
-@dataclasses.dataclass(frozen=True)
-class TracedCall:
-    """One call of a wrapped function, traced once, and a replay of its trace.
-
-    Attributes:
-      replay: ``(dynamic, kwargs) -> outputs``: the traced call, run again.
-      dynamic: the positional arguments that are not static.
-      kwargs: the keyword arguments that hold arrays.
-      device_leaves: the positions, among the flat leaves of
-        ``(dynamic, kwargs)``, of those kept on the device, each with why.
-      closed: the call's closed jaxpr.
-      out_tree: the pytree structure of its outputs.
-    """
-
-    replay: Callable[..., Any]
-    dynamic: tuple
-    kwargs: dict
-    device_leaves: dict[int, str]
-    closed: Any
-    out_tree: Any
-
-
-def trace_call(fun: Callable[..., Any], argnums: Argnums, args: tuple, kwargs: dict) -> TracedCall:
-    """Traces ``fun(*args, **kwargs)`` once; what follows replays the trace.
-
-    A Flax Module called twice would draw its RNGs twice, and initialise other
-    values: ``fun`` runs once, here.
-    """
-    # Arguments that hold no arrays (``train=True``, positional or keyword) are
-    # static, as jit's static arguments are: traced, a Python bool could not
-    # steer the function.
-    argnums = argnums.with_static_values(args)
-    dynamic, rebuild, device = argnums.split(args, kwargs, positional_names(fun))
-    static_kwargs = {k: v for k, v in kwargs.items() if not holds_arrays(v)}
-    kwargs = {k: v for k, v in kwargs.items() if k not in static_kwargs}
-
-    def call(dynamic, kwargs):
-        args, kwargs = rebuild(dynamic, kwargs)
-        return fun(*args, **kwargs, **static_kwargs)
-
-    # Flat positions of the leaves kept on the device among (dynamic, kwargs), and why.
-    sizes = [len(jax.tree.leaves(a)) for a in dynamic]
-    starts = np.cumsum([0, *sizes])
-    device_leaves = {int(starts[n]) + k: why for n, why in device.items() for k in range(sizes[n])}
-    closed, out_shape = jax.make_jaxpr(call, return_shape=True)(dynamic, kwargs)
-    out_tree = jax.tree.structure(out_shape)
-    run = jex_core.jaxpr_as_fun(closed)
-
-    def replay(dynamic, kwargs):
-        return jax.tree.unflatten(out_tree, run(*jax.tree.leaves((dynamic, kwargs))))
-
-    return TracedCall(replay, dynamic, kwargs, device_leaves, closed, out_tree)
-
-
-def has_inner_calls(traced: TracedCall) -> bool:
-    """Whether the call holds wrapped calls, or ``jax.checkpoint`` calls, with strategies of their own."""
-    return any(_is_inner_call(e) for e in traced.closed.jaxpr.eqns)
-
-
-# The name of the custom_vjp of every wrapped call, by which an enclosing
-# wrapped call tells it apart from the code around it.
-_CALL_NAME = "jaxoffload_call"
-# Calls that keep their own strategy inside an enclosing wrapped call.
-_INNER_CALLS = ("checkpoint", "remat", "remat2")
-
-
 def _wrapped_call(fun, strategy, argnums: Argnums, args: tuple, kwargs: dict, check_names=True):
     traced = trace_call(fun, argnums, args, kwargs)
     if check_names and strategy.required_names:
-        _check_names(strategy.required_names, traced.closed)
+        check_marked(strategy.required_names, traced.closed)
     if has_inner_calls(traced):
         flat = _run_regions(traced, strategy)
         return jax.tree.unflatten(traced.out_tree, flat)
@@ -319,39 +246,6 @@ def resolved(strategy: Strategy, traced: TracedCall) -> Strategy:
         return strategy
     device = tuple(sorted(traced.device_leaves))
     return measured.fastest_enough(strategy, traced.closed, device, wrap)
-
-
-def _check_names(names: tuple[str, ...], closed) -> None:
-    """Raises if ``names`` holds a name that the traced function never marks.
-
-    A typo would otherwise keep nothing but the inputs, and recompute the rest.
-    """
-    marked = {
-        e.params["name"] for e in jaxprs.equations(closed.jaxpr) if e.primitive.name == "name"
-    }
-    missing = [n for n in names if n not in marked]
-    if missing:
-        raise ValueError(
-            f"Offload(names={names!r}): the function marks no value named "
-            f"{', '.join(map(repr, missing))} with jax.ad_checkpoint.checkpoint_name; "
-            + (f"the names it marks are {sorted(marked)}." if marked else "it marks no value.")
-            + " Fix the name, or mark the value: checkpoint_name(x, name)."
-        )
-
-
-def _is_inner_call(eqn) -> bool:
-    """Whether ``eqn`` is a wrapped call (or a ``jax.checkpoint``) with a strategy of its own."""
-    name = eqn.primitive.name
-    if name in _INNER_CALLS:
-        return True
-    if not name.startswith("custom_vjp_call"):
-        return False
-    # jax names the function in the equation, or only in its jaxpr's debug info.
-    called = eqn.params.get("name")
-    if called is None:
-        jaxpr = getattr(eqn.params.get("call_jaxpr"), "jaxpr", None)
-        called = getattr(getattr(jaxpr, "debug_info", None), "func_name", None)
-    return called == _CALL_NAME
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,7 +313,7 @@ def _regions(jaxpr) -> list[Any]:
         region.clear()
 
     for n, eqn in enumerate(jaxpr.eqns):
-        if _is_inner_call(eqn):
+        if is_inner_call(eqn):
             flush(n)
             steps.append(eqn)
         else:
@@ -439,7 +333,7 @@ def _custom_call(traced: TracedCall, strategy: Strategy, fun) -> Any:
     def run(dynamic, kwargs, gates):
         return call(dynamic, kwargs), transfers.empty_token(), transfers.empty_token()
 
-    run.__name__ = _CALL_NAME  # how an enclosing call finds it
+    run.__name__ = CALL_NAME  # how an enclosing call finds it
     run = jax.custom_vjp(run)
 
     def run_fwd(dynamic, kwargs, gates):
@@ -453,7 +347,7 @@ def _custom_call(traced: TracedCall, strategy: Strategy, fun) -> Any:
         out = jax.tree.unflatten(kept.out_tree, flat[: kept.num_outputs])
         saved = list(flat[kept.num_outputs :])
         with jax.named_scope("jaxoffload/to_host"):
-            out, saved, host, token, anchors, chosen["packing"] = transfers.move_out(
+            out, saved, host, token, anchors = transfers.move_out(
                 out, saved, kept.to_host, gates, window
             )
         # Its cotangent starts the fetch: it exists once the call fetch_window - 1 calls
@@ -469,14 +363,7 @@ def _custom_call(traced: TracedCall, strategy: Strategy, fun) -> Any:
             fetch_cotangent = token_cotangent
         with jax.named_scope("jaxoffload/to_device"):
             saved, cotangent, anchors = transfers.fetch(
-                saved,
-                host,
-                chosen["packing"],
-                kept.to_host,
-                cotangent,
-                fetch_cotangent,
-                anchors,
-                fetch_window,
+                saved, host, cotangent, fetch_cotangent, anchors, fetch_window
             )
         if kept.recomputes:
             # Recomputed after the cotangent arrives, as jax.checkpoint does:
@@ -494,7 +381,22 @@ def _custom_call(traced: TracedCall, strategy: Strategy, fun) -> Any:
         return (*transfers.barrier_arrays(cotangents_in), gate_cotangents)
 
     run.defvjp(run_fwd, run_bwd)
-    out, token, fetch_token = run(traced.dynamic, traced.kwargs, gates)
+    operands = traced.dynamic, traced.kwargs, gates
+    try:
+        out, token, fetch_token = run(
+            *operands
+        )  # for jax.jvp, even under jit, wrap with Remat() or Store()
+    except TypeError as e:  # jax.jvp of a custom_vjp, as jax words it: say which, and what works
+        if "forward-mode" not in str(e):
+            raise
+        name = getattr(fun, "__qualname__", None) or getattr(fun, "__name__", repr(fun))
+        raise TypeError(
+            f"jax.jvp, jax.jacfwd and jax.hessian differentiate in forward mode, which {name}, "
+            f"wrapped with {brief(strategy)}, does not support: a custom_vjp rule chooses its "
+            "residuals, and jax differentiates those in reverse mode only. For forward mode, "
+            "wrap it with Remat() or Store(); for second order, go reverse over reverse: "
+            "jax.jacrev(jax.jacrev(f)), or jax.grad of jax.grad."
+        ) from e
     chain.push(index, window, token)
     if fetch_window != window:
         chain.push(index, fetch_window, fetch_token)

@@ -77,18 +77,39 @@ class Discovery:
         return apply_plan(self, model)
 
 
-@dataclasses.dataclass(frozen=True)
 class _Within:
-    """``plan`` as its blocks take it inside its ``outside`` (:func:`stored_within`)."""
+    """``plan`` as its blocks take it inside its ``outside`` (:func:`stored_within`), and the
+    paths that the blocks asked it for."""
 
-    plan: Strategies
+    def __init__(self, plan: Strategies):
+        self.plan, self.asked = plan, set()
 
     @property
     def outside(self) -> Strategy:
         return self.plan.outside
 
     def strategy_for(self, path: str) -> Strategy:
+        self.asked.add(path)
         return stored_within(self.plan.strategy_for(path), self.plan.outside)
+
+
+def _check_all_asked(plan: Any, asked: set[str], name: str) -> None:
+    """Raises if ``plan`` names blocks that the model's call never asked for: the plan was
+    made for another model, or the model's blocks are not plannable, and would run plain."""
+    missing = [path for path, _ in getattr(plan, "blocks", ()) if path not in asked]
+    if not missing:
+        return
+    if not asked:
+        raise ValueError(
+            f"the plan names the blocks {missing}, but {name} called no plannable block, so "
+            "none would take its strategy: make the block class plannable, as in "
+            "block_cls=jaxoffload.linen.plannable(Block), and plan the model again."
+        )
+    raise ValueError(
+        f"the plan names {missing}, which {name} did not call; the plannable blocks it called "
+        f"are {', '.join(sorted(asked))}. The plan was made for another model: plan this one "
+        "with jaxoffload.plan."
+    )
 
 
 def _apply_linen(plan: Strategies, model: nn.Module) -> nn.Module:
@@ -101,17 +122,21 @@ def _apply_linen(plan: Strategies, model: nn.Module) -> nn.Module:
     wrapped_by_static: dict[tuple[int, ...], Any] = {}
 
     def __call__(self, *args, **kwargs):
-        with context.plan_in_effect(_Within(plan)):
+        within = _Within(plan)
+        with context.plan_in_effect(within):
             if plan.outside.is_identity:
-                return base.__call__(self, *args, **kwargs)
-            # Non-array arguments (``train=True``) are static, as nn.remat's
-            # static_argnums would make them.
-            static = tuple(n + 1 for n, a in enumerate(args) if not holds_arrays(a))
-            if static not in wrapped_by_static:
-                wrapped_by_static[static] = offload_linen.wrap(
-                    base, plan.outside, static_argnums=static
-                )
-            return wrapped_by_static[static].__call__(self, *args, **kwargs)
+                out = base.__call__(self, *args, **kwargs)
+            else:
+                # Non-array arguments (``train=True``) are static, as nn.remat's
+                # static_argnums would make them.
+                static = tuple(n + 1 for n, a in enumerate(args) if not holds_arrays(a))
+                if static not in wrapped_by_static:
+                    wrapped_by_static[static] = offload_linen.wrap(
+                        base, plan.outside, static_argnums=static
+                    )
+                out = wrapped_by_static[static].__call__(self, *args, **kwargs)
+        _check_all_asked(plan, within.asked, base.__name__)
+        return out
 
     planned = type(
         base.__name__,

@@ -1,26 +1,123 @@
-"""Budgets as users write them: bytes or a share, and what to write instead of a string."""
+"""Budgets as users write them: bytes or a share, one budget or several, and what to write instead.
+
+:func:`jaxoffload.plan` and :func:`jaxoffload.largest_size` read budgets the same
+way: an int (or a whole number above 1, such as ``16e9``) is device bytes, a
+float in (0, 1] is a share (of the plain step's memory for a plan, of the
+device's for a size search). Both refuse a budget below the step's own
+arguments before anything compiles: no plan can fit it, and ``budget=50`` was
+meant as a share.
+"""
 
 from __future__ import annotations
 
-__all__ = ["check_budget"]
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxoffload._src import checks
+from jaxoffload._src.jaxprs import format_bytes, nbytes
+
+__all__ = ["argument_bytes", "check_budget", "check_budgets", "check_room", "device_budget"]
 
 
-def check_budget(budget) -> None:
-    """Raises unless ``budget`` is bytes (a positive int) or a share (a float in (0, 1])."""
-    if isinstance(budget, str):
-        raise TypeError(
-            f"budget must be bytes (an int) or a share (a float), got the string {budget!r}; "
-            f"{_budget_hint(budget)}."
-        )
-    if isinstance(budget, bool) or not isinstance(budget, int | float):
-        raise TypeError(f"budget must be bytes (an int) or a share (a float), got {budget!r}.")
-    if isinstance(budget, float) and not 0 < budget <= 1:
+def check_budgets(budget: Any, of: str) -> tuple[list[int | float], bool]:
+    """``(budgets, many)``: each budget checked (:func:`check_budget`), and whether a
+    sequence of them was given."""
+    # A string is a Sequence too, but one budget written wrong, not a list of them; an
+    # array of one dimension is a list of budgets.
+    many = (isinstance(budget, Sequence) and not isinstance(budget, str | bytes)) or (
+        getattr(budget, "ndim", None) == 1
+    )
+    if many and not len(budget):
         raise ValueError(
-            f"a budget given as a float is a share of the plain step's memory, in (0, 1]; got "
-            f"{budget}. Give bytes as an int."
+            f"budget={budget!r} holds no budget: give one, budget=0.5 (a share of {of}) or "
+            "budget=8 * 2**30 (bytes), or several, budget=[0.75, 0.5]."
         )
-    if isinstance(budget, int) and budget <= 0:
-        raise ValueError(f"budget must be positive, got {budget} bytes.")
+    return [check_budget(b, of) for b in (budget if many else [budget])], many
+
+
+def check_budget(budget: Any, of: str = "the plain step's memory") -> int | float:
+    """``budget`` as bytes (an ``int``) or a share ``of`` something (a ``float`` in (0, 1]).
+
+    Any number counts, NumPy scalars and 0-d arrays included: an integer is bytes,
+    a real number in (0, 1] a share, and a whole one above 1 (``16e9``) bytes.
+
+    Example:
+      >>> check_budget(0.5), check_budget(2**30), check_budget(16e9)
+      (0.5, 1073741824, 16000000000)
+    """
+    kinds = f"budget must be bytes (an int) or a share of {of} (a float in (0, 1])"
+    if isinstance(budget, str):
+        raise TypeError(f"{kinds}, got the string {budget!r}; {_budget_hint(budget)}.")
+    number = checks.as_number(budget)
+    if number is None:
+        raise TypeError(
+            f"{kinds}, got {checks.written(budget)}; write budget=0.5 for half, or "
+            "budget=8 * 2**30 for 8 GiB."
+        )
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(
+            f"budget must be positive: bytes, or a share in (0, 1]; got {number}"
+            + (" bytes" if isinstance(number, int) else "")
+            + ". Write budget=0.5 for half, or budget=8 * 2**30 for 8 GiB."
+        )
+    if isinstance(number, int) or number > 1 and number.is_integer():
+        return int(number)
+    if number > 1:
+        raise ValueError(
+            f"a budget given as a float is a share of {of}, in (0, 1], or a whole number of "
+            f"bytes; got {number}. Write budget={int(number)} for bytes."
+        )
+    return number
+
+
+def device_budget(budget: Any) -> int:
+    """``budget`` in bytes: as given, or its share of the first device's memory limit."""
+    budget = check_budget(budget, "the device's memory")
+    if isinstance(budget, int):
+        return budget
+    limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+    if not limit:
+        raise ValueError(
+            f"budget={budget} is a share of the device's memory, but this "
+            f"{jax.default_backend()} device reports no memory limit: give bytes, such as "
+            "budget=8 * 2**30 for 8 GiB."
+        )
+    return int(budget * limit)
+
+
+def argument_bytes(args: Sequence[Any]) -> int:
+    """One device's bytes of the arrays among ``args`` that are not NNX Modules.
+
+    A Module's variables that a step never reads are not in its compiled program,
+    so only the other arguments (a training state, a batch) are counted.
+    """
+    leaves = jax.tree.leaves([a for a in args if not nnx.graph.is_graph_node(a)])
+    return sum(nbytes(leaf, per_device=True) for leaf in leaves)
+
+
+def check_room(budgets: Sequence[int | float], args: Sequence[Any], of: str) -> None:
+    """Raises if a budget in bytes is below the step's own arguments: no plan fits it.
+
+    Such a budget was most likely meant as a share (``budget=50`` for 50%, or
+    ``budget=1`` for all of it), so the error suggests one.
+    """
+    least = argument_bytes(args)
+    for budget in budgets:
+        if isinstance(budget, int) and budget < least:
+            if budget == 1:
+                meant = f"; a share of {of} is a float: did you mean budget=1.0?"
+            elif budget <= 100:
+                meant = f"; a share of {of} is a float: did you mean budget={budget / 100!r}?"
+            else:
+                meant = ". Give bytes as an int (budget=8 * 2**30 for 8 GiB)."
+            raise ValueError(
+                f"budget={budget} bytes is less than the step's arguments alone, "
+                f"{format_bytes(least)} ({least:,} bytes), so nothing can fit it{meant}"
+            )
 
 
 # Units that a budget written as a string may end with, as Python writes them.
@@ -39,10 +136,10 @@ def _budget_hint(text: str) -> str:
             "write bytes as an int (budget=8 * 2**30 for 8 GiB) or a share as a float (budget=0.5)"
         )
     if unit == "%":
-        return f"write budget={value / 100!r}, a share of the plain step's memory"
+        return f"write budget={value / 100!r}, a share"
     if unit:
         scaled = f"{number} {_UNITS[unit]}"
         return f"write budget={scaled if value.is_integer() else f'int({scaled})'}, in bytes"
     if number.isdigit() or value > 1:
         return f"write budget={int(value)}, in bytes"
-    return f"write budget={value!r}, a share of the plain step's memory"
+    return f"write budget={value!r}, a share"

@@ -15,10 +15,11 @@ from typing import Any
 import jax
 from flax import nnx
 
+from jaxoffload._src import checks
 from jaxoffload._src import nnx as offload_nnx
 from jaxoffload._src.errors import NoPlanFits
-from jaxoffload._src.planner.apply import check_model
-from jaxoffload._src.planner.budget import check_budget
+from jaxoffload._src.planner.arguments import check_planning
+from jaxoffload._src.planner.budget import check_budgets, check_room
 from jaxoffload._src.planner.messages import progress_printer
 from jaxoffload._src.planner.plan import Plan
 from jaxoffload._src.planner.program import explicit_mesh
@@ -69,8 +70,8 @@ def plan(
       *args: ``step``'s other arguments, as arrays or
         :class:`jax.ShapeDtypeStruct`\\ s (a training state, a batch), or
         NNX Modules such as an ``nnx.Optimizer``.
-      budget: device bytes (an int), or a share of the plain model's (a
-        float in (0, 1]). Device bytes are the compiled step's arguments and
+      budget: device bytes (an int, or a whole number such as ``16e9``), or a
+        share of the plain model's (a float in (0, 1]). Device bytes are the compiled step's arguments and
         temporaries. A sequence of budgets gives a list of plans, and
         measures the costs once. The budget is per device: with arguments
         sharded over a mesh (a batch over ``data``), the compiled bytes are
@@ -102,6 +103,8 @@ def plan(
     Raises:
       NoPlanFits: for a single budget, if no plan's compiled step fits; the
         message gives the least that was reached.
+      TypeError, ValueError: for an argument written wrong, before anything
+        is traced; a budget in bytes below the step's own arguments among them.
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -120,16 +123,16 @@ def plan(
       >>> [path for path, _ in p.blocks]
       ['Dense_0', 'Dense_1']
     """
-    check_model(model, "jaxoffload.plan")
+    # Everything is checked before the first trace: planning compiles for minutes.
+    options, runs = check_planning(
+        "jaxoffload.plan", model, step, args, blocks=blocks, options=options, runs=runs,
+        donate_argnums=donate_argnums, block_costs=block_costs, progress=progress,
+    )  # fmt: skip
+    budgets, many = check_budgets(budget, "the plain step's memory")
+    check_room(budgets, args, "the plain step's memory")
+    max_rounds = checks.integer("max_rounds", max_rounds, minimum=1, example=3)
+    per_round = checks.integer("per_round", per_round, minimum=1, example=4)
     say = progress_printer(progress)
-    # A string is a Sequence too, but one budget written wrong, not a list of them.
-    many = isinstance(budget, Sequence) and not isinstance(budget, str | bytes)
-    budgets = list(budget) if many else [budget]
-    for b in budgets:
-        check_budget(b)
-    for name, value in (("max_rounds", max_rounds), ("per_round", per_round)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}.")
     # Batch-sharded arguments over an Explicit mesh: the blocks' traced types carry their
     # sharding, so the blocks are timed and sized per device under that mesh.
     mesh = explicit_mesh(args)

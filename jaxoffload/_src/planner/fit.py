@@ -19,10 +19,16 @@ from typing import Any
 
 import jax
 
-from jaxoffload._src import timing
+from jaxoffload._src import checks, timing
 from jaxoffload._src.errors import NoPlanFits
 from jaxoffload._src.jaxprs import format_bytes
-from jaxoffload._src.planner.apply import check_model
+from jaxoffload._src.planner.arguments import (
+    check_donated,
+    check_min_speed,
+    check_planning,
+    check_search,
+)
+from jaxoffload._src.planner.budget import check_room, device_budget
 from jaxoffload._src.planner.messages import progress_printer
 from jaxoffload._src.planner.plan import Plan
 from jaxoffload._src.planner.program import compile_step, device_bytes, program
@@ -42,11 +48,13 @@ class Fit:
       peak_bytes: the process's runtime peak after the confirming step, an
         upper bound of that step's (``None`` where the device reports none,
         as a CPU does).
-      confirmed: whether that peak is within the budget.
+      confirmed: whether that peak was read and is within the budget:
+        ``False`` where the device reports no peak, as a CPU does.
       step_ms: the median step time at ``size``.
       plan: with ``plan=True``, the plan at ``size``.
       probes: ``(size, compiled bytes)`` of every size compiled, in order.
-      stopped: why the search stopped before resolving the size, if it did.
+      stopped: why the answer falls short of a size resolved and confirmed, if
+        it does: the time limit, no size that fits, or no runtime peak read.
     """
 
     size: int
@@ -70,7 +78,7 @@ def largest_size(
     step: Callable[..., Any],
     args_at: Callable[[int], Sequence[Any]],
     *,
-    budget: int,
+    budget: int | float,
     plan: bool = False,
     min_speed: float | None = None,
     start: int = 8,
@@ -103,8 +111,10 @@ def largest_size(
         evaluated abstractly (``jax.eval_shape``), so it may build arrays
         (``jnp.zeros``, ``model.init``) without allocating them; the real
         steps run on zeros of their shapes.
-      budget: device bytes: the compiled step's arguments and temporaries,
-        and the runtime peak of the confirming step.
+      budget: device bytes (an int, or a whole number such as ``16e9``), or
+        a share of the device's memory (a float in (0, 1]; where the device
+        reports its limit, as a GPU does): the compiled step's arguments and
+        temporaries, and the runtime peak of the confirming step.
       plan: plan the model at each size (:func:`jaxoffload.plan`), with the
         block costs measured once, at ``start``, and rescaled to each size:
         the answer is the largest size that some plan fits, at that plan's
@@ -139,29 +149,38 @@ def largest_size(
     Returns:
       A :class:`Fit`: the size, its compiled bytes, runtime peak and step
       time, and every size probed.
+
+    Raises:
+      TypeError, ValueError: for an argument written wrong, before any step
+        is traced; ``args_at(size)`` is evaluated first, abstractly, to check
+        what it returns.
     """
-    check_model(model, "jaxoffload.largest_size")
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
-        raise TypeError(f"budget must be a positive number of bytes (an int), got {budget!r}.")
-    if not (isinstance(multiple_of, int) and multiple_of >= 1):
-        raise ValueError(f"multiple_of must be a positive int, got {multiple_of!r}.")
-    if not 1 <= smallest <= start <= limit:
-        raise ValueError(
-            f"start must be in [smallest={smallest}, limit={limit}], got {start}; smallest "
-            "is at least 1."
-        )
-    if not 0 < tolerance < 1:
-        raise ValueError(f"tolerance must be in (0, 1), got {tolerance}.")
-    if min_speed is not None and not (plan and 0 < min_speed <= 1):
-        raise ValueError(
-            f"min_speed is a share of the plain step's speed in (0, 1], with plan=True; got "
-            f"{min_speed!r}" + ("" if plan else " without plan=True") + "."
+    # Everything is checked before the first compile: a search compiles at every size.
+    plan = checks.flag("plan", plan)
+    options, runs = check_planning(
+        "jaxoffload.largest_size", model, step, None, blocks=blocks, options=options, runs=runs,
+        donate_argnums=donate_argnums, block_costs="timed", progress=progress, planned=plan,
+    )  # fmt: skip
+    start, limit, multiple_of, smallest, tolerance, exponent, time_limit_s = check_search(
+        start, limit, multiple_of, smallest, tolerance, exponent, time_limit_s
+    )
+    min_speed = check_min_speed(min_speed, plan)
+    budget = device_budget(budget)
+    if not callable(args_at):
+        raise TypeError(
+            f"args_at must be a function of the size that returns the step's other arguments, "
+            f"got {checks.written(args_at)}; write args_at=lambda n: (state, batch_of(n))."
         )
     say = progress_printer(progress, "fit")
     began = time.perf_counter()
     steps = _Steps(model, step, args_at, budget, plan, dict(
         blocks=blocks, options=options, runs=runs, donate_argnums=donate_argnums, say=say
     ), min_speed)  # fmt: skip
+    # The arguments at the smallest size, abstractly: what args_at gives is checked, and a
+    # budget below them is refused, before any step compiles.
+    first = -(-smallest // multiple_of) * multiple_of
+    check_room([budget], steps.args(first), "the device's memory")
+    check_donated(donate_argnums, steps.args(first))
 
     def bytes_at(size: int) -> int:
         got = steps.compiled_bytes(size)
@@ -188,16 +207,50 @@ def largest_size(
         confirmed = steps.confirm(size)
         if confirmed is not None:
             peak, step_ms = confirmed
-            ok = peak is None or peak <= budget
             say(
                 f"size {size}: step {step_ms:.1f} ms, runtime peak "
                 + ("not reported by this device" if peak is None else format_bytes(peak))
             )
-            if ok or steps.peak_before > budget:
-                return steps.fit(size, peak, ok, step_ms, stopped)
+            if peak is None:
+                why = (
+                    f"no runtime peak was read: this {jax.default_backend()} device reports "
+                    "none, so the size is checked by its compiled bytes alone"
+                )
+                return steps.fit(size, peak, False, step_ms, _and(stopped, why))
+            if peak <= budget:
+                return steps.fit(size, peak, True, step_ms, stopped)
+            if steps.peak_before > budget:
+                why = (
+                    "the process's runtime peak was over the budget before the search "
+                    f"({format_bytes(steps.peak_before)}), so the step's own cannot be read"
+                )
+                return steps.fit(size, peak, False, step_ms, _and(stopped, why))
         size = _step_down(size, multiple_of, smallest, tolerance, steps, budget)
     return Fit(
-        0 if size < 1 else size, budget, None, None, False, None, None, steps.probes, stopped
+        max(size, 0), budget, None, None, False, None, None, tuple(steps.probes),
+        _and(stopped, _none_fits(steps.probes, budget)),
+    )  # fmt: skip
+
+
+def _and(stopped: str | None, why: str) -> str:
+    """``why`` after what stopped the search, if anything did."""
+    return why if stopped is None else f"{stopped}; {why}"
+
+
+def _none_fits(probes, budget: int) -> str:
+    """Why no size was confirmed: none compiled within the budget, or none ran within it."""
+    fitting = [size for size, got in probes if got <= budget]
+    if not fitting:
+        size, got = min(probes, default=(None, None))
+        if size is None:
+            return "nothing fits: no size was compiled"
+        return (
+            f"nothing fits: the smallest size compiled, {size}, takes {format_bytes(got)}, over "
+            f"the budget of {format_bytes(budget)}"
+        )
+    return (
+        f"no size that compiled within the budget (the largest, {max(fitting)}) ran within it: "
+        "its step ran out of memory, or no plan kept its speed"
     )
 
 
@@ -236,7 +289,14 @@ class _Steps:
             given = []
 
             def args_at():
-                args = tuple(self.args_at(size))
+                args = self.args_at(size)
+                if not isinstance(args, tuple | list):
+                    raise TypeError(
+                        f"args_at({size}) must return the step's arguments after the model, as "
+                        f"a tuple such as (state, batch), got {checks.written(args)}; write "
+                        "return (state, batch), or return (batch,) for one."
+                    )
+                args = tuple(args)
                 given.extend(jax.tree.leaves(args))
                 return args
 

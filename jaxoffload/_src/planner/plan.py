@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+from collections.abc import Sequence
 from typing import Any
 
+from jaxoffload._src import checks
 from jaxoffload._src.jaxprs import format_bytes
 from jaxoffload._src.planner.apply import apply_plan
 from jaxoffload._src.strategies import (
@@ -18,6 +21,17 @@ from jaxoffload._src.strategies import (
 )
 
 __all__ = ["Plan"]
+
+# What Plan.to_dict writes besides "blocks" and "outside": figures, and notes.
+_FIGURES = (
+    "budget_bytes",
+    "estimated_bytes",
+    "compiled_bytes",
+    "estimated_step_ms",
+    "measured_step_ms",
+    "notes",
+)
+_FIELDS = ("blocks", "outside", *_FIGURES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +78,15 @@ class Plan:
     notes: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self):
+        def pair(b):
+            return isinstance(b, Sequence) and not isinstance(b, str) and len(b) == 2
+
+        given = self.blocks
+        if isinstance(given, str) or not isinstance(given, Sequence) or not all(map(pair, given)):
+            raise TypeError(
+                "blocks must be (path, strategy) pairs, such as (('Block_0', Lean()),), got "
+                f"{given!r}."
+            )
         blocks = tuple((path, check_strategy(s)) for path, s in self.blocks)
         bad = [path for path, _ in blocks if not isinstance(path, str)]
         if bad:
@@ -73,6 +96,14 @@ class Plan:
             raise ValueError(f"a plan gives each block one strategy; {seen} appear twice.")
         object.__setattr__(self, "blocks", blocks)
         object.__setattr__(self, "outside", check_strategy(self.outside))
+        for name in ("budget_bytes", "estimated_bytes", "compiled_bytes"):
+            value = checks.integer(name, getattr(self, name), minimum=0, none=True)
+            object.__setattr__(self, name, value)
+        for name in ("estimated_step_ms", "measured_step_ms"):
+            value = checks.real(name, getattr(self, name), minimum=0, finite=False, none=True)
+            object.__setattr__(self, name, value)
+        if isinstance(self.notes, str) or not all(isinstance(n, str) for n in self.notes):
+            raise TypeError(f"notes must be strings, one per block, got {self.notes!r}.")
         object.__setattr__(self, "notes", tuple(self.notes))
 
     def strategy_for(self, path: str) -> Strategy:
@@ -142,22 +173,25 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
-        """The plan that :meth:`to_dict` wrote."""
-        return cls(
-            tuple((path, strategy_from_dict(s)) for path, s in data["blocks"]),
-            strategy_from_dict(data.get("outside", {"kind": "Store"})),
-            **{k: data.get(k) for k in ("budget_bytes", "estimated_bytes", "compiled_bytes")},
-            estimated_step_ms=data.get("estimated_step_ms"),
-            measured_step_ms=data.get("measured_step_ms"),
-            notes=tuple(data.get("notes", ())),
-        )
+        """The plan that :meth:`to_dict` wrote.
+
+        Raises:
+          ValueError: if ``data`` is not a plan, saying what is wrong and at which block.
+        """
+        return cls._read(data, "the data")
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        return cls.from_dict(json.loads(text))
+        """The plan that :meth:`to_json` wrote; a ``ValueError`` says what is wrong if not."""
+        if not isinstance(text, str | bytes):
+            raise TypeError(
+                f"Plan.from_json takes the text that Plan.to_json wrote, got {text!r}; for a "
+                "file, write Plan.load(path)."
+            )
+        return cls._read(_parsed(text, "the JSON text"), "the JSON text")
 
     def save(self, path: str) -> None:
         """Writes the plan to ``path`` as JSON."""
@@ -166,9 +200,51 @@ class Plan:
 
     @classmethod
     def load(cls, path: str) -> Plan:
-        """Reads a plan that :meth:`save` wrote."""
+        """Reads a plan that :meth:`save` wrote.
+
+        Raises:
+          ValueError: if the file holds no plan: damaged or cut-off JSON, or data that
+            is not a plan's. The message names the file, what is wrong, and the block.
+        """
         with open(path) as f:
-            return cls.from_json(f.read())
+            text = f.read()
+        return cls._read(_parsed(text, str(path)), str(path))
+
+    @classmethod
+    def _read(cls, data: Any, source: str) -> Plan:
+        """The plan in ``data``, read from ``source`` (a file, for the errors)."""
+        what = 'what Plan.save writes: an object whose "blocks" are [path, strategy] pairs'
+        if not isinstance(data, dict):
+            raise ValueError(f"{source} holds no plan: {what}, but it holds {_json_kind(data)}.")
+        if "blocks" not in data:
+            raise ValueError(
+                f'{source} holds no plan: {what}, but it has no "blocks" (its keys: '
+                f"{', '.join(map(repr, data)) or 'none'})."
+            )
+        unknown = [k for k in data if k not in _FIELDS]
+        if unknown:
+            close = difflib.get_close_matches(str(unknown[0]), _FIELDS, n=1)
+            raise ValueError(
+                f"{source}: a plan has no field {unknown[0]!r}"
+                + (f" (did you mean {close[0]!r}?)" if close else "")
+                + f"; its fields are {', '.join(_FIELDS)}."
+            )
+        if not isinstance(data["blocks"], list):
+            raise ValueError(f'{source}: "blocks" must be a list of [path, strategy] pairs.')
+        blocks = []
+        for n, entry in enumerate(data["blocks"]):
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)):
+                raise ValueError(
+                    f"{source}, block {n}: a block is a [path, strategy] pair such as "
+                    f'["Block_0", {{"kind": "Lean"}}], got {entry!r}.'
+                )
+            path, fields = entry
+            blocks.append((path, _strategy(fields, f"{source}, block {n} ({path!r})")))
+        outside = _strategy(data.get("outside", {"kind": "Store"}), f"{source}, outside the blocks")
+        try:
+            return cls(tuple(blocks), outside, **{k: data[k] for k in _FIGURES if k in data})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{source}: {e}") from e
 
     def __str__(self) -> str:
         rows = [("block", "strategy", "measured")]
@@ -191,3 +267,28 @@ class Plan:
         if self.measured_step_ms is not None:
             figures.append(f"measured step {self.measured_step_ms:.1f} ms")
         return "\n".join(lines + ([", ".join(figures)] if figures else []))
+
+
+def _parsed(text: str, source: str) -> Any:
+    """The JSON in ``text``; a ``ValueError`` that names ``source`` if it is damaged."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{source} holds no plan: its JSON is damaged or cut off at line {e.lineno}, column "
+            f"{e.colno} ({e.msg}). Save the plan again (Plan.save), or plan the model again."
+        ) from e
+
+
+def _strategy(fields: Any, where: str) -> Strategy:
+    """The strategy written in ``fields``; a ``ValueError`` that says ``where`` if not."""
+    try:
+        return strategy_from_dict(fields)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from e
+
+
+def _json_kind(data: Any) -> str:
+    """What JSON value ``data`` is, in words: ``a list``, ``a string``."""
+    kinds = {list: "a list", str: "a string", bool: "a boolean", type(None): "null"}
+    return kinds.get(type(data), "a number")

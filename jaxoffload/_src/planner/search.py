@@ -23,6 +23,7 @@ from jaxoffload._src import timing
 from jaxoffload._src.errors import NoPlanFits
 from jaxoffload._src.jaxprs import format_bytes
 from jaxoffload._src.planner import rounds
+from jaxoffload._src.planner.arguments import BLOCK_COSTS
 from jaxoffload._src.planner.costs import (
     TIE,
     block_options,
@@ -59,10 +60,6 @@ from jaxoffload._src.planner.program import (
 from jaxoffload._src.strategies import Lean, Offload, Remat, Store, Strategy, brief, check_strategy
 
 __all__ = ["BLOCK_COSTS", "Planner", "default_options"]
-
-# How a planner costs its blocks: each distinct block program compiled and timed alone, or
-# its traced FLOPs at the plain step's measured ms per FLOP.
-BLOCK_COSTS = ("timed", "traced")
 
 
 def default_options() -> tuple[Strategy, ...]:
