@@ -675,8 +675,8 @@ _SAVED = jaxoffload.Plan((("Block_0", Lean()), ("Block_1", Offload(window=2))), 
       r"Save the plan again"),
      (_SAVED.to_json().replace('"window"', '"windw"'),
       r"plan\.json, block 1 \('Block_1'\): Offload has no field 'windw' \(did you mean "
-      r"'window'\?\); its fields are max_bytes, max_recompute, min_bytes, names, recompute, "
-      r"window\."),
+      r"'window'\?\); its fields are fetch_window, max_bytes, max_recompute, min_bytes, names, "
+      r"recompute, window\."),
      (_SAVED.to_json().replace('"window": 2', '"window": 0'),
       r"plan\.json, block 1 \('Block_1'\): window must be an int of at least 1, got 0"),
      (_SAVED.to_json().replace('"Lean"', '"Laen"'),
