@@ -66,6 +66,23 @@ def bench_record(workload, **extra):
     }  # fmt: skip
 
 
+def stand_in_children(**methods):
+    """The bench's child processes, with ``methods`` standing in for some of theirs.
+
+    Each keyword names a method of :class:`jaxoffload.bench.child.Children` (``probe``,
+    ``compile``, ``measure``, ``plan_hidden``, ``plan_budgets``, ``largest``) and gives a
+    function with its arguments that answers in its place, so that a test measures nothing
+    on a GPU or in a child; the methods not named start real child processes.
+    """
+    from jaxoffload.bench.child import Children
+
+    unknown = set(methods) - set(vars(Children))
+    assert not unknown, f"Children has no method {unknown}"
+    children = Children()
+    vars(children).update(methods)
+    return children
+
+
 def host_puts(jaxpr) -> list:
     """The ``device_put``s to host memory in a jaxpr, nested jaxprs' included."""
     from jax.extend import core

@@ -3,7 +3,9 @@
 import jax
 
 from jaxoffload import Lean, Plan, Remat
-from jaxoffload.bench import benchmark, precision
+from jaxoffload.bench import precision
+from jaxoffload.bench.step import linen_model, train_step
+from jaxoffload.bench.workload import Workload
 
 MODEL, SIZE = "flax-resnet18", 32
 
@@ -23,9 +25,9 @@ def _record(strategy, dtype="bfloat16", **fields):
 
 def _a_plan() -> dict:
     """Remat on the first block, Lean on the rest, by the plannable model's block paths."""
-    w = benchmark.Workload(model=MODEL, batch=2, image_size=SIZE, dtype="float32", strategy="none")
-    model = benchmark.linen_model(w, plannable=True)
-    images = benchmark.train_step(w, abstract=True)[2][0]
+    w = Workload(model=MODEL, batch=2, image_size=SIZE, dtype="float32", strategy="none")
+    model = linen_model(w, plannable=True)
+    images = train_step(w, abstract=True)[2][0]
     shapes = jax.eval_shape(lambda x: model.init(jax.random.key(0), x, True), images)
     paths = sorted(
         (p for p in shapes["params"] if p.startswith("ResNetBlock")),

@@ -1,22 +1,22 @@
 """The bench's size search: :func:`jaxoffload.largest_size` on a workload's training step.
 
-Run it in a fresh process: its confirming step reads the process's runtime peak.
-``python -m jaxoffload.bench.fit WORKLOAD OPTIONS`` (JSON, as
-:func:`jaxoffload.bench.benchmark.largest_in_subprocess` gives them) prints its fields.
+Run it in a fresh process (:meth:`jaxoffload.bench.child.Children.largest`): its
+confirming step reads the process's runtime peak.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
 import time
 from typing import Any
 
 import jax
 
 import jaxoffload
-from jaxoffload.bench import benchmark, models
+from jaxoffload.bench import models
+from jaxoffload.bench.measure import device_fields
+from jaxoffload.bench.step import linen_model, training
+from jaxoffload.bench.workload import Workload
 
 __all__ = ["AXES", "largest"]
 
@@ -24,7 +24,7 @@ __all__ = ["AXES", "largest"]
 # size that a step's bytes grow with: the batch, or the images' side. Sides are multiples
 # of 16, so that a U-Net's four halvings and doublings meet its skips.
 AXES = {"batch": (1, 1.0), "image_size": (16, 2.0)}
-# The smallest size of each axis that a workload takes (benchmark.Workload checks it), and
+# The smallest size of each axis that a workload takes (Workload checks it), and
 # the largest searched: a segmentation net's one image may reach thousands of pixels a side.
 SMALLEST = {"batch": 1, "image_size": 32}
 LARGEST = {"batch": 4096, "image_size": 8192}
@@ -34,7 +34,7 @@ ALLOCATOR_SLACK = 0.03
 
 
 def largest(
-    workload: benchmark.Workload,
+    workload: Workload,
     axis: str,
     *,
     plan: bool = False,
@@ -75,7 +75,7 @@ def largest(
     smallest = -(-SMALLEST[axis] // multiple) * multiple
 
     def args_at(size):
-        _, state, batch, _ = benchmark.training(
+        _, state, batch, _ = training(
             dataclasses.replace(workload, **{axis: size}), model, abstract=True
         )
         return state, batch
@@ -88,22 +88,22 @@ def largest(
         donate_argnums=(0,), min_speed=min_speed,
     )  # fmt: skip
     # The versions too: the planned model's search record has no measured step to carry them.
-    device = benchmark.device_fields(jax.devices()[0])
+    device = device_fields(jax.devices()[0])
     fields = _fields(workload, axis, found, time.perf_counter() - began)
     if plan:
         fields[f"max_{axis}_min_speed"] = min_speed
     return {**device, **fields}
 
 
-def _model_and_step(workload: benchmark.Workload, plan: bool):
+def _model_and_step(workload: Workload, plan: bool):
     """The model as the library takes it, and ``step(model, state, batch)``."""
     if models.is_nnx(workload.model):
         raise NotImplementedError("the size search takes the linen models of the bench.")
 
     def step(model, state, batch):
-        return benchmark.training(workload, model, abstract=None)[0](state, batch)
+        return training(workload, model, abstract=None)[0](state, batch)
 
-    return benchmark.linen_model(workload, plannable=plan), step
+    return linen_model(workload, plannable=plan), step
 
 
 def _fields(workload, axis, found: jaxoffload.Fit, search_s: float) -> dict[str, Any]:
@@ -127,8 +127,3 @@ def _fields(workload, axis, found: jaxoffload.Fit, search_s: float) -> dict[str,
     if found.plan is not None:
         fields[f"{name}_plan"] = found.plan.to_dict()
     return fields
-
-
-if __name__ == "__main__":
-    workload, options = (json.loads(a) for a in sys.argv[1:3])
-    print(json.dumps(largest(benchmark.Workload(**workload), **options)), flush=True)

@@ -14,7 +14,7 @@ import argparse
 import json
 import pathlib
 
-from jaxoffload.bench.cli import plot_records
+from jaxoffload.bench.plots import plot_records
 
 
 def main(argv=None) -> None:
