@@ -118,7 +118,7 @@ def test_a_grad_accum_record_says_what_differs_from_the_whole_batch(
     model, num_devices, statistics, masks
 ):
     workload = _workload(model, "grad-accum", micro_batch=4, num_devices=num_devices)
-    record = measure(workload, steps=1, warmup=1, reference=None)
+    record = measure(workload, steps=1, warmup=1, reference=None).to_json()
     assert (record["batch"], record["micro_batch"], record["accumulation_steps"]) == (8, 4, 2)
     assert record["num_devices"] == num_devices
     # At most a micro-batch, in two micro-batches that still split over the devices.
@@ -182,7 +182,7 @@ def test_four_devices_give_one_device_s_gradients(tmp_path):
     one, four = (
         measure(
             _workload("flax-resnet18", num_devices=n), steps=1, warmup=1, reference=reference
-        )
+        ).to_json()
         for n in (1, 4)
     )
     assert (one["num_devices"], four["num_devices"], four["batch"]) == (1, 4, 8)
@@ -201,7 +201,7 @@ def test_rows_split_over_devices_give_one_device_s_gradients(tmp_path):
             steps=1,
             warmup=1,
             reference=reference,
-        )  # fmt: skip
+        ).to_json()  # fmt: skip
         for d, s in [(1, 1), (2, 2)]
     )
     assert (split["num_devices"], split["spatial"], split["mesh"]) == (
@@ -227,7 +227,7 @@ def test_a_size_search_over_a_mesh_keeps_the_sizes_that_split():
     budget = (
         _compiled_bytes(workload, image_size=64) + _compiled_bytes(workload, image_size=128)
     ) // 2
-    found = fit.largest(workload, "image_size", budget_bytes=budget, limit=128)
+    found = fit.largest(workload, "image_size", budget_bytes=budget, limit=128).to_json()
     probes = dict(found["max_image_size_probes"])
     # Multiples of 16 per device's rows: each device's part of a U-Net level meets its skip.
     assert probes and all(side % 32 == 0 for side in probes), probes
@@ -250,9 +250,7 @@ def test_accumulating_over_four_devices_updates_as_one_device_s_whole_batch():
 
 def _compiled_bytes(workload, **size):
     """The compiled step's device bytes at a size, as the search compares them with its budget."""
-    step, state, batch, _ = train_step(
-        dataclasses.replace(workload, **size), abstract=True
-    )
+    step, state, batch, _ = train_step(dataclasses.replace(workload, **size), abstract=True)
     memory = step.trace(state, batch).lower().compile().memory_analysis()
     return memory.temp_size_in_bytes + memory.argument_size_in_bytes
 
@@ -269,7 +267,7 @@ def test_the_size_search_finds_the_largest_size_that_compiles_within_the_budget(
     budget = (
         _compiled_bytes(workload, **{axis: low}) + _compiled_bytes(workload, **{axis: high})
     ) // 2
-    found = fit.largest(workload, axis, plan=plan, budget_bytes=budget, limit=high)
+    found = fit.largest(workload, axis, plan=plan, budget_bytes=budget, limit=high).to_json()
     size, probes = found[f"max_{axis}"], dict(found[f"max_{axis}_probes"])
     # It compiled within the budget, and a size 2% (or one multiple) above it did not.
     over = min(s for s, nbytes in probes.items() if nbytes > budget)

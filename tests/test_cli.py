@@ -1,6 +1,7 @@
 """The jaxoffload command: arguments, errors, and what it writes."""
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -17,9 +18,10 @@ from jaxoffload.bench.child import Children, OutOfMemory
 from jaxoffload.bench.command import memory_cap_env
 from jaxoffload.bench.console import Progress, gradient_flags, records_table, say_notes
 from jaxoffload.bench.measure import CACHE_DIR, requested_host_bytes
-from jaxoffload.bench.options import BenchError, name_of
+from jaxoffload.bench.options import BenchError
 from jaxoffload.bench.planning import budget_bytes
 from jaxoffload.bench.plots import plot_records
+from jaxoffload.bench.record import Record
 from jaxoffload.bench.run import add_transfer_bounds, measure_all
 from jaxoffload.bench.step import train_step
 from jaxoffload.bench.workload import Workload
@@ -138,11 +140,11 @@ def test_out_of_memory_records(tmp_path):
         seen.append(reference)
         if workload.strategy == "none":
             raise OutOfMemory("RESOURCE_EXHAUSTED")
-        return {"strategy": workload.strategy, "grad_rel_err": None}
+        return Record.of(strategy=workload.strategy, grad_rel_err=None)
 
     workloads = [Workload("flax-resnet18", 2, 32, "float32", s) for s in ("none", "remat")]
     records = measure_all(workloads, steps=1, children=stand_in_children(measure=fake))
-    assert records[0]["out_of_memory"] and records[0]["strategy"] == "none"
+    assert records[0].out_of_memory and records[0].strategy == "none"
     assert seen[0] is not None and seen[1] is None  # no stale reference for 'remat'
     assert plot_records([records[0]], tmp_path / "p.png") is None
     from rich.console import Console
@@ -158,11 +160,11 @@ def test_a_step_compiled_first_is_measured_from_the_cache_and_a_compile_peak_is_
 
     workload = Workload("flax-resnet18", 2, 32, "float32", "none")
     (record,) = measure_all([workload], steps=1, compile_first=True)
-    assert record["compiled_from_cache"] is True
+    assert record.compiled_from_cache is True
     gib = 2**30
     records = [
-        {"strategy": "lean", "peak_bytes_in_use": 9 * gib, "compile_peak_bytes": 9 * gib},
-        {"strategy": "remat", "peak_bytes_in_use": 5 * gib, "compile_peak_bytes": gib},
+        Record(strategy="lean", peak_bytes_in_use=9 * gib, compile_peak_bytes=9 * gib),
+        Record(strategy="remat", peak_bytes_in_use=5 * gib, compile_peak_bytes=gib),
     ]
     console = Console(width=200, record=True, file=open(os.devnull, "w"))
     say_notes(records, console)
@@ -176,9 +178,10 @@ def test_planning_compiles_into_a_cold_cache_of_its_own_that_its_plans_load_from
     children = stand_in_children(
         plan_budgets=lambda w, budgets, env: seen.append(("plan", env)) or [{"planned": planned}],
         compile=lambda w, env: seen.append(("compile", env)) or {},
-        measure=lambda w, **k: {"strategy": w.strategy, "step_time_ms": 1.0,
-                                "compiled_temp_bytes": 8, "compiled_argument_bytes": 0,
-                                "peak_bytes_in_use": 8},
+        measure=lambda w, **k: Record.from_json({
+            "strategy": w.strategy, "step_time_ms": 1.0, "compiled_temp_bytes": 8,
+            "compiled_argument_bytes": 0, "peak_bytes_in_use": 8,
+        }),
     )  # fmt: skip
     workloads = [
         Workload("flax-resnet18", 2, 32, "float32", "none"),
@@ -202,14 +205,14 @@ def _children(**methods):
 def test_copies_that_free_little_are_said(tmp_path, capsys):
     def fake(workload, *, steps, reference, env, **options):
         offload = workload.strategy == "offload"
-        return {
+        return Record.from_json({
             "strategy": workload.strategy, "grad_rel_err": 0.0, "step_time_ms": 1.0,
             "compiled_temp_bytes": 4 * 2**30, "compiled_host_temp_bytes": 0,
             "peak_bytes_in_use": None, "images_per_s": 2.0, "model": "flax-vgg19", "batch": 2,
             "image_size": 32, "dtype": "float32", "device": "cpu",
             "twin_temp_bytes": 4 * 2**30 if offload else None,
             "device_to_host_bytes": 2**31 if offload else 0, "copies_free_little": offload,
-        }  # fmt: skip
+        })  # fmt: skip
 
     children = _children(measure=fake, probe=lambda env=None: {"platform": "gpu"})
     cli.main(["bench", "--strategies", "none,offload", "--out", str(tmp_path)], children=children)
@@ -221,20 +224,22 @@ def test_a_failing_strategy_is_recorded_and_the_others_still_run(tmp_path, capsy
     def fake(workload, *, steps, reference, env, **options):
         if workload.strategy == "remat":
             raise RuntimeError("the measuring process failed (exit code 1): boom")
-        return {
-            "strategy": workload.strategy,
-            "grad_rel_err": 0.0,
-            "step_time_ms": 1.0,
-            "compiled_temp_bytes": 1,
-            "compiled_host_temp_bytes": 0,
-            "peak_bytes_in_use": None,
-            "images_per_s": 2.0,
-            "model": "resnet18",
-            "batch": 2,
-            "image_size": 32,
-            "dtype": "float32",
-            "device": "cpu",
-        }
+        return Record.from_json(
+            {
+                "strategy": workload.strategy,
+                "grad_rel_err": 0.0,
+                "step_time_ms": 1.0,
+                "compiled_temp_bytes": 1,
+                "compiled_host_temp_bytes": 0,
+                "peak_bytes_in_use": None,
+                "images_per_s": 2.0,
+                "model": "resnet18",
+                "batch": 2,
+                "image_size": 32,
+                "dtype": "float32",
+                "device": "cpu",
+            }
+        )
 
     children = stand_in_children(measure=fake, probe=lambda env=None: {"platform": "cpu"})
     with pytest.raises(SystemExit) as exit_info:
@@ -249,20 +254,20 @@ def test_a_failing_strategy_is_recorded_and_the_others_still_run(tmp_path, capsy
 
 def test_transfer_bound_uses_the_twins_compute_and_the_records_own_link():
     records = [
-        {"strategy": "none", "step_time_ms": 30.0, "forward_ms": 10.0},
-        {"strategy": "remat", "step_time_ms": 40.0},
-        {"strategy": "jax-offload", "step_time_ms": 300.0, "d2h_gbps": 50.0, "h2d_gbps": 25.0,
-         "device_to_host_bytes": 5 * 10**9, "host_to_device_bytes": 10**8},
-        {"strategy": "offload", "out_of_memory": True},
+        Record(strategy="none", step_time_ms=30.0, forward_ms=10.0),
+        Record(strategy="remat", step_time_ms=40.0),
+        Record(strategy="jax-offload", step_time_ms=300.0, d2h_gbps=50.0, h2d_gbps=25.0,
+               device_to_host_bytes=5 * 10**9, host_to_device_bytes=10**8),
+        Record(strategy="offload", out_of_memory=True),
     ]  # fmt: skip
     add_transfer_bounds(records)
-    offload = records[2]
+    offload = records[2].to_json()
     # forward: max(10 ms, 5 GB / 50 GB/s = 100 ms); backward: max(20 ms, 0.1 GB / 25 GB/s = 4 ms).
     assert offload["bound_ms"] == pytest.approx(120.0)
     assert offload["bound_ratio"] == pytest.approx(2.5)
     assert (offload["fwd_compute_ms"], offload["bwd_compute_ms"]) == (10.0, 20.0)
     assert offload["offloaded_bytes"] == 5 * 10**9 and offload["compute_twin"] == "none"
-    assert "bound_ms" not in records[1] and "bound_ms" not in records[3]
+    assert "bound_ms" not in records[1].to_json() and "bound_ms" not in records[3].to_json()
 
 
 def test_measure_link_moves_bytes_both_ways():
@@ -284,8 +289,6 @@ def test_requested_host_bytes_match_the_traced_step_and_allocate_nothing():
 
 
 def test_planned_strategy_failures_and_empty_plans_are_reported(tmp_path, capsys):
-    import dataclasses
-
     failing = ""  # which process runs out of memory: "plan", "measure" or neither
 
     def fake_plan(workload, *, env, **budget):
@@ -297,7 +300,7 @@ def test_planned_strategy_failures_and_empty_plans_are_reported(tmp_path, capsys
         planned = workload.strategy == "offload-hidden"
         if planned and failing == "measure":
             raise OutOfMemory("RESOURCE_EXHAUSTED")
-        return {
+        return Record.from_json({
             "strategy": workload.strategy, "grad_rel_err": 0.0, "step_time_ms": 1.0,
             "compiled_temp_bytes": 1, "compiled_host_temp_bytes": 0, "peak_bytes_in_use": None,
             "images_per_s": 2.0, "model": "vgg11", "batch": 2, "image_size": 32,
@@ -305,7 +308,7 @@ def test_planned_strategy_failures_and_empty_plans_are_reported(tmp_path, capsys
             "h2d_gbps": 1.0, "plan": list(workload.plan) if planned else None,
             "offloaded_blocks": 0, "window": workload.window, "device_to_host_bytes": 0,
             "host_to_device_bytes": 0,
-        }  # fmt: skip
+        })  # fmt: skip
 
     children = stand_in_children(
         plan_hidden=fake_plan, measure=fake_measure, probe=lambda env=None: {"platform": "cpu"}
@@ -337,25 +340,25 @@ def test_budgets_parse_and_make_plan_workloads():
 
 
 def test_plan_budgets_are_shares_of_the_none_peak_less_the_allocator_s_excess():
-    none = {"strategy": "none", "step_time_ms": 1.0, "compiled_temp_bytes": 800,
-            "compiled_argument_bytes": 100, "peak_bytes_in_use": 1000}  # fmt: skip
+    none = Record(strategy="none", step_time_ms=1.0, compiled_temp_bytes=800,
+                  compiled_argument_bytes=100, peak_bytes_in_use=1000)  # fmt: skip
     # Half of the 1000-byte peak, less the 100 bytes the allocator held beyond the program's.
     assert budget_bytes([0.5, 1.0], [none]) == [400, 900]
-    assert budget_bytes([0.5], [{**none, "peak_bytes_in_use": None}]) == [450]
+    assert budget_bytes([0.5], [dataclasses.replace(none, peak_bytes_in_use=None)]) == [450]
 
 
 def test_gradient_errors_are_flagged_against_the_same_arithmetic_control():
     records = [
-        {"strategy": "none", "grad_rel_err": 0.0},
-        {"strategy": "remat", "grad_rel_err": 1e-3},
-        {"strategy": "lean", "grad_rel_err": 1.9e-3},
-        {"strategy": "offload", "grad_rel_err": 5e-3},
-        {"strategy": "plan", "budget": 0.5, "grad_rel_err": None},
+        Record(strategy="none", grad_rel_err=0.0),
+        Record(strategy="remat", grad_rel_err=1e-3),
+        Record(strategy="lean", grad_rel_err=1.9e-3),
+        Record(strategy="offload", grad_rel_err=5e-3),
+        Record(strategy="plan", budget=0.5, grad_rel_err=None),
     ]
-    assert [r["strategy"] for r in gradient_flags(records)] == ["offload"]
+    assert [r.strategy for r in gradient_flags(records)] == ["offload"]
     # Without the control, or where it is exact, nothing can be read as rounding.
-    assert gradient_flags([r for r in records if r["strategy"] != "remat"]) == []
-    assert gradient_flags([{**records[1], "grad_rel_err": 0.0}, records[3]]) == []
+    assert gradient_flags([r for r in records if r.strategy != "remat"]) == []
+    assert gradient_flags([dataclasses.replace(records[1], grad_rel_err=0.0), records[3]]) == []
 
 
 def _never(*args, **kwargs):
@@ -498,8 +501,10 @@ def _size_search(searches, fail=()):
         size = {"batch": 64, "image_size": 96}[axis] * (3 if plan else 1)
         speed = {"batch": "images_per_s", "image_size": "ms_per_megapixel"}[axis]
         floor = {f"max_{axis}_min_speed": min_speed} if plan else {}
-        return {f"max_{axis}": size, f"max_{axis}_{speed}": 100.0 + size,
-                f"max_{axis}_step_ms": 5.0, f"max_{axis}_stopped": None, **floor}  # fmt: skip
+        return Record.from_json({
+            "strategy": name, f"max_{axis}": size, f"max_{axis}_{speed}": 100.0 + size,
+            f"max_{axis}_step_ms": 5.0, f"max_{axis}_stopped": None, **floor,
+        })  # fmt: skip
 
     return fake
 
@@ -532,7 +537,9 @@ def test_size_searches_reach_each_uniform_strategy_and_the_planned_model(
         for name in ("none", "lean", "plan")
         for axis in ("batch", "image_size")
     ]
-    records = {name_of(r): r for r in json.loads((tmp_path / "records.json").read_text())}
+    records = {
+        Record.from_json(r).name: r for r in json.loads((tmp_path / "records.json").read_text())
+    }
     assert list(records) == ["none", "lean", "grad-accum", "plan@0.5", "plan"]
     plan = records["plan"]
     assert "budget" not in plan and records["plan@0.5"]["budget"] == 0.5
@@ -567,7 +574,9 @@ def test_a_speed_floor_reaches_the_planned_search_alone_and_resuming_with_anothe
     )
     argv = ["bench", "--strategies", "none", "--steps", "1", "--out", str(tmp_path), "--max-batch"]
     cli.main([*argv, "--min-speed", "0.7"], children=children)
-    records = {name_of(r): r for r in json.loads((tmp_path / "records.json").read_text())}
+    records = {
+        Record.from_json(r).name: r for r in json.loads((tmp_path / "records.json").read_text())
+    }
     assert records["plan"]["max_batch_min_speed"] == 0.7
     assert "max_batch_min_speed" not in records["none"]
     searches.clear()
@@ -600,7 +609,7 @@ def test_resumed_size_searches_keep_what_was_found_and_search_the_rest(tmp_path,
         )
     assert exit_info.value.code == 130
     records = json.loads((tmp_path / "records.json").read_text())
-    assert [(name_of(r), r.get("max_batch")) for r in records] == [
+    assert [(Record.from_json(r).name, r.get("max_batch")) for r in records] == [
         ("none", 64), ("lean", 64), ("plan", None)
     ]  # fmt: skip
     # Resumed, only that search runs; it fails, which is said and recorded, not lost.
@@ -624,7 +633,7 @@ def test_resumed_size_searches_keep_what_was_found_and_search_the_rest(tmp_path,
     ]  # fmt: skip
     assert measured == ["none", "lean"]
     records = json.loads((tmp_path / "records.json").read_text())
-    assert [(name_of(r), r["max_batch"], r["max_image_size"]) for r in records] == [
+    assert [(Record.from_json(r).name, r["max_batch"], r["max_image_size"]) for r in records] == [
         ("none", 64, 96), ("lean", 64, 96), ("plan", 192, 288)
     ]  # fmt: skip
     assert "max_batch_error" not in records[2]

@@ -155,9 +155,7 @@ def test_the_bench_trains_a_segmentation_model_on_label_maps():
     assert classify.num_classes == 1000
     assert train_step(classify, abstract=True)[2][1].shape == (2,)
     with pytest.raises(ValueError, match="divisible by 16, got 40x40"):
-        train_step(
-            Workload("flax-unet", 1, 40, "float32", "none"), abstract=True
-        )
+        train_step(Workload("flax-unet", 1, 40, "float32", "none"), abstract=True)
 
 
 def test_per_pixel_loss_is_the_mean_over_pixels():

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxoffload.bench import fit, measure, planning
+from jaxoffload.bench.record import Record
 from jaxoffload.bench.workload import Workload
 
 __all__ = ["Children", "OutOfMemory", "main"]
@@ -58,11 +59,11 @@ class Children:
         reference: str | None = None,
         env: dict[str, str] | None = None,
         **options: Any,
-    ) -> dict[str, Any]:
+    ) -> Record:
         """:func:`jaxoffload.bench.measure.measure`'s record; ``options`` are its other
         keyword arguments."""
         options = {"steps": steps, "reference": reference, **options}
-        return _run(["measure", _json(workload), json.dumps(options)], env)
+        return Record.from_json(_run(["measure", _json(workload), json.dumps(options)], env))
 
     def plan_hidden(
         self, workload: Workload, *, env: dict[str, str] | None = None, **budget: float
@@ -98,22 +99,18 @@ class Children:
         env: dict[str, str] | None = None,
         time_limit_s: float = 300.0,
         min_speed: float | None = None,
-    ) -> dict[str, Any]:
-        """:func:`jaxoffload.bench.fit.largest` of a workload.
+    ) -> Record:
+        """:func:`jaxoffload.bench.fit.largest` of a workload: the search's own record.
 
         Its confirming step reads the process's runtime peak, so each search has a
         process of its own.
-
-        Returns:
-          The record fields that it names for ``axis``: ``max_batch``,
-          ``max_batch_images_per_s``, ... (or ``max_image_size``, ...).
 
         Raises:
           OutOfMemory: if the child ran out of device memory other than in the
             confirming step, which steps down instead (in planning's timing runs, say).
         """
         options = {"axis": axis, "plan": plan, "time_limit_s": time_limit_s, "min_speed": min_speed}
-        return _run(["largest", _json(workload), json.dumps(options)], env)
+        return Record.from_json(_run(["largest", _json(workload), json.dumps(options)], env))
 
 
 def _json(workload: Workload) -> str:
@@ -162,14 +159,14 @@ def main(argv: Sequence[str]) -> None:
     elif command == "compile":
         result = measure.compile_only(Workload(**values[0]))
     elif command == "measure":
-        result = measure.measure(Workload(**values[0]), **values[1])
+        result = measure.measure(Workload(**values[0]), **values[1]).to_json()
     elif command == "plan-hidden":
         planned = planning.hidden_offload_workload(Workload(**values[0]), **values[1])
         result = {"plan": planned.plan, "window": planned.window}
     elif command == "plan-budgets":
         result = planning.plan_budgets(Workload(**values[0]), values[1])
     elif command == "largest":
-        result = fit.largest(Workload(**values[0]), **values[1])
+        result = fit.largest(Workload(**values[0]), **values[1]).to_json()
     else:
         raise SystemExit(f"unknown command {command!r}")
     print(json.dumps(result), flush=True)

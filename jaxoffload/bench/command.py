@@ -30,18 +30,18 @@ from jaxoffload.bench.folder import (
     earlier_records,
     run_fields,
     writable_folder,
-    write_json,
+    write_records,
 )
 from jaxoffload.bench.measure import spatial_fields
 from jaxoffload.bench.options import (
     SIZE_SEARCHES,
     BenchError,
     checked_strategies,
-    name_of,
     searched_axes,
     workloads_of,
 )
 from jaxoffload.bench.plots import plot_records, plot_sizes
+from jaxoffload.bench.record import Record
 from jaxoffload.bench.run import measure_all
 from jaxoffload.bench.workload import (
     ACCUMULATED_STRATEGIES,
@@ -56,7 +56,7 @@ __all__ = ["bench", "memory_cap_env"]
 
 def bench(
     args: argparse.Namespace, command: str | None = None, children: Children | None = None
-) -> list[dict[str, Any]]:
+) -> list[Record]:
     """Runs ``jaxoffload bench``; returns the records it wrote.
 
     Args:
@@ -102,11 +102,11 @@ def bench(
     plots += [plot_sizes(records, axis, out / f"max_{axis}.png") for axis in axes]
     plotted = ", ".join(str(p) for p in plots if p)
     console.print(f"wrote {out / RECORDS}" + (f" and {plotted}" if plotted else ""))
-    failed = [f"{name_of(r)}: {r['error']}" for r in records if "error" in r] + [
-        f"{name_of(r)} {flag}: {r[f'max_{axis}_error']}"
+    failed = [f"{r.name}: {r.error}" for r in records if r.error is not None] + [
+        f"{r.name} {flag}: {r.search_errors[axis]}"
         for r in records
         for axis, (flag, *_) in SIZE_SEARCHES.items()
-        if f"max_{axis}_error" in r
+        if axis in r.search_errors
     ]
     if failed:
         raise BenchError(
@@ -190,7 +190,7 @@ def _measure(
     workloads: list[Workload],
     args: argparse.Namespace,
     out: pathlib.Path,
-    earlier: dict[str, dict[str, Any]],
+    earlier: dict[str, Record],
     *,
     axes: list[str],
     device: dict[str, Any],
@@ -198,29 +198,32 @@ def _measure(
     console: Any,
     command: str | None,
     children: Children,
-) -> list[dict[str, Any]]:
+) -> list[Record]:
     """Measures the workloads, then searches the sizes, that ``earlier`` lacks; writes records.json after each."""
     path, reference = out / RECORDS, out / REFERENCE
-    kept = {name_of(w): earlier[name_of(w)] for w in workloads if name_of(w) in earlier}
-    compared = any(_compared_with_none(w.strategy) for w in workloads if name_of(w) not in kept)
-    if "step_time_ms" in kept.get("none", {}) and not reference.exists() and compared:
+    kept = {w.name: earlier[w.name] for w in workloads if w.name in earlier}
+    compared = any(_compared_with_none(w.strategy) for w in workloads if w.name not in kept)
+    none = kept.get("none")
+    if none is not None and none.step_time_ms is not None and not reference.exists() and compared:
         del kept["none"]  # measured again: the others' gradients are compared with its
-    todo = [w for w in workloads if name_of(w) not in kept]
+    todo = [w for w in workloads if w.name not in kept]
     searched = _searched(workloads, axes)
-    measuring = {name_of(w) for w in todo}  # their records are new: nothing searched yet
+    measuring = {w.name for w in todo}  # their records are new: nothing searched yet
     searches = [
         (name, axis)
         for name in searched
         for axis in axes
         if name in measuring
-        or f"max_{axis}" not in earlier.get(name, {})
-        or (name == "plan" and earlier[name].get(f"max_{axis}_min_speed") != args.min_speed)
+        or name not in earlier
+        or (found := earlier[name].searches.get(axis)) is None
+        or found.size is None
+        or (name == "plan" and found.min_speed != args.min_speed)
     ]
     if args.resume:
         searching = f"; searching {', '.join(f'{n} {a}' for n, a in searches) or 'nothing more'}"
         console.print(
             f"resuming {path}: kept {', '.join(kept) or 'nothing'}; measuring "
-            f"{', '.join(map(name_of, todo)) or 'nothing more'}{searching if axes else ''}."
+            f"{', '.join(w.name for w in todo) or 'nothing more'}{searching if axes else ''}."
         )
     first_plan = next((w for w in todo if w.strategy == "plan"), None)
     with Progress(console, total=len(todo) + len(searches)) as progress:
@@ -229,13 +232,12 @@ def _measure(
             work = f"compile and {args.steps} steps"
             if w is first_plan:  # every budget is planned in one process, before the first plan
                 work = f"plan at {sum(v.strategy == 'plan' for v in todo)} budgets, {work}"
-            progress.start(f"{name_of(w)} on {w.model}, batch {w.batch}: {work}")
+            progress.start(f"{w.name} on {w.model}, batch {w.batch}: {work}")
 
         def on_record(records):
-            r = records[-1]
-            r.update(run_fields(args, command))
-            write_json(path, records)
-            progress.end(f"{name_of(r)}: {outcome(r)}")
+            records[-1] = r = records[-1].with_fields(**run_fields(args, command))
+            write_records(path, records)
+            progress.end(f"{r.name}: {outcome(r)}")
 
         records = measure_all(
             workloads,
@@ -256,7 +258,7 @@ def _measure(
         _search_sizes(
             records, searched, searches, args, path, env=env, progress=progress, children=children
         )
-    write_json(path, records)  # with the transfer bounds, which need every record
+    write_records(path, records)  # with the transfer bounds, which need every record
     return records
 
 
@@ -271,7 +273,7 @@ def _searched(workloads: list[Workload], axes: list[str]) -> dict[str, Workload]
     """
     if not axes:
         return {}
-    searched = {name_of(w): w for w in workloads if w.strategy in STRATEGIES}
+    searched = {w.name: w for w in workloads if w.strategy in STRATEGIES}
     if models.is_plain(workloads[0].model):  # and linen: the searches refuse NNX models
         searched["plan"] = workloads[0]
     return searched
@@ -279,7 +281,7 @@ def _searched(workloads: list[Workload], axes: list[str]) -> dict[str, Workload]
 
 def _plan_search_record(
     plain: Workload, device: dict[str, Any], args: argparse.Namespace, command: str | None
-) -> dict[str, Any]:
+) -> Record:
     """The record of the planned model's size searches, before they add their fields.
 
     Its strategy is ``"plan"`` with no ``budget``: each size is planned for the device's
@@ -287,20 +289,20 @@ def _plan_search_record(
     of its own is measured at the run's batch.
     """
     fields = ("model", "batch", "image_size", "dtype", "num_devices")
-    return {
+    return Record.of(
         **{k: getattr(plain, k) for k in fields},
         **spatial_fields(plain),
-        "strategy": "plan",
-        "framework": "jax",
-        "device": device["device"],
-        "platform": device["platform"],
-        "date": datetime.date.today().isoformat(),
+        strategy="plan",
+        framework="jax",
+        device=device["device"],
+        platform=device["platform"],
+        date=datetime.date.today().isoformat(),
         **run_fields(args, command),
-    }
+    )
 
 
 def _search_sizes(
-    records: list[dict[str, Any]],
+    records: list[Record],
     searched: dict[str, Workload],
     searches: list[tuple[str, str]],
     args: argparse.Namespace,
@@ -310,10 +312,11 @@ def _search_sizes(
     progress: Progress,
     children: Children,
 ) -> None:
-    """Runs each search ``(name, axis)`` in a process of its own; adds its fields to the record named."""
-    by_name = {name_of(r): r for r in records}
+    """Runs each search ``(name, axis)`` in a process of its own; adds what it found to the
+    record named, in the list."""
+    index = {r.name: n for n, r in enumerate(records)}
     for name, axis in searches:
-        r, what = by_name[name], f"{name}: largest {axis.replace('_', ' ')}"
+        n, what = index[name], f"{name}: largest {axis.replace('_', ' ')}"
         progress.start(f"{what}, compiling for up to {args.time_limit:g} s")
         try:
             found = children.largest(
@@ -325,14 +328,15 @@ def _search_sizes(
                 min_speed=args.min_speed if name == "plan" else None,
             )
         except RuntimeError as e:  # one failed search must not cost the others
-            r[f"max_{axis}_error"] = str(e)
+            r = records[n]
+            records[n] = dataclasses.replace(r, search_errors={**r.search_errors, axis: str(e)})
             said = f"failed: {str(e).strip().splitlines()[-1]}"
         else:
-            r.pop(f"max_{axis}_error", None)  # an earlier run's, searched again
-            r.update(found)
-            size, speed = size_cells(r, axis)
+            # An earlier run's error of this search, searched again, goes.
+            records[n] = records[n].with_search(axis, found)
+            size, speed = size_cells(records[n], axis)
             said = size + (f", {speed} {SIZE_SEARCHES[axis][2]}" if speed != "-" else "")
-            if found[f"max_{axis}_stopped"]:
-                said += f" ({found[f'max_{axis}_stopped']})"
-        write_json(path, records)
+            if stopped := found.searches[axis].stopped:
+                said += f" ({stopped})"
+        write_records(path, records)
         progress.end(f"{what} {said}")

@@ -7,7 +7,8 @@ import time
 from typing import Any
 
 from jaxoffload.bench.envelope import envelope_step, uniform_points
-from jaxoffload.bench.options import SIZE_SEARCHES, name_of
+from jaxoffload.bench.options import SIZE_SEARCHES
+from jaxoffload.bench.record import Record, SizeSearch
 
 __all__ = [
     "GRADIENT_CONTROL",
@@ -75,7 +76,7 @@ class Progress:
             print(line, file=self.console.file, flush=True)
 
 
-def print_table(records: list[dict[str, Any]]) -> None:
+def print_table(records: list[Record]) -> None:
     """The records' table, on stdout."""
     from rich.console import Console
 
@@ -85,25 +86,25 @@ def print_table(records: list[dict[str, Any]]) -> None:
     out_console.print(records_table(records))
 
 
-def records_table(records: list[dict[str, Any]]) -> Any:
+def records_table(records: list[Record]) -> Any:
     """A ``rich`` table of the records: a row each, a column pair per size search."""
     from rich.table import Table
 
     first = records[0]
-    devices = first.get("num_devices", 1)
+    devices, spatial = first.num_devices or 1, first.spatial or 1
     table = Table(
-        title=f"{first['model']}, batch {first['batch']}, {first['image_size']}², {first['dtype']}"
+        title=f"{first.model}, batch {first.batch}, {first.image_size}², {first.dtype}"
         + (f", {devices} devices" if devices > 1 else "")
-        + (f", rows over {first['spatial']} devices" if first.get("spatial", 1) > 1 else "")
+        + (f", rows over {spatial} devices" if spatial > 1 else "")
     )
     columns = ["strategy", "temp GiB", "host GiB", "peak GiB", "step ms", "images/s", "grad err"]
-    bound = any("bound_ratio" in r for r in records)
+    bound = any(r.bound_ratio is not None for r in records)
     if bound:
         columns.append("× bound")
     axes = [
         axis
         for axis in SIZE_SEARCHES
-        if any(f"max_{axis}" in r or f"max_{axis}_error" in r for r in records)
+        if any(_found(r, axis) is not None or axis in r.search_errors for r in records)
     ]
     for axis in axes:
         columns += [f"max {axis.replace('_', ' ')}", f"{SIZE_SEARCHES[axis][2]} at max"]
@@ -113,59 +114,65 @@ def records_table(records: list[dict[str, Any]]) -> Any:
     flagged = gradient_flags(records)
     for r in records:
         sizes = [cell for axis in axes for cell in size_cells(r, axis)]
-        table.add_row(name_of(r), *_measured_cells(r, flagged, bound), *sizes)
+        table.add_row(r.name, *_measured_cells(r, flagged, bound), *sizes)
     return table
 
 
-def _measured_cells(r: dict[str, Any], flagged: list[dict[str, Any]], bound: bool) -> list[str]:
+def _measured_cells(r: Record, flagged: list[Record], bound: bool) -> list[str]:
     """A record's cells of its measured step, from temp to grad err (and × bound)."""
     blank = [""] * (5 + bound)
-    if "no_plan" in r:
+    if r.no_plan is not None:
         return [_least(r), *blank]
-    if r.get("out_of_memory") or "error" in r:
-        return ["out of memory" if r.get("out_of_memory") else "failed", *blank]
-    if "step_time_ms" not in r:  # the planned model's size searches: no step at the run's size
+    if r.out_of_memory or r.error is not None:
+        return ["out of memory" if r.out_of_memory else "failed", *blank]
+    if r.step_time_ms is None:  # the planned model's size searches: no step at the run's size
         return ["-"] * (6 + bound)
-    err = r["grad_rel_err"]
+    err = r.grad_rel_err
     cells = [
-        _gib(r["compiled_temp_bytes"]),
-        _gib(r["compiled_host_temp_bytes"]),
-        _gib(r["peak_bytes_in_use"]),
-        f"{r['step_time_ms']:.1f}",
-        f"{r['images_per_s']:.1f}",
+        _gib(r.compiled_temp_bytes),
+        _gib(r.compiled_host_temp_bytes),
+        _gib(r.peak_bytes_in_use),
+        f"{r.step_time_ms:.1f}",
+        f"{r.images_per_s:.1f}",
         "-" if err is None else f"{err:.1e}{' !' if r in flagged else ''}",
     ]
     if bound:
-        cells.append(f"{r['bound_ratio']:.2f}" if "bound_ratio" in r else "-")
+        cells.append("-" if r.bound_ratio is None else f"{r.bound_ratio:.2f}")
     return cells
 
 
-def size_cells(r: dict[str, Any], axis: str) -> list[str]:
+def size_cells(r: Record, axis: str) -> list[str]:
     """A record's cells of one size search: the largest size found and the speed there."""
-    if f"max_{axis}_error" in r:
+    if axis in r.search_errors:
         return ["failed", ""]
-    if f"max_{axis}" not in r:  # not searched: grad-accum(-lean), or a plan made for one batch
+    found = _found(r, axis)
+    if found is None:  # not searched: grad-accum(-lean), or a plan made for one batch
         return ["-", "-"]
-    speed = r.get(f"max_{axis}_{SIZE_SEARCHES[axis][1]}")
-    return [str(r[f"max_{axis}"]), "-" if speed is None else f"{speed:.1f}"]
+    speed = getattr(found, SIZE_SEARCHES[axis][1])
+    return [str(found.size), "-" if speed is None else f"{speed:.1f}"]
 
 
-def _least(r: dict[str, Any]) -> str:
+def _found(r: Record, axis: str) -> SizeSearch | None:
+    """What the record's search of ``axis`` found, if it has a size."""
+    found = r.searches.get(axis)
+    return None if found is None or found.size is None else found
+
+
+def _least(r: Record) -> str:
     """The least share of the plain step that any plan reached: ``"least 0.97 on CPU"``."""
-    share = r.get("least_share")
-    where = " on CPU" if r.get("platform") == "cpu" else ""
-    return f"least {share:.2f}{where}" if share is not None else "no plan"
+    where = " on CPU" if r.platform == "cpu" else ""
+    return f"least {r.least_share:.2f}{where}" if r.least_share is not None else "no plan"
 
 
-def outcome(r: dict[str, Any]) -> str:
+def outcome(r: Record) -> str:
     """What a measured record came to, in a few words."""
-    if r.get("out_of_memory"):
+    if r.out_of_memory:
         return "out of memory"
-    if "no_plan" in r:
+    if r.no_plan is not None:
         return f"no plan fits: {_least(r)}"
-    if "error" in r:
-        return f"failed: {r['error'].strip().splitlines()[-1]}"
-    return f"{r['step_time_ms']:.1f} ms a step"
+    if r.error is not None:
+        return f"failed: {r.error.strip().splitlines()[-1]}"
+    return f"{r.step_time_ms:.1f} ms a step"
 
 
 def _gib(nbytes: int | None) -> str:
@@ -177,7 +184,7 @@ def _gib(nbytes: int | None) -> str:
 GRADIENT_CONTROL = "remat"
 
 
-def gradient_flags(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def gradient_flags(records: list[Record]) -> list[Record]:
     """The records whose gradient error is over twice the same-arithmetic control's, same run.
 
     The control is :data:`GRADIENT_CONTROL`'s record; without it, or with a
@@ -185,54 +192,50 @@ def gradient_flags(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     flagged.
 
     Example:
-      >>> records = [{"strategy": "remat", "grad_rel_err": 1e-3},
-      ...            {"strategy": "lean", "grad_rel_err": 3e-3}]
-      >>> [r["strategy"] for r in gradient_flags(records)]
+      >>> records = [Record(strategy="remat", grad_rel_err=1e-3),
+      ...            Record(strategy="lean", grad_rel_err=3e-3)]
+      >>> [r.strategy for r in gradient_flags(records)]
       ['lean']
     """
-    control = next(
-        (r.get("grad_rel_err") for r in records if r.get("strategy") == GRADIENT_CONTROL), None
-    )
+    control = next((r.grad_rel_err for r in records if r.strategy == GRADIENT_CONTROL), None)
     if not control:
         return []
-    return [
-        r for r in records if r.get("grad_rel_err") is not None and r["grad_rel_err"] > 2 * control
-    ]
+    return [r for r in records if r.grad_rel_err is not None and r.grad_rel_err > 2 * control]
 
 
-def say_notes(records: list[dict[str, Any]], console: Any) -> None:
+def say_notes(records: list[Record], console: Any) -> None:
     """What the table does not say: copies that free little, empty plans, gradients, plans."""
     for r in records:
-        if r.get("copies_free_little"):
+        if r.copies_free_little:
             console.print(
-                f"[yellow]note:[/] {r['strategy']!r} moves {_gib(r['device_to_host_bytes'])} GiB to "
-                f"the host but its device temp is {_gib(r['compiled_temp_bytes'])} GiB against "
-                f"{_gib(r['twin_temp_bytes'])} GiB without "
+                f"[yellow]note:[/] {r.strategy!r} moves {_gib(r.device_to_host_bytes)} GiB to "
+                f"the host but its device temp is {_gib(r.compiled_temp_bytes)} GiB against "
+                f"{_gib(r.twin_temp_bytes)} GiB without "
                 "the copies: they free less than a tenth of what they move. The peak is a "
                 "working set, not residuals; 'lean' keeps as little without the transfers."
             )
-        if gathers := r.get("spatial_gathers"):
+        if gathers := r.spatial_gathers:
             sources = sorted({g["op_name"] for g in gathers})
             console.print(
-                f"[yellow]note:[/] {name_of(r)!r} gathers {len(gathers)} activations whole on every "
+                f"[yellow]note:[/] {r.name!r} gathers {len(gathers)} activations whole on every "
                 f"device, undoing the row split ({_gib(sum(g['nbytes'] for g in gathers))} GiB in "
                 f"all), from: {'; '.join(sources)}."
             )
-        if r["strategy"] == "offload-hidden" and r.get("offloaded_blocks") == 0:
+        if r.strategy == "offload-hidden" and r.offloaded_blocks == 0:
             console.print(
-                f"[yellow]note:[/] {r['strategy']!r} offloads nothing here: no block's transfers "
-                f"fit behind the compute around it, so it ran as {r['plan'][0]!r}."
+                f"[yellow]note:[/] {r.strategy!r} offloads nothing here: no block's transfers "
+                f"fit behind the compute around it, so it ran as {r.plan[0]!r}."
             )
     for r in records:
-        if r.get("grad_rel_err_note"):
+        if r.grad_rel_err_note:
             console.print(
-                f"{name_of(r)} ({r['accumulation_steps']} micro-batches of {r['micro_batch']}): grad "
-                f"err {r['grad_rel_err']:.1e} {r['grad_rel_err_note']}."
+                f"{r.name} ({r.accumulation_steps} micro-batches of {r.micro_batch}): grad "
+                f"err {r.grad_rel_err:.1e} {r.grad_rel_err_note}."
             )
     compiled_high = [
-        name_of(r)
+        r.name
         for r in records
-        if r.get("compile_peak_bytes") and r["compile_peak_bytes"] >= r["peak_bytes_in_use"]
+        if r.compile_peak_bytes and r.compile_peak_bytes >= r.peak_bytes_in_use
     ]
     if compiled_high:
         console.print(
@@ -241,40 +244,40 @@ def say_notes(records: list[dict[str, Any]], console: Any) -> None:
         )
     flagged = gradient_flags(records)
     if flagged:
-        control = next(r for r in records if r["strategy"] == GRADIENT_CONTROL)["grad_rel_err"]
+        control = next(r for r in records if r.strategy == GRADIENT_CONTROL).grad_rel_err
         console.print(
             "[yellow]note:[/] gradient error over twice the same-arithmetic control's "
             f"({GRADIENT_CONTROL!r}, {control:.1e}) in this run: "
-            + ", ".join(f"{name_of(r)} {r['grad_rel_err']:.1e}" for r in flagged)
+            + ", ".join(f"{r.name} {r.grad_rel_err:.1e}" for r in flagged)
             + " (marked !)."
         )
     for r in records:
-        if r["strategy"] == "plan" and "plan_choices" in r:
+        if r.strategy == "plan" and r.plan_choices is not None:
             choices = ", ".join(
-                f"{c} x{r['plan_choices'].count(c)}" for c in dict.fromkeys(r["plan_choices"])
+                f"{c} x{r.plan_choices.count(c)}" for c in dict.fromkeys(r.plan_choices)
             )
             console.print(
-                f"{name_of(r)}: {choices}; outside the blocks {r['plan_outside']}"
+                f"{r.name}: {choices}; outside the blocks {r.plan_outside}"
                 + _against_envelope(r, records)
             )
 
 
-def _against_envelope(plan: dict[str, Any], records: list[dict[str, Any]]) -> str:
+def _against_envelope(plan: Record, records: list[Record]) -> str:
     """A measured plan's step over the uniform envelope at its budget, and its peak against it.
 
     The budget is the planner's, ``budget_bytes``. Both figures read runtime peaks, the
     plan's and the uniform strategies': without them (CPU), nothing is said.
     """
-    peak = plan.get("peak_bytes_in_use")
-    if not peak or "step_time_ms" not in plan:
+    peak = plan.peak_bytes_in_use
+    if not peak or plan.step_time_ms is None:
         return ""
-    budget = plan["budget_bytes"]
+    budget = plan.budget_bytes
     uniform = uniform_points(records, "peak_bytes_in_use")
     envelope = envelope_step(list(uniform.values()), budget)
     if envelope is None:
         versus = f"no uniform strategy of this run ({', '.join(uniform)}) fits its budget"
     else:
-        ratio = plan["step_time_ms"] / envelope
+        ratio = plan.step_time_ms / envelope
         versus = f"{ratio:.2f}× the envelope of {', '.join(uniform)} at its budget"
     within = "within" if peak <= budget else "over"
     return f"; {versus}; peak {_gib(peak)} GiB, {within} its budget of {_gib(budget)} GiB"

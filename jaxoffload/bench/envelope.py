@@ -79,10 +79,11 @@ def _lower_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return hull
 
 
-def uniform_points(records: list[dict[str, Any]], key: str) -> dict[str, tuple[float, float]]:
-    """``(memory at key, step)`` of each measured strategy of :data:`UNIFORM_STRATEGIES`."""
+def uniform_points(records: Sequence[Any], key: str) -> dict[str, tuple[float, float]]:
+    """``(memory at key, step)`` of each measured strategy of :data:`UNIFORM_STRATEGIES`,
+    from records (:class:`jaxoffload.bench.record.Record`): ``key`` names their memory field."""
     return {
-        r["strategy"]: (r[key], r["step_time_ms"])
+        r.strategy: (getattr(r, key), r.step_time_ms)
         for r in records
-        if r["strategy"] in UNIFORM_STRATEGIES and "step_time_ms" in r and r.get(key)
+        if r.strategy in UNIFORM_STRATEGIES and r.step_time_ms is not None and getattr(r, key)
     }

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
 
 import jax
 
 import jaxoffload
 from jaxoffload.bench import models
 from jaxoffload.bench.measure import device_fields
+from jaxoffload.bench.record import Record, SizeSearch
 from jaxoffload.bench.step import linen_model, training
 from jaxoffload.bench.workload import Workload
 
@@ -42,7 +42,7 @@ def largest(
     time_limit_s: float = 300.0,
     limit: int | None = None,
     min_speed: float | None = None,
-) -> dict[str, Any]:
+) -> Record:
     """The largest ``axis`` (``"batch"`` or ``"image_size"``) at which the workload's step fits.
 
     Args:
@@ -55,9 +55,10 @@ def largest(
         limit is :data:`LARGEST`'s by default.
 
     Returns:
-      The record's fields, named for the axis: ``max_batch``,
-      ``max_batch_images_per_s``, ``max_batch_step_ms``, ... (or ``max_image_size``,
-      with ``max_image_size_ms_per_megapixel``); and the device and versions.
+      A record of the search alone: the workload's strategy (``"plan"`` with ``plan``),
+      the device and versions, and what the search found (``searches[axis]``, written as
+      ``max_batch``, ``max_batch_images_per_s``, ``max_batch_step_ms``, ... or
+      ``max_image_size``, with ``max_image_size_ms_per_megapixel``).
     """
     if axis not in AXES:
         raise ValueError(f"axis must be one of {sorted(AXES)}, got {axis!r}.")
@@ -88,11 +89,14 @@ def largest(
         donate_argnums=(0,), min_speed=min_speed,
     )  # fmt: skip
     # The versions too: the planned model's search record has no measured step to carry them.
-    device = device_fields(jax.devices()[0])
-    fields = _fields(workload, axis, found, time.perf_counter() - began)
+    found = _found(workload, axis, found, time.perf_counter() - began)
     if plan:
-        fields[f"max_{axis}_min_speed"] = min_speed
-    return {**device, **fields}
+        found = found.with_fields(min_speed=min_speed)
+    return Record.of(
+        strategy="plan" if plan else workload.strategy,
+        **device_fields(jax.devices()[0]),
+        searches={axis: found},
+    )
 
 
 def _model_and_step(workload: Workload, plan: bool):
@@ -106,24 +110,25 @@ def _model_and_step(workload: Workload, plan: bool):
     return linen_model(workload, plannable=plan), step
 
 
-def _fields(workload, axis, found: jaxoffload.Fit, search_s: float) -> dict[str, Any]:
-    name = f"max_{axis}"
+def _found(workload, axis, found: jaxoffload.Fit, search_s: float) -> SizeSearch:
+    """What the search found, and at what speed."""
     batch = found.size if axis == "batch" else workload.batch
     side = found.size if axis == "image_size" else workload.image_size
-    fields = {
-        name: found.size,
-        f"{name}_step_ms": found.step_ms,
-        f"{name}_images_per_s": batch / found.step_ms * 1e3 if found.step_ms else None,
-        f"{name}_peak_bytes": found.peak_bytes,
-        f"{name}_compiled_bytes": found.compiled_bytes,
-        f"{name}_confirmed": found.confirmed,
-        f"{name}_budget_bytes": found.budget_bytes,
-        f"{name}_probes": [list(p) for p in found.probes],
-        f"{name}_search_s": search_s,
-        f"{name}_stopped": found.stopped,
-    }
+    fields = {}
     if axis == "image_size" and found.step_ms:
-        fields[f"{name}_ms_per_megapixel"] = found.step_ms / (batch * side * side / 1e6)
+        fields["ms_per_megapixel"] = found.step_ms / (batch * side * side / 1e6)
     if found.plan is not None:
-        fields[f"{name}_plan"] = found.plan.to_dict()
-    return fields
+        fields["plan"] = found.plan.to_dict()
+    return SizeSearch.of(
+        size=found.size,
+        step_ms=found.step_ms,
+        images_per_s=batch / found.step_ms * 1e3 if found.step_ms else None,
+        peak_bytes=found.peak_bytes,
+        compiled_bytes=found.compiled_bytes,
+        confirmed=found.confirmed,
+        budget_bytes=found.budget_bytes,
+        probes=[list(p) for p in found.probes],
+        search_s=search_s,
+        stopped=found.stopped,
+        **fields,
+    )

@@ -11,9 +11,11 @@ import os
 import pathlib
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
-from jaxoffload.bench.options import BenchError, dest, name_of
+from jaxoffload.bench.options import BenchError, dest
+from jaxoffload.bench.record import Record
 from jaxoffload.bench.workload import ACCUMULATED_STRATEGIES, PLANNED_STRATEGIES
 
 __all__ = [
@@ -23,7 +25,7 @@ __all__ = [
     "earlier_records",
     "run_fields",
     "writable_folder",
-    "write_json",
+    "write_records",
 ]
 
 RECORDS = "records.json"
@@ -66,7 +68,7 @@ def writable_folder(text: str) -> pathlib.Path:
     return out
 
 
-def earlier_records(path: pathlib.Path, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+def earlier_records(path: pathlib.Path, args: argparse.Namespace) -> dict[str, Record]:
     """The records of ``path`` that ``--resume`` keeps, by name: all but the failed ones.
 
     Raises:
@@ -75,33 +77,35 @@ def earlier_records(path: pathlib.Path, args: argparse.Namespace) -> dict[str, d
     if not path.exists():
         return {}
     try:
-        records = json.loads(path.read_text())
+        records = [Record.from_json(r) for r in json.loads(path.read_text())]
     except (ValueError, UnicodeDecodeError) as e:
         raise BenchError(
             f"--resume: {path} is not a records file ({e}): leave out --resume to measure afresh"
         ) from None
     for r in records:
         for flag, key in RUN_FLAGS.items():
-            if key == "window" and r["strategy"] in PLANNED_STRATEGIES:
+            if key == "window" and r.strategy in PLANNED_STRATEGIES:
                 continue  # the planner chose it
-            if key == "micro_batch" and r["strategy"] not in ACCUMULATED_STRATEGIES:
+            if key == "micro_batch" and r.strategy not in ACCUMULATED_STRATEGIES:
                 continue  # only accumulating strategies take it
-            theirs = r.get(key, _RUN_DEFAULTS.get(key))
-            theirs = tuple(theirs) if isinstance(theirs, list) else theirs
+            theirs = getattr(r, key)
+            if theirs is None and key not in r.nulls:  # not in the file: from before the flag
+                theirs = _RUN_DEFAULTS.get(key)
             ours = getattr(args, dest(flag))
             if theirs != ours:
                 raise BenchError(
-                    f"--resume: {path} holds {name_of(r)!r} measured with {flag} {theirs}, and this "
+                    f"--resume: {path} holds {r.name!r} measured with {flag} {theirs}, and this "
                     f"command has {flag} {ours}: give that run's arguments, or leave out --resume "
                     "to measure afresh"
                 )
-    return {name_of(r): r for r in records if "error" not in r}
+    return {r.name: r for r in records if r.error is None}
 
 
-def write_json(path: pathlib.Path, value: Any) -> None:
-    """Writes ``path`` whole or not at all: a kill mid-write leaves the file as it was."""
+def write_records(path: pathlib.Path, records: Sequence[Record]) -> None:
+    """Writes the records' JSON to ``path`` whole or not at all: a kill mid-write leaves the
+    file as it was."""
     partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(value, indent=1) + "\n")
+    partial.write_text(json.dumps([r.to_json() for r in records], indent=1) + "\n")
     os.replace(partial, path)
 
 

@@ -20,6 +20,7 @@ import jax
 import jaxoffload
 from jaxoffload import Plan
 from jaxoffload.bench.gradients import accumulation_check, compare_gradients
+from jaxoffload.bench.record import Record
 from jaxoffload.bench.step import train_step
 from jaxoffload.bench.workload import PLANNED_STRATEGIES, Workload
 from jaxoffload.internal import (
@@ -67,8 +68,8 @@ def measure(
     time_forward: bool = False,
     probe_link: bool = False,
     time_twin: bool = False,
-) -> dict[str, Any]:
-    """Compiles and runs a workload in this process; returns one record.
+) -> Record:
+    """Compiles and runs a workload in this process; returns its record.
 
     Call it in a fresh process (see :meth:`jaxoffload.bench.child.Children.measure`): the runtime
     peak covers everything the process did before.
@@ -146,7 +147,7 @@ def measure(
             gradient = accumulation_check(workload, loss_fn, initial)
         else:
             gradient["grad_rel_err"] = compare_gradients(loss_fn, initial, batch, reference)
-    return {
+    fields = {
         **_workload_fields(workload),
         **device_fields(device),
         **_compiled_fields(report),
@@ -160,6 +161,7 @@ def measure(
         "date": datetime.date.today().isoformat(),
         **extra,
     }
+    return Record.of(**fields)
 
 
 def _compile_and_analyze(step, state, batch):

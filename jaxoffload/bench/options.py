@@ -20,7 +20,6 @@ __all__ = [
     "BenchError",
     "checked_strategies",
     "dest",
-    "name_of",
     "searched_axes",
     "workloads_of",
 ]
@@ -137,15 +136,3 @@ def workloads_of(args: argparse.Namespace, strategies: list[str]) -> list[Worklo
         ] + [workload("plan", budget=b, block_costs=args.block_costs) for b in args.budget]
     except ValueError as e:
         raise BenchError(str(e)) from None
-
-
-def name_of(r) -> str:
-    """A record's or workload's strategy, with its budget for plans: ``plan@0.5``.
-
-    The planned model's size searches have no budget: their record is ``plan``.
-    """
-    get = r.get if isinstance(r, dict) else lambda k, d=None: getattr(r, k, d)
-    budget = get("budget")
-    return (
-        f"plan@{budget:g}" if get("strategy") == "plan" and budget is not None else get("strategy")
-    )

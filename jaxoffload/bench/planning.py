@@ -16,6 +16,7 @@ from jax.extend import core as jex_core
 from jaxoffload import NoPlanFits, OffloadedCall, Plan, offloaded_calls
 from jaxoffload.bench import models
 from jaxoffload.bench.hidden import plan_hidden_offload
+from jaxoffload.bench.record import Record
 from jaxoffload.bench.step import linen_model, nnx_training, train_step, training
 from jaxoffload.bench.workload import COMPUTE_TWIN, Workload
 from jaxoffload.internal import Planner, median_ms, zeros
@@ -119,18 +120,18 @@ def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[
     return results
 
 
-def budget_bytes(budgets: Sequence[float], records: list[dict[str, Any]]) -> list[int]:
+def budget_bytes(budgets: Sequence[float], records: Sequence[Record]) -> list[int]:
     """Each budget share in the planner's bytes (compiled arguments and temporaries).
 
     A share is of the ``"none"`` run's runtime peak, less what that run's
     allocator held beyond its compiled bytes, so that the plan's runtime
     peak, not only its compiled bytes, fits.
     """
-    none = next((r for r in records if r["strategy"] == "none" and "step_time_ms" in r), None)
+    none = next((r for r in records if r.strategy == "none" and r.step_time_ms is not None), None)
     if none is None:
         raise RuntimeError("'plan' budgets are shares of the 'none' run's peak: it failed.")
-    compiled = none["compiled_temp_bytes"] + none["compiled_argument_bytes"]
-    peak = none["peak_bytes_in_use"] or compiled  # no runtime peak on some backends
+    compiled = none.compiled_temp_bytes + none.compiled_argument_bytes
+    peak = none.peak_bytes_in_use or compiled  # no runtime peak on some backends
     return [int(b * peak - max(0, peak - compiled)) for b in budgets]
 
 
@@ -205,9 +206,11 @@ def hidden_offload_workload(
     return dataclasses.replace(workload, plan=strategies, window=plan.window)
 
 
-def hidden_budget(workload: Workload, records: list[dict[str, Any]]) -> dict[str, float]:
+def hidden_budget(workload: Workload, records: Sequence[Record]) -> dict[str, float]:
+    """What ``offload-hidden``'s planner is given (:func:`hidden_offload_workload`): the
+    compute and the link of its :data:`COMPUTE_TWIN`'s record, which must come before it."""
     twin = COMPUTE_TWIN[workload.strategy]
-    done = [r for r in records if r["strategy"] == twin and "d2h_gbps" in r]
+    done = [r for r in records if r.strategy == twin and r.d2h_gbps is not None]
     if not done:
         raise RuntimeError(
             f"{workload.strategy!r} is planned from the {twin!r} run's times and link: "
@@ -215,12 +218,12 @@ def hidden_budget(workload: Workload, records: list[dict[str, Any]]) -> dict[str
         )
     r = done[-1]
     fwd, bwd = compute_ms(r)
-    return {"fwd_ms": fwd, "bwd_ms": bwd, "d2h_gbps": r["d2h_gbps"], "h2d_gbps": r["h2d_gbps"]}
+    return {"fwd_ms": fwd, "bwd_ms": bwd, "d2h_gbps": r.d2h_gbps, "h2d_gbps": r.h2d_gbps}
 
 
-def compute_ms(twin: dict[str, Any]) -> tuple[float, float]:
+def compute_ms(twin: Record) -> tuple[float, float]:
     """A no-transfer run's forward time, and the rest of its step (backward and update)."""
-    return twin["forward_ms"], twin["step_time_ms"] - twin["forward_ms"]
+    return twin.forward_ms, twin.step_time_ms - twin.forward_ms
 
 
 def time_offloaded_calls(calls: Sequence[OffloadedCall], runs: int = 5) -> list[float]:

@@ -9,12 +9,13 @@ import pathlib
 from typing import Any
 
 from jaxoffload.bench.envelope import envelope_step, pareto_front, uniform_points
-from jaxoffload.bench.options import SIZE_SEARCHES, name_of
+from jaxoffload.bench.options import SIZE_SEARCHES
+from jaxoffload.bench.record import Record
 
 __all__ = ["plot_records", "plot_sizes"]
 
 
-def plot_records(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.Path | None:
+def plot_records(records: list[Record], path: pathlib.Path) -> pathlib.Path | None:
     """Plots memory against step time, one point per record, with the Pareto front and the envelope.
 
     The envelope is the least step the uniform strategies reach at each memory
@@ -28,26 +29,24 @@ def plot_records(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.P
     or no record has a step time.
     """
     plt = _pyplot()
-    done = [r for r in records if "step_time_ms" in r]
+    done = [r for r in records if r.step_time_ms is not None]
     if plt is None or not done:
         return None
     # Without a runtime peak (CPU), the compiled temp is the memory reading; the
     # budgets, in the planner's bytes, are then not on the axis.
-    key = (
-        "peak_bytes_in_use" if all(r["peak_bytes_in_use"] for r in done) else "compiled_temp_bytes"
-    )
-    points = [(r["step_time_ms"], r[key] / 2**30) for r in done]
-    plans = [r for r in done if r["strategy"] == "plan"] if key == "peak_bytes_in_use" else []
-    top = 1.05 * max([y for _, y in points] + [r["budget_bytes"] / 2**30 for r in plans])
+    key = "peak_bytes_in_use" if all(r.peak_bytes_in_use for r in done) else "compiled_temp_bytes"
+    points = [(r.step_time_ms, getattr(r, key) / 2**30) for r in done]
+    plans = [r for r in done if r.strategy == "plan"] if key == "peak_bytes_in_use" else []
+    top = 1.05 * max([y for _, y in points] + [r.budget_bytes / 2**30 for r in plans])
     fig, ax = plt.subplots(figsize=(8, 4.2), constrained_layout=True)
     budget_colors = []
     for r, (x, y) in zip(done, points):
-        jax_record = r.get("framework", "jax") == "jax"
-        label = name_of(r) if jax_record else f"{r['framework']} {r['strategy']}"
-        marker = "s" if not jax_record else "*" if r["strategy"] == "plan" else "o"
+        jax_record = r.framework in ("jax", None)
+        label = r.name if jax_record else f"{r.framework} {r.strategy}"
+        marker = "s" if not jax_record else "*" if r.strategy == "plan" else "o"
         dot = ax.scatter(x, y, s=90 if marker == "*" else 45, marker=marker, label=label, zorder=3)
         if r in plans:
-            budget_colors.append((r["budget_bytes"] / 2**30, dot.get_facecolor()[0]))
+            budget_colors.append((r.budget_bytes / 2**30, dot.get_facecolor()[0]))
     for n, (budget, color) in enumerate(budget_colors):  # one legend entry for them all
         ax.axhline(budget, color=color, ls=":", lw=1, label=None if n else "a plan's budget")
     front = pareto_front(points)
@@ -60,8 +59,7 @@ def plot_records(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.P
         xlabel="step time (ms)",
         ylabel=("runtime peak" if key == "peak_bytes_in_use" else "compiled device temp")
         + " (GiB)",
-        title=f"{first['model']} b{first['batch']} {first['image_size']}² {first['dtype']}, "
-        f"{first['device']}",
+        title=f"{first.model} b{first.batch} {first.image_size}² {first.dtype}, {first.device}",
     )
     ax.set_ylim(0, top)
     # Outside the axes, so that it never hides a point.
@@ -71,7 +69,7 @@ def plot_records(records: list[dict[str, Any]], path: pathlib.Path) -> pathlib.P
     return path
 
 
-def plot_sizes(records: list[dict[str, Any]], axis: str, path: pathlib.Path) -> pathlib.Path | None:
+def plot_sizes(records: list[Record], axis: str, path: pathlib.Path) -> pathlib.Path | None:
     """Plots the speed at the largest size found against that size, a labelled point per search.
 
     ``axis`` is a key of :data:`SIZE_SEARCHES`: images/s against the largest batch, or
@@ -81,26 +79,30 @@ def plot_sizes(records: list[dict[str, Any]], axis: str, path: pathlib.Path) -> 
     """
     plt = _pyplot()
     _, speed, unit = SIZE_SEARCHES[axis]
-    found = [r for r in records if r.get(f"max_{axis}") and r.get(f"max_{axis}_{speed}")]
+    found = [
+        (r, search)
+        for r in records
+        if (search := r.searches.get(axis)) and search.size and getattr(search, speed)
+    ]
     if plt is None or not found:
         return None
     fig, ax = plt.subplots(figsize=(6, 4.2), constrained_layout=True)
-    for r in found:
-        x, y = r[f"max_{axis}"], r[f"max_{axis}_{speed}"]
-        star = r["strategy"] == "plan"
+    for r, search in found:
+        x, y = search.size, getattr(search, speed)
+        star = r.strategy == "plan"
         ax.scatter(x, y, s=90 if star else 45, marker="*" if star else "o", zorder=3)
-        ax.annotate(name_of(r), (x, y), xytext=(5, 3), textcoords="offset points", fontsize="small")
+        ax.annotate(r.name, (x, y), xytext=(5, 3), textcoords="offset points", fontsize="small")
     label = axis.replace("_", " ")
-    first = found[0]
-    held = f"{first['image_size']}²" if axis == "batch" else f"batch {first['batch']}"
-    cap = f", {first['memory_cap_gib']:g} GiB cap" if first.get("memory_cap_gib") else ""
+    first = found[0][0]
+    held = f"{first.image_size}²" if axis == "batch" else f"batch {first.batch}"
+    cap = f", {first.memory_cap_gib:g} GiB cap" if first.memory_cap_gib else ""
     ax.set(
         xlabel=f"largest {label} that fits",
         ylabel=f"{unit} at that {label}",
-        title=f"{first['model']} {held} {first['dtype']}, {first['device']}{cap}",
+        title=f"{first.model} {held} {first.dtype}, {first.device}{cap}",
     )
-    ax.set_xlim(0, 1.15 * max(r[f"max_{axis}"] for r in found))
-    ax.set_ylim(0, 1.15 * max(r[f"max_{axis}_{speed}"] for r in found))
+    ax.set_xlim(0, 1.15 * max(search.size for _, search in found))
+    ax.set_ylim(0, 1.15 * max(getattr(search, speed) for _, search in found))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -20,7 +20,6 @@ import dataclasses
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +27,7 @@ import numpy as np
 
 from jaxoffload.bench.gradients import gradient_at, relative_error
 from jaxoffload.bench.measure import device_fields
+from jaxoffload.bench.record import Record
 from jaxoffload.bench.step import train_step
 from jaxoffload.bench.workload import STRATEGIES, Workload
 
@@ -49,27 +49,27 @@ def gradient(workload: Workload, images: jax.Array | None = None) -> list[np.nda
     return gradient_at(loss_fn, *state[:2], batch)
 
 
-def _small(record: dict[str, Any], batch: int) -> Workload | None:
+def _small(record: Record, batch: int) -> Workload | None:
     """The record's workload at ``batch`` images, or ``None`` if it has no gradient to check."""
-    strategy = record.get("strategy")
-    if "step_time_ms" not in record or record.get("micro_batch") is not None:
+    strategy = record.strategy
+    if record.step_time_ms is None or record.micro_batch is not None:
         return None
     if strategy not in STRATEGIES and strategy != "plan":
         return None
     return Workload(
-        model=record["model"],
+        model=record.model,
         batch=batch,
-        image_size=record["image_size"],
-        dtype=record["dtype"],
+        image_size=record.image_size,
+        dtype=record.dtype,
         strategy=strategy,
-        window=record.get("window", 1),
-        plan=record.get("plan"),
-        budget=record.get("budget"),
-        planned=record.get("planned"),
+        window=1 if record.window is None else record.window,
+        plan=record.plan,
+        budget=record.budget,
+        planned=record.planned,
     )
 
 
-def errors_against_float32(records: Sequence[dict[str, Any]], batch: int = 8) -> list[dict]:
+def errors_against_float32(records: Sequence[Record], batch: int = 8) -> list[dict]:
     """Per record with a gradient, its error and Store's against the float32 reference.
 
     The records must be one model's, at one image size and dtype, with a
@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", help="where to write the lines (JSON); stdout by default")
     args = parser.parse_args(argv)
     with open(args.results) as f:
-        records = json.load(f)
+        records = [Record.from_json(r) for r in json.load(f)]
     lines = errors_against_float32(records, args.batch)
     text = json.dumps(lines, indent=1)
     if args.out:

@@ -16,6 +16,7 @@ from typing import Any
 from jaxoffload.bench.child import Children, OutOfMemory
 from jaxoffload.bench.measure import cache_env
 from jaxoffload.bench.planning import budget_bytes, compute_ms, hidden_budget
+from jaxoffload.bench.record import Record
 from jaxoffload.bench.workload import (
     ACCUMULATED_STRATEGIES,
     COMPUTE_TWIN,
@@ -31,12 +32,12 @@ def measure_all(
     steps: int = 10,
     env: dict[str, str] | None = None,
     on_start: Callable[[Workload], None] | None = None,
-    on_record: Callable[[list[dict[str, Any]]], None] | None = None,
-    measured: Sequence[dict[str, Any]] = (),
+    on_record: Callable[[list[Record]], None] | None = None,
+    measured: Sequence[Record] = (),
     reference: str | None = None,
     compile_first: bool = False,
     children: Children | None = None,
-) -> list[dict[str, Any]]:
+) -> list[Record]:
     """Measures each workload in its own process, with gradients compared to the first.
 
     The first workload must use the ``"none"`` strategy: it is the reference
@@ -78,8 +79,8 @@ def measure_all(
             "the first workload must use the 'none' strategy: it is the reference (unless "
             "every workload accumulates, and checks itself against its own whole step)."
         )
-    kept = {(r["strategy"], r.get("budget")): r for r in measured}
-    records: list[dict[str, Any]] = []
+    kept = {(r.strategy, r.budget): r for r in measured}
+    records: list[Record] = []
     with tempfile.TemporaryDirectory() as folder:
         cache = planned = None
         if compile_first:
@@ -107,7 +108,7 @@ def measure_all(
                     children=children,
                 )
             records.append(record)
-            if w is workloads[0] and "step_time_ms" not in record:
+            if w is workloads[0] and record.step_time_ms is None:
                 reference = None  # no reference gradient: no errors to report
             if (w.strategy, w.budget) not in kept and on_record is not None:
                 on_record(records)
@@ -117,7 +118,7 @@ def measure_all(
 
 def _plan_and_measure(
     workload: Workload,
-    records: list[dict[str, Any]],
+    records: list[Record],
     budget_plans: _BudgetPlans,
     *,
     steps: int,
@@ -125,7 +126,7 @@ def _plan_and_measure(
     env: dict[str, str] | None,
     cache: dict[str, str] | None,
     children: Children,
-) -> dict[str, Any]:
+) -> Record:
     """The record of one workload, planned first if its strategy is: measured, or its failure.
 
     With ``cache`` (a :func:`cache_env`), its step is compiled in a process of its own first.
@@ -147,12 +148,12 @@ def _plan_and_measure(
     except NoPlan as e:
         # An answer, not a failure: the least that any plan reached, and why.
         no_plan = {"no_plan": e.message, "least_share": e.least_share, "platform": e.platform}
-        return {**_failure_record(w, no_plan), **budget_plans.planning(w)}
+        return _failure_record(w, {**no_plan, **budget_plans.planning(w)})
     except RuntimeError as e:
         # One broken strategy must not cost the others' measurements.
         return _failure_record(w, {"error": str(e)})
     if w.strategy == "plan":
-        record.update(budget_plans.planning(w))
+        record = record.with_fields(**budget_plans.planning(w))
     return record
 
 
@@ -166,14 +167,14 @@ def _measure_options(strategy: str) -> dict[str, bool]:
     }
 
 
-def _failure_record(workload: Workload, failure: dict[str, Any]) -> dict[str, Any]:
+def _failure_record(workload: Workload, failure: dict[str, Any]) -> Record:
     """The record of a workload that could not be measured: the workload, and what went wrong."""
-    return {
+    return Record.of(
         **dataclasses.asdict(workload),
-        "offloaded_blocks": workload.offloaded_blocks,
-        "framework": "jax",
+        offloaded_blocks=workload.offloaded_blocks,
+        framework="jax",
         **failure,
-    }
+    )
 
 
 class NoPlan(RuntimeError):
@@ -195,7 +196,7 @@ class _BudgetPlans:
     def __init__(
         self,
         workloads: Sequence[Workload],
-        kept: dict[tuple[str, float | None], dict[str, Any]],
+        kept: dict[tuple[str, float | None], Record],
         env: dict[str, str] | None,
         children: Children,
     ):
@@ -205,7 +206,7 @@ class _BudgetPlans:
         self.env, self.children = env, children
         self.results: dict[float, dict[str, Any]] = {}
 
-    def apply(self, workload: Workload, records: list[dict[str, Any]]) -> Workload:
+    def apply(self, workload: Workload, records: list[Record]) -> Workload:
         """``workload`` with its budget's plan; raises ``RuntimeError`` if none fits."""
         if not self.results:
             budgets_bytes = budget_bytes(self.budgets, records)
@@ -224,8 +225,8 @@ class _BudgetPlans:
         return {k: result[k] for k in keys if k in result}
 
 
-def add_transfer_bounds(records: list[dict[str, Any]]) -> None:
-    """Adds the per-phase lower bound on step time to each offloading record, in place.
+def add_transfer_bounds(records: list[Record]) -> None:
+    """Adds the per-phase lower bound on step time to each offloading record of the list.
 
     ``bound_ms = max(fwd_compute_ms, offloaded_bytes / d2h) + max(bwd_compute_ms,
     fetched bytes / h2d)``: the least a step takes if each phase must both
@@ -239,26 +240,27 @@ def add_transfer_bounds(records: list[dict[str, Any]]) -> None:
     process timed one). Records that move nothing (every record on CPU),
     without a twin, or without link figures, are left as they are.
     """
-    done = {r["strategy"]: r for r in records if "step_time_ms" in r}
-    for r in records:
-        if "d2h_gbps" not in r or not r.get("device_to_host_bytes"):
+    done = {r.strategy: r for r in records if r.step_time_ms is not None}
+    for n, r in enumerate(records):
+        if r.d2h_gbps is None or not r.device_to_host_bytes:
             continue
-        if "twin_step_ms" in r:  # its own twin, timed in its process
-            fwd, bwd = r["twin_forward_ms"], r["twin_step_ms"] - r["twin_forward_ms"]
-            twin = {"strategy": r["strategy"] + " without host placement"}
+        if r.twin_step_ms is not None:  # its own twin, timed in its process
+            fwd, bwd = r.twin_forward_ms, r.twin_step_ms - r.twin_forward_ms
+            twin = r.strategy + " without host placement"
         else:
-            twin = done.get(COMPUTE_TWIN.get(r["strategy"], ""))
-            if twin is None or "forward_ms" not in twin:
+            measured = done.get(COMPUTE_TWIN.get(r.strategy, ""))
+            if measured is None or measured.forward_ms is None:
                 continue
-            fwd, bwd = compute_ms(twin)
-        out_ms = r["device_to_host_bytes"] / (r["d2h_gbps"] * 1e6)
-        back_ms = r["host_to_device_bytes"] / (r["h2d_gbps"] * 1e6)
+            fwd, bwd = compute_ms(measured)
+            twin = measured.strategy
+        out_ms = r.device_to_host_bytes / (r.d2h_gbps * 1e6)
+        back_ms = r.host_to_device_bytes / (r.h2d_gbps * 1e6)
         bound = max(fwd, out_ms) + max(bwd, back_ms)
-        r.update(
-            offloaded_bytes=r["device_to_host_bytes"],
-            compute_twin=twin["strategy"],
+        records[n] = r.with_fields(
+            offloaded_bytes=r.device_to_host_bytes,
+            compute_twin=twin,
             fwd_compute_ms=fwd,
             bwd_compute_ms=bwd,
             bound_ms=bound,
-            bound_ratio=r["step_time_ms"] / bound,
+            bound_ratio=r.step_time_ms / bound,
         )

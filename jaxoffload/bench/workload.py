@@ -9,6 +9,7 @@ import jax
 
 from jaxoffload import Lean, Offload, Plan, Remat, Store, Strategy
 from jaxoffload.bench import models
+from jaxoffload.bench.record import label
 from jaxoffload.internal import BLOCK_COSTS
 
 __all__ = [
@@ -199,6 +200,11 @@ class Workload:
                 f"--batch {self.batch} is not a multiple of --micro-batch {self.micro_batch}: use "
                 f"{_multiples_near(self.batch, self.micro_batch)}."
             )
+
+    @property
+    def name(self) -> str:
+        """The strategy, with the budget for plans, as its record is named: ``plan@0.5``."""
+        return label(self.strategy, self.budget)
 
     @property
     def devices(self) -> int:
