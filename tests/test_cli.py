@@ -383,6 +383,30 @@ def test_an_unusable_out_is_refused_before_anything_is_measured(kind, tmp_path, 
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("text", "holds"),
+    [
+        ('{"strategy": "none"}', "holds an object with the keys ['strategy'], not a list of "
+         "bench records"),
+        ('[{"strategy": "none"}, "lean"]', 'holds a string ("lean") at index 1 of its list, '
+         "where a bench record (an object with a 'strategy' string) belongs"),
+        ("3", "holds a number (3), not a list of bench records"),
+    ],
+)  # fmt: skip
+def test_resume_refuses_a_records_file_that_holds_no_list_of_records(text, holds, tmp_path, capsys):
+    (tmp_path / "records.json").write_text(text)
+    children = stand_in_children(probe=_never, measure=_never)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--out", str(tmp_path), "--resume"], children=children)
+    assert exit_info.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert (
+        f"jaxoffload bench: error: --resume: {tmp_path / 'records.json'} {holds}: give the --out "
+        "folder of an earlier bench run, or leave out --resume to measure afresh"
+    ) in err
+    assert "Traceback" not in err
+
+
 def test_an_interrupted_run_keeps_its_records_and_resumes_with_the_rest(tmp_path, capsys):
     measured, interrupt = [], "remat"
 

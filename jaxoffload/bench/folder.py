@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxoffload.bench.options import BenchError, dest
-from jaxoffload.bench.record import Record
+from jaxoffload.bench.record import Record, records_from_json
 from jaxoffload.bench.workload import ACCUMULATED_STRATEGIES, PLANNED_STRATEGIES
 
 __all__ = [
@@ -77,10 +77,17 @@ def earlier_records(path: pathlib.Path, args: argparse.Namespace) -> dict[str, R
     if not path.exists():
         return {}
     try:
-        records = [Record.from_json(r) for r in json.loads(path.read_text())]
+        data = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise BenchError(
             f"--resume: {path} is not a records file ({e}): leave out --resume to measure afresh"
+        ) from None
+    try:
+        records = records_from_json(data)
+    except ValueError as e:
+        raise BenchError(
+            f"--resume: {path} {e}: give the --out folder of an earlier bench run, or leave out "
+            "--resume to measure afresh"
         ) from None
     for r in records:
         for flag, key in RUN_FLAGS.items():

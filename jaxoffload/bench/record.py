@@ -19,7 +19,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["SEARCH_AXES", "Record", "SizeSearch", "label"]
+__all__ = ["SEARCH_AXES", "Record", "SizeSearch", "label", "records_from_json"]
 
 # The axes of the size searches, as jaxoffload.bench.fit names them.
 SEARCH_AXES = ("batch", "image_size")
@@ -253,6 +253,35 @@ class Record(_Carrying):
         return dataclasses.replace(
             cls.of(**known), searches=searches, search_errors=errors, extra=data
         )
+
+
+def records_from_json(data: Any) -> list[Record]:
+    """The records of a bench's ``records.json``, as ``json.load`` reads it.
+
+    Raises:
+      ValueError: if ``data`` is not a list of records; the message says what it holds
+        instead, as the end of a sentence that begins with the file's name.
+
+    Example:
+      >>> records_from_json([{"strategy": "none", "step_time_ms": 1.5}])[0].step_time_ms
+      1.5
+      >>> records_from_json({"strategy": "none"})
+      Traceback (most recent call last):
+      ...
+      ValueError: holds an object with the keys ['strategy'], not a list of bench records
+    """
+    if not isinstance(data, list):
+        raise ValueError(f"holds {_brief(data)}, not a list of bench records")
+    records = []
+    for n, item in enumerate(data):
+        try:
+            records.append(Record.from_json(item))
+        except ValueError:
+            raise ValueError(
+                f"holds {_brief(item)} at index {n} of its list, where a bench record (an "
+                "object with a 'strategy' string) belongs"
+            ) from None
+    return records
 
 
 def label(strategy: str, budget: float | None) -> str:
