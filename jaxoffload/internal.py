@@ -18,7 +18,6 @@ from jaxoffload._src.layers import relu as relu
 from jaxoffload._src.layers import relu_max_pool as relu_max_pool
 
 # The planner, and the steps it compiles.
-from jaxoffload._src.planner import BLOCK_COSTS as BLOCK_COSTS
 from jaxoffload._src.planner import Planner as Planner
 from jaxoffload._src.planner import default_options as default_options
 from jaxoffload._src.planner.messages import summary as summary
@@ -46,7 +45,6 @@ from jaxoffload._src.timing import zeros as zeros
 from jaxoffload._src.transfers import without_host_placement as without_host_placement
 
 __all__ = [
-    "BLOCK_COSTS",
     "Planner",
     "analyze",
     "brief",

@@ -8,6 +8,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 from helpers import bench_record, stand_in_children
@@ -76,6 +77,62 @@ def test_bad_arguments_exit_with_a_message(argv, message, capsys):
         cli.main(["bench", *argv])
     assert exit.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--batch", "0"], "batch must be at least 1, got 0."),
+        (["--model", "alexnet"], "Unknown model 'alexnet'; choose one of flax-resnet18"),
+        (["--devices", "3"], "--batch 8 does not split over --devices 3: use 6 or 9."),
+        (["--memory-cap", "0"], "--memory-cap must be positive, got 0.0"),
+    ],
+)
+def test_a_bad_flag_is_refused_at_once_before_jax_is_imported(argv, message):
+    """jax takes 10-15 s to import on a GPU machine: the command checks its flags first."""
+    refused = (
+        "import sys\n"
+        "from jaxoffload.bench import cli\n"
+        "try:\n"
+        "    cli.main(['bench', *sys.argv[1:]])\n"
+        "except SystemExit as exit:\n"
+        "    print(exit.code, 'jax' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", refused, *argv], capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.split() == ["2", "False"], (done.stdout, done.stderr)
+    assert message in done.stderr
+    # As a user types it; on this project's loaded 2-core CI machine it takes about 1 s.
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxoffload", "bench", *argv],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert time.monotonic() - start <= 2.0
+    assert done.returncode == 2 and f"jaxoffload bench: error: {message}" in done.stderr
+
+
+def test_the_bench_s_names_are_those_of_its_values_and_models():
+    """The catalog names, without importing jax, what the bench's values and models are."""
+    from jaxoffload._src.planner import BLOCK_COSTS
+    from jaxoffload.bench import catalog, fit, models, record
+    from jaxoffload.bench.options import SIZE_SEARCHES
+    from jaxoffload.bench.workload import STRATEGIES
+
+    assert tuple(STRATEGIES) == catalog.BLOCK_STRATEGIES
+    assert catalog.TO_HOST == tuple(s for s, value in STRATEGIES.items() if value.to_host)
+    assert catalog.BLOCK_COSTS == BLOCK_COSTS
+    assert tuple(fit.AXES) == tuple(SIZE_SEARCHES) == record.SEARCH_AXES
+    # Every model named is built, with the blocks its kind says.
+    for name in catalog.MODEL_NAMES:
+        assert models.num_blocks(name) > 0, name
+        if name in catalog.NNX_MODELS:
+            with pytest.raises(ValueError, match="build it with create_nnx"):
+                models.create(name)
+        else:
+            assert models.create(name).__class__.__name__ in ("ResNet", "VGG", "MobileNetV2",
+                                                               "ConvNeXt", "UNet"), name  # fmt: skip
 
 
 def test_unknown_dtype_is_refused_by_the_parser(capsys):

@@ -1,8 +1,9 @@
 """The ``jaxoffload`` command: ``jaxoffload bench`` compares memory strategies on a model.
 
-It only parses: the flags become arguments of :func:`jaxoffload.bench.command.bench`,
-which measures each strategy in a fresh process, and writes a table, JSON records and a
-plot.
+It only parses: the flags are checked (:func:`jaxoffload.bench.options.check`) and become
+arguments of :func:`jaxoffload.bench.command.bench`, which measures each strategy in a
+fresh process, and writes a table, JSON records and a plot. Until the flags are checked,
+nothing that imports jax is imported, so that a mistyped flag is refused at once.
 """
 
 from __future__ import annotations
@@ -11,13 +12,16 @@ import argparse
 import pathlib
 import shlex
 import sys
+import typing
 
 from jaxoffload import __version__
-from jaxoffload.bench import command, models
-from jaxoffload.bench.child import Children
+from jaxoffload.bench import options
+from jaxoffload.bench.catalog import BLOCK_COSTS, DTYPES, MODEL_NAMES
 from jaxoffload.bench.folder import RECORDS, REFERENCE, RUN_FLAGS
 from jaxoffload.bench.options import DEFAULT_TIME_LIMIT, STRATEGY_FLAGS, BenchError
-from jaxoffload.internal import BLOCK_COSTS
+
+if typing.TYPE_CHECKING:
+    from jaxoffload.bench.child import Children
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -67,16 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_workload_arguments(bench: argparse.ArgumentParser) -> None:
     """What to measure: the model, its step, the strategies and the budgets."""
-    bench.add_argument(
-        "--model", default=DEFAULT_MODEL, help=f"one of: {', '.join(models.MODEL_NAMES)}"
-    )
+    bench.add_argument("--model", default=DEFAULT_MODEL, help=f"one of: {', '.join(MODEL_NAMES)}")
     bench.add_argument(
         "--batch", type=int, default=8, help="images per step, over all the --devices"
     )
     bench.add_argument("--image-size", type=int, default=32, help="height and width of the images")
-    bench.add_argument(
-        "--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype"
-    )
+    bench.add_argument("--dtype", default="float32", choices=DTYPES, help="compute dtype")
     bench.add_argument("--steps", type=int, default=3, help="timed steps per strategy")
     bench.add_argument(
         "--strategies",
@@ -254,7 +254,12 @@ def main(argv: list[str] | None = None, *, children: Children | None = None) -> 
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     try:
-        command.bench(args, command=shlex.join(["jaxoffload", *argv]), children=children)
+        strategies, axes = options.check(args)
+        # Only now, the flags checked: it imports jax, which takes 10-15 s on a GPU machine.
+        from jaxoffload.bench.command import bench
+
+        typed = shlex.join(["jaxoffload", *argv])
+        bench(args, strategies, axes, command=typed, children=children)
     except BenchError as e:
         parser.exit(2, f"jaxoffload bench: error: {e}\n")
     except KeyboardInterrupt:

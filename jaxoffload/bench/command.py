@@ -15,6 +15,7 @@ import pathlib
 from typing import Any
 
 from jaxoffload.bench import models
+from jaxoffload.bench.catalog import ACCUMULATED_STRATEGIES, COMPUTE_TWIN, PLANNED_STRATEGIES
 from jaxoffload.bench.child import Children
 from jaxoffload.bench.console import (
     Progress,
@@ -33,34 +34,28 @@ from jaxoffload.bench.folder import (
     write_records,
 )
 from jaxoffload.bench.measure import spatial_fields
-from jaxoffload.bench.options import (
-    SIZE_SEARCHES,
-    BenchError,
-    checked_strategies,
-    searched_axes,
-    workloads_of,
-)
+from jaxoffload.bench.options import SIZE_SEARCHES, BenchError, workload_fields
 from jaxoffload.bench.plots import plot_records, plot_sizes
 from jaxoffload.bench.record import Record
 from jaxoffload.bench.run import measure_all
-from jaxoffload.bench.workload import (
-    ACCUMULATED_STRATEGIES,
-    COMPUTE_TWIN,
-    PLANNED_STRATEGIES,
-    STRATEGIES,
-    Workload,
-)
+from jaxoffload.bench.workload import STRATEGIES, Workload
 
 __all__ = ["bench", "memory_cap_env"]
 
 
 def bench(
-    args: argparse.Namespace, command: str | None = None, children: Children | None = None
+    args: argparse.Namespace,
+    strategies: list[str],
+    axes: list[str],
+    *,
+    command: str | None = None,
+    children: Children | None = None,
 ) -> list[Record]:
     """Runs ``jaxoffload bench``; returns the records it wrote.
 
     Args:
-      args: the parsed command line.
+      args: the parsed command line, its flags checked (:func:`~jaxoffload.bench.options.check`).
+      strategies, axes: the strategies and the size searches' axes that the check returned.
       command: the command as typed, stored in each record so it can be rerun.
       children: the child processes that probe, measure and search
         (:class:`~jaxoffload.bench.child.Children`), or a stand-in for them.
@@ -70,9 +65,7 @@ def bench(
         workload or a search failed (the others' records are written all the same).
     """
     children = Children() if children is None else children
-    strategies = checked_strategies(args)
-    axes = searched_axes(args)
-    workloads = workloads_of(args, strategies)
+    workloads = [Workload(**fields) for fields in workload_fields(args, strategies)]
     out = writable_folder(args.out)
     if args.resume:
         earlier = earlier_records(out / RECORDS, args)

@@ -14,9 +14,9 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+from jaxoffload.bench.catalog import ACCUMULATED_STRATEGIES, PLANNED_STRATEGIES
 from jaxoffload.bench.options import BenchError, dest
 from jaxoffload.bench.record import Record, records_from_json
-from jaxoffload.bench.workload import ACCUMULATED_STRATEGIES, PLANNED_STRATEGIES
 
 __all__ = [
     "RECORDS",

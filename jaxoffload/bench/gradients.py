@@ -12,8 +12,9 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxoffload.bench.catalog import ACCUMULATED_STRATEGIES
 from jaxoffload.bench.step import images_and_labels, placed, value_and_grad
-from jaxoffload.bench.workload import ACCUMULATED_STRATEGIES, Workload
+from jaxoffload.bench.workload import Workload
 from jaxoffload.internal import equations
 
 __all__ = [

@@ -19,10 +19,11 @@ import jax
 
 import jaxoffload
 from jaxoffload import Plan
+from jaxoffload.bench.catalog import PLANNED_STRATEGIES
 from jaxoffload.bench.gradients import accumulation_check, compare_gradients
 from jaxoffload.bench.record import Record
 from jaxoffload.bench.step import train_step
-from jaxoffload.bench.workload import PLANNED_STRATEGIES, Workload
+from jaxoffload.bench.workload import Workload
 from jaxoffload.internal import (
     analyze,
     brief,

@@ -15,10 +15,11 @@ from jax.extend import core as jex_core
 
 from jaxoffload import NoPlanFits, OffloadedCall, Plan, offloaded_calls
 from jaxoffload.bench import models
+from jaxoffload.bench.catalog import COMPUTE_TWIN
 from jaxoffload.bench.hidden import plan_hidden_offload
 from jaxoffload.bench.record import Record
 from jaxoffload.bench.step import linen_model, nnx_training, train_step, training
-from jaxoffload.bench.workload import COMPUTE_TWIN, Workload
+from jaxoffload.bench.workload import Workload
 from jaxoffload.internal import Planner, median_ms, zeros
 
 __all__ = [

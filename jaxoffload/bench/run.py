@@ -13,15 +13,12 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxoffload.bench.catalog import ACCUMULATED_STRATEGIES, COMPUTE_TWIN
 from jaxoffload.bench.child import Children, OutOfMemory
 from jaxoffload.bench.measure import cache_env
 from jaxoffload.bench.planning import budget_bytes, compute_ms, hidden_budget
 from jaxoffload.bench.record import Record
-from jaxoffload.bench.workload import (
-    ACCUMULATED_STRATEGIES,
-    COMPUTE_TWIN,
-    Workload,
-)
+from jaxoffload.bench.workload import Workload
 
 __all__ = ["NoPlan", "add_transfer_bounds", "measure_all"]
 

@@ -9,23 +9,14 @@ import jax
 
 from jaxoffload import Lean, Offload, Plan, Remat, Store, Strategy
 from jaxoffload.bench import models
+from jaxoffload.bench.catalog import ACCUMULATED_STRATEGIES, PLANNED_STRATEGIES, check_workload
 from jaxoffload.bench.record import label
-from jaxoffload.internal import BLOCK_COSTS
 
-__all__ = [
-    "ACCUMULATED_STRATEGIES",
-    "COMPUTE_TWIN",
-    "DTYPES",
-    "PLANNED_STRATEGIES",
-    "STRATEGIES",
-    "Workload",
-]
+__all__ = ["STRATEGIES", "Workload"]
 
 
-DTYPES = ("float32", "bfloat16")
-
-
-# The command line's strategy names, and the values they stand for.
+# The command line's strategy names, and the values they stand for: the names are
+# jaxoffload.bench.catalog.BLOCK_STRATEGIES, those that move residuals TO_HOST.
 STRATEGIES: dict[str, Strategy] = {
     "none": Store(),
     "lean": Lean(),
@@ -47,42 +38,21 @@ STRATEGIES: dict[str, Strategy] = {
 }
 
 
-# Strategies whose per-block values a planner picks (see hidden_offload_workload).
-PLANNED_STRATEGIES = {
-    "offload-hidden": "Offload() only the blocks whose transfers the compute can hide "
-    "(jaxoffload.bench.hidden), the others Lean()",
-    "plan": "the jaxoffload.plan of a budget (bench --budget)",
-}
-
-
-# Strategies whose step runs another's over micro-batches, accumulating their gradients
-# (see _value_and_grad): the name, and the strategy whose step each micro-batch runs.
-# "grad-accum-lean" is the peer of a strategy that fits larger micro-batches than Store.
-ACCUMULATED_STRATEGIES = {"grad-accum": "none", "grad-accum-lean": "lean"}
-
-
-# For each strategy that moves residuals to the host, the strategy that runs the
-# same layers without moving anything: its times are the compute in the
-# transfer bound (see :func:`add_transfer_bounds`).
-COMPUTE_TWIN = {
-    "jax-offload": "none",
-    "offload": "lean",
-    "offload-inputs": "remat",
-    "offload-hidden": "lean",
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """One training configuration to measure.
 
     Attributes:
-      model: a name in ``jaxoffload.bench.models.MODEL_NAMES``.
+      model: a name in ``jaxoffload.bench.catalog.MODEL_NAMES``.
+
+    Made, it checks its fields (:func:`jaxoffload.bench.catalog.check_workload`, as the
+    command checks its flags).
       batch: images per step, over all the devices.
       image_size: height and width of the square input.
       dtype: compute dtype, ``"float32"`` or ``"bfloat16"``.
-      strategy: a key of :data:`STRATEGIES`, :data:`PLANNED_STRATEGIES` or
-        :data:`ACCUMULATED_STRATEGIES`.
+      strategy: a key of :data:`STRATEGIES`, or of
+        :data:`~jaxoffload.bench.catalog.PLANNED_STRATEGIES` or
+        :data:`~jaxoffload.bench.catalog.ACCUMULATED_STRATEGIES`.
       blocks: how many blocks, from the input end, use ``strategy``; the rest
         use ``"none"``. ``None`` means all of them. Reference models only.
       num_classes: classifier outputs (per pixel, for a segmentation model);
@@ -129,77 +99,20 @@ class Workload:
     spatial: int = 1
 
     def __post_init__(self):
-        self._check_names_and_sizes()
-        self._check_splits()
+        check_workload(
+            self.model, self.batch, self.image_size, self.dtype, self.strategy,
+            blocks=self.blocks, window=self.window, budget=self.budget,
+            block_costs=self.block_costs, micro_batch=self.micro_batch,
+            num_devices=self.num_devices, spatial=self.spatial,
+        )  # fmt: skip
         if self.num_classes is None:
             object.__setattr__(self, "num_classes", models.default_num_classes(self.model))
         if isinstance(self.window, list):  # read back from JSON
             object.__setattr__(self, "window", tuple(self.window))
         if isinstance(self.plan, list):
             object.__setattr__(self, "plan", tuple(self.plan))
-        if (self.strategy == "plan") != (self.budget is not None):
-            raise ValueError("the 'plan' strategy takes a budget, and only it does.")
-        if self.strategy == "plan":
-            self._check_budget_plan()
-        else:
-            self._check_block_strategies()
-
-    def _check_names_and_sizes(self) -> None:
-        if self.model not in models.MODEL_NAMES:
-            raise ValueError(
-                f"Unknown model {self.model!r}; choose one of {', '.join(models.MODEL_NAMES)}."
-            )
-        names = [*STRATEGIES, *PLANNED_STRATEGIES, *ACCUMULATED_STRATEGIES]
-        if self.strategy not in names:
-            raise ValueError(
-                f"Unknown strategy {self.strategy!r}; choose one of {', '.join(names)}."
-            )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
-        if self.batch < 1:
-            raise ValueError(f"batch must be at least 1, got {self.batch}.")
-        if self.image_size < 32:
-            raise ValueError(f"image_size must be at least 32, got {self.image_size}.")
-
-    def _check_splits(self) -> None:
-        """The batch splits over the devices, and into micro-batches that split over them too."""
-        accumulated = self.strategy in ACCUMULATED_STRATEGIES
-        if accumulated and self.micro_batch is None:
-            raise ValueError(
-                f"{self.strategy!r} needs --micro-batch M: the images of each micro-batch whose "
-                "gradients it accumulates, a divisor of --batch."
-            )
-        if not accumulated and self.micro_batch is not None:
-            raise ValueError(
-                f"micro_batch is for {', '.join(ACCUMULATED_STRATEGIES)}, not {self.strategy!r}."
-            )
-        for name, value in [("--devices", self.num_devices), ("--micro-batch", self.micro_batch),
-                            ("--spatial", self.spatial)]:  # fmt: skip
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}.")
-        if self.image_size % self.spatial:
-            raise ValueError(
-                f"--image-size {self.image_size} does not split over --spatial {self.spatial}: "
-                f"use {_multiples_near(self.image_size, self.spatial)}."
-            )
-        n = self.num_devices
-        if self.batch % n:
-            raise ValueError(
-                f"--batch {self.batch} does not split over --devices {n}: use "
-                f"{_multiples_near(self.batch, n)}."
-            )
-        if self.micro_batch is None:
-            return
-        if self.micro_batch % n:
-            raise ValueError(
-                f"--micro-batch {self.micro_batch} does not split over --devices {n}: use "
-                f"{_multiples_near(self.micro_batch, n)}."
-            )
-        if self.batch % self.micro_batch:
-            raise ValueError(
-                f"--batch {self.batch} is not a multiple of --micro-batch {self.micro_batch}: use "
-                f"{_multiples_near(self.batch, self.micro_batch)}."
-            )
+        if self.strategy != "plan":
+            self._windows()  # Offload checks each window too, as its blocks will be given them
 
     @property
     def name(self) -> str:
@@ -220,36 +133,6 @@ class Workload:
             return jax.make_mesh((self.num_devices,), ("data",))
         auto = (jax.sharding.AxisType.Auto,) * 2
         return jax.make_mesh((self.num_devices, self.spatial), ("data", "space"), axis_types=auto)
-
-    def _check_budget_plan(self) -> None:
-        """A ``"plan"`` workload plans a plain-Flax model at a share of ``"none"``'s peak."""
-        if not models.is_plain(self.model):
-            raise ValueError(
-                f"'plan' plans the plain-Flax models' plannable blocks; {self.model} is a "
-                "reference model."
-            )
-        if not 0 < self.budget <= 1:
-            raise ValueError(f"budget is a share of 'none's peak in (0, 1], got {self.budget}.")
-        if self.block_costs not in BLOCK_COSTS:
-            raise ValueError(f"block_costs is one of {BLOCK_COSTS}, got {self.block_costs!r}.")
-
-    def _check_block_strategies(self) -> None:
-        """The model takes the strategy, its blocks and its windows."""
-        plain = models.is_plain(self.model)
-        if plain and (self.strategy in PLANNED_STRATEGIES or self.blocks is not None):
-            raise ValueError(
-                f"{self.model} wraps one block class, so all its blocks take one strategy: "
-                f"{self.strategy!r}{' with blocks' if self.blocks is not None else ''} needs a "
-                "reference model."
-            )
-        if plain and self.strategy == "jax-offload":
-            raise ValueError(
-                f"'jax-offload' offloads the values that the reference models name with "
-                f"checkpoint_name; {self.model} names none."
-            )
-        if isinstance(self.window, tuple) and self.model not in models.RESNETS:
-            raise ValueError(f"{self.model} takes one window, not one per stage.")
-        self._windows()
 
     @property
     def block_strategies(self) -> tuple[Strategy, ...]:
@@ -295,14 +178,3 @@ class Workload:
         if self.strategy in PLANNED_STRATEGIES and self.plan is None and self.planned is None:
             return None
         return sum(s.to_host for s in self.block_strategies)
-
-
-def _multiples_near(n: int, m: int) -> str:
-    """The positive multiples of ``m`` nearest to ``n``, either side, for an error message.
-
-    Example:
-      >>> _multiples_near(100, 24), _multiples_near(10, 24)
-      ('96 or 120', '24')
-    """
-    below = n // m * m
-    return f"{below} or {below + m}" if below else f"{m}"

@@ -14,6 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxoffload import Lean, Remat, Store, Strategy
 from jaxoffload import linen as offload_linen
 from jaxoffload.bench import layers
+from jaxoffload.bench.catalog import RESNETS as RESNETS
 from jaxoffload.bench.models.common import (
     CONV_NAME,
     check_strategies,
@@ -25,15 +26,6 @@ from jaxoffload.internal import relu, relu_max_pool
 from jaxoffload.strategies import check_strategy
 
 __all__ = ["BasicBlock", "BottleneckBlock", "ResNet", "RESNETS"]
-
-# name: (blocks per stage, block kind)
-RESNETS = {
-    "resnet18": ((2, 2, 2, 2), "basic"),
-    "resnet34": ((3, 4, 6, 3), "basic"),
-    "resnet50": ((3, 4, 6, 3), "bottleneck"),
-    "resnet101": ((3, 4, 23, 3), "bottleneck"),
-    "resnet152": ((3, 8, 36, 3), "bottleneck"),
-}
 
 
 def _layers(dtype: Any, train: bool, lean: bool = False):
