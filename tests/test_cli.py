@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -166,6 +167,65 @@ def test_bench_writes_table_json_and_plot(tmp_path):
     assert "[1/2] none on flax-resnet18, batch 2: compile and 1 steps\n" in done.stderr
     assert re.search(r"^\[2/2\] offload-inputs: [\d.]+ ms a step \([\d.]+ s\)$", done.stderr, re.M)
     assert records[0]["steps"] == 1 and not (out / cli.REFERENCE).exists()
+
+
+def _children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``, from /proc."""
+    found = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it ended while being read
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _ended(pid: int) -> bool:
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")  # a zombie is dead: what is left is its exit status
+
+
+def test_an_interrupt_sent_to_the_command_alone_stops_it_at_once_keeping_what_was_measured(
+    tmp_path,
+):
+    """A scheduler's SIGINT goes to the command's process, not its group: the child that
+    measures never sees it. The command stops that child and exits within 3 s, with every
+    record finished already in records.json."""
+    out = tmp_path / "out"
+    command = subprocess.Popen(
+        [sys.executable, "-m", "jaxoffload", "bench", "--batch=2", "--steps=1",
+         "--strategies=none,lean,remat", f"--out={out}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        # 'none' is measured and written; the next strategy's child is measuring.
+        while not (out / "records.json").exists() or not _children_of(command.pid):
+            assert command.poll() is None, command.communicate()
+            assert time.monotonic() < deadline, "no record within 600 s"
+            time.sleep(0.05)
+        measuring = _children_of(command.pid)
+        os.kill(command.pid, signal.SIGINT)
+        sent = time.monotonic()
+        _, err = command.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if command.poll() is None:
+            command.kill()
+    assert command.returncode == 130 and took <= 3.0, (command.returncode, took, err)
+    assert "interrupted" in err and "run the same command with --resume" in err
+    records = json.loads((out / "records.json").read_text())
+    assert [r["strategy"] for r in records] == ["none"] and records[0]["step_time_ms"] > 0
+    # The child was stopped, not left measuring for no one.
+    deadline = time.monotonic() + 3
+    while not all(map(_ended, measuring)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(map(_ended, measuring)), measuring
 
 
 def test_memory_cap_fraction():

@@ -132,15 +132,22 @@ def _run(argv: list[str], env: dict[str, str] | None) -> Any:
         env={**os.environ, **(env or {})},
     )
     stdout: list[str] = []
-    reader = threading.Thread(target=lambda: stdout.extend(child.stdout))
+    reader = threading.Thread(target=lambda: stdout.extend(child.stdout), daemon=True)
     reader.start()
     stderr = []
-    for line in child.stderr:
-        stderr.append(line)
-        if line.startswith(("[plan]", "[fit ")):
-            print(line, end="", file=sys.stderr, flush=True)
-    reader.join()
-    returncode = child.wait()
+    try:
+        for line in child.stderr:
+            stderr.append(line)
+            if line.startswith(("[plan]", "[fit ")):
+                print(line, end="", file=sys.stderr, flush=True)
+        reader.join()
+        returncode = child.wait()
+    except BaseException:
+        # Interrupted: Ctrl-C, or SIGINT sent to this process alone (as a scheduler sends
+        # it), which the child does not see. Its work is unfinished; stop it now, rather
+        # than wait for it to finish and then throw its result away.
+        _stop(child)
+        raise
     err = "".join(stderr)
     if returncode == 0:
         return json.loads("".join(stdout).strip().splitlines()[-1])
@@ -148,6 +155,16 @@ def _run(argv: list[str], env: dict[str, str] | None) -> Any:
         raise OutOfMemory(err.strip().splitlines()[-1])
     tail = "\n".join(err.strip().splitlines()[-15:])
     raise RuntimeError(f"the measuring process failed (exit code {returncode}):\n{tail}")
+
+
+def _stop(child: subprocess.Popen, grace_s: float = 1.0) -> None:
+    """Ends ``child``: asked to (SIGTERM), then made to, after ``grace_s`` seconds."""
+    child.terminate()
+    try:
+        child.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
 
 
 def main(argv: Sequence[str]) -> None:
