@@ -160,15 +160,20 @@ def test_no_private_name_crosses_modules():
                         aliases[a.asname or a.name.split(".")[0]] = full
         for imported, names, line in _imports(module, tree):
             wrong += [f"{module}:{line} imports {imported}.{n}" for n in names if _private(n)]
-        for node in ast.walk(tree):
-            if (
-                isinstance(node, ast.Attribute)
-                and isinstance(node.value, ast.Name)
-                and node.value.id in aliases
-                and _private(node.attr)
-            ):
-                wrong.append(f"{module}:{node.lineno} reads {aliases[node.value.id]}.{node.attr}")
+        wrong += _private_reads(module, tree, aliases)
     assert not wrong, "private names that cross modules:\n" + "\n".join(wrong)
+
+
+def _private_reads(where: str, tree: ast.AST, modules: dict[str, str]) -> list[str]:
+    """Each ``m._x`` in ``tree``, ``m`` a local name bound to one of ``modules``' values."""
+    return [
+        f"{where}:{node.lineno} reads {modules[node.value.id]}.{node.attr}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in modules
+        and _private(node.attr)
+    ]
 
 
 def test_no_isinstance_of_a_strategy_class_outside_strategies():
@@ -337,14 +342,8 @@ def _private_names_reached_by_tests() -> list[str]:
                 for a in node.names:
                     if a.name in SOURCES and a.asname:
                         modules[a.asname] = a.name
+        found += _private_reads(test, tree, modules)
         for node in ast.walk(tree):
-            if (
-                isinstance(node, ast.Attribute)
-                and isinstance(node.value, ast.Name)
-                and node.value.id in modules
-                and _private(node.attr)
-            ):
-                found.append(f"{test}:{node.lineno} reads {modules[node.value.id]}.{node.attr}")
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
