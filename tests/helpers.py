@@ -65,14 +65,36 @@ def jax_residuals(fun, *args, keep_arguments=()):
 
 
 def bench_record(workload, **extra):
-    """The part of a bench record that the command reads, as the measuring process gives it."""
+    """The part of a bench record that the command reads, as the measuring process gives it.
+
+    Keys that a record does not name (``run``, say) are kept in its ``extra``.
+    """
+    from jaxoffload.bench.record import Record
+
     fields = ("model", "batch", "image_size", "dtype", "window", "micro_batch", "num_devices")
-    return {
+    return Record.from_json({
         **{k: getattr(workload, k) for k in fields},
         "strategy": workload.strategy, "grad_rel_err": 0.0, "step_time_ms": 1.0,
         "compiled_temp_bytes": 1, "compiled_host_temp_bytes": 0, "peak_bytes_in_use": None,
         "images_per_s": 2.0, "device": "cpu", **extra,
-    }  # fmt: skip
+    })  # fmt: skip
+
+
+def stand_in_children(**methods):
+    """The bench's child processes, with ``methods`` standing in for some of theirs.
+
+    Each keyword names a method of :class:`jaxoffload.bench.child.Children` (``probe``,
+    ``compile``, ``measure``, ``plan_hidden``, ``plan_budgets``, ``largest``) and gives a
+    function with its arguments that answers in its place, so that a test measures nothing
+    on a GPU or in a child; the methods not named start real child processes.
+    """
+    from jaxoffload.bench.child import Children
+
+    unknown = set(methods) - set(vars(Children))
+    assert not unknown, f"Children has no method {unknown}"
+    children = Children()
+    vars(children).update(methods)
+    return children
 
 
 def host_puts(jaxpr) -> list:

@@ -18,8 +18,12 @@ from jax.sharding import PartitionSpec as P
 
 import jaxoffload
 from jaxoffload._src.jaxprs import equations
-from jaxoffload.bench import benchmark, fit, models
+from jaxoffload.bench import fit, models
+from jaxoffload.bench.gradients import draws_random_numbers, has_batch_statistics
+from jaxoffload.bench.measure import measure
 from jaxoffload.bench.models import flax_nnx_resnet, flax_resnet, flax_vgg, plain_model
+from jaxoffload.bench.step import train_step, uniform_strategy
+from jaxoffload.bench.workload import Workload
 
 TINY = dict(num_filters=4, stage_sizes=(1,))
 # The stand-ins: a name's model, with what makes accumulation differ from the whole batch.
@@ -27,7 +31,7 @@ VGG = {"vgg11": 0.0, "flax-vgg11": 0.5}  # dropout rates
 
 
 def _tiny_linen(name, *, strategy, dtype, num_classes):
-    strategy = benchmark._one(strategy)
+    strategy = uniform_strategy(strategy)
     if name in VGG:
         return plain_model(
             flax_vgg.VGG, flax_vgg.VGGStage, strategy, **TINY, classifier_width=8,
@@ -66,7 +70,7 @@ needs_four = pytest.mark.skipif(
 
 
 def _workload(model, strategy="none", **fields):
-    return benchmark.Workload(model, 8, 32, "float32", strategy, num_classes=10, **fields)
+    return Workload(model, 8, 32, "float32", strategy, num_classes=10, **fields)
 
 
 def _first_update(workload):
@@ -75,7 +79,7 @@ def _first_update(workload):
     SGD with momentum starts from no momentum: its first update is the gradient times the
     learning rate, so comparing updates compares the gradients too.
     """
-    step, state, batch, _ = benchmark.train_step(workload)
+    step, state, batch, _ = train_step(workload)
     jaxpr = step.trace(state, batch).jaxpr
     convs = sum(eqn.primitive.name == "conv_general_dilated" for eqn in equations(jaxpr))
     before = jax.device_get(state[0])
@@ -85,7 +89,7 @@ def _first_update(workload):
 
 def _lean_rules(workload) -> int:
     """How many of the step's equations are lean rules (``custom_vjp`` calls)."""
-    step, state, batch, _ = benchmark.train_step(workload)
+    step, state, batch, _ = train_step(workload)
     jaxpr = step.trace(state, batch).jaxpr
     return sum("custom_vjp" in eqn.primitive.name for eqn in equations(jaxpr))
 
@@ -114,7 +118,7 @@ def test_a_grad_accum_record_says_what_differs_from_the_whole_batch(
     model, num_devices, statistics, masks
 ):
     workload = _workload(model, "grad-accum", micro_batch=4, num_devices=num_devices)
-    record = benchmark.measure(workload, steps=1, warmup=1, reference=None)
+    record = measure(workload, steps=1, warmup=1, reference=None).to_json()
     assert (record["batch"], record["micro_batch"], record["accumulation_steps"]) == (8, 4, 2)
     assert record["num_devices"] == num_devices
     # At most a micro-batch, in two micro-batches that still split over the devices.
@@ -142,9 +146,9 @@ def test_what_each_micro_batch_has_of_its_own_is_found_in_the_traced_model(
     model, statistics, masks
 ):
     # Traced, not compiled: the record's batch_norm_statistics and dropout_masks come from here.
-    _, state, batch, loss_fn = benchmark.train_step(_workload(model), abstract=True)
-    assert benchmark._has_batch_statistics(state[1]) == statistics
-    assert benchmark._draws_random_numbers(loss_fn, *state[:2], batch) == masks
+    _, state, batch, loss_fn = train_step(_workload(model), abstract=True)
+    assert has_batch_statistics(state[1]) == statistics
+    assert draws_random_numbers(loss_fn, *state[:2], batch) == masks
 
 
 @pytest.mark.parametrize(
@@ -163,7 +167,7 @@ def test_what_each_micro_batch_has_of_its_own_is_found_in_the_traced_model(
 )  # fmt: skip
 def test_splits_that_do_not_divide_are_refused_with_the_nearest(fields, message):
     with pytest.raises(ValueError) as error:
-        benchmark.Workload("flax-resnet18", **{"batch": 8, **fields}, image_size=32,
+        Workload("flax-resnet18", **{"batch": 8, **fields}, image_size=32,
                            dtype="float32", strategy="grad-accum")  # fmt: skip
     assert message in str(error.value)
     with pytest.raises(
@@ -176,9 +180,9 @@ def test_splits_that_do_not_divide_are_refused_with_the_nearest(fields, message)
 def test_four_devices_give_one_device_s_gradients(tmp_path):
     reference = str(tmp_path / "one_device.npz")
     one, four = (
-        benchmark.measure(
+        measure(
             _workload("flax-resnet18", num_devices=n), steps=1, warmup=1, reference=reference
-        )
+        ).to_json()
         for n in (1, 4)
     )
     assert (one["num_devices"], four["num_devices"], four["batch"]) == (1, 4, 8)
@@ -192,12 +196,12 @@ def test_four_devices_give_one_device_s_gradients(tmp_path):
 def test_rows_split_over_devices_give_one_device_s_gradients(tmp_path):
     reference = str(tmp_path / "one_device.npz")
     one, split = (
-        benchmark.measure(
+        measure(
             _workload("flax-resnet18", num_devices=d, spatial=s),
             steps=1,
             warmup=1,
             reference=reference,
-        )  # fmt: skip
+        ).to_json()  # fmt: skip
         for d, s in [(1, 1), (2, 2)]
     )
     assert (split["num_devices"], split["spatial"], split["mesh"]) == (
@@ -210,7 +214,7 @@ def test_rows_split_over_devices_give_one_device_s_gradients(tmp_path):
     assert split["grad_rel_err"] <= 1e-5
     assert isinstance(split["spatial_gathers"], list)  # a ResNet's convolutions all split
     assert split["compiled_temp_bytes"] < one["compiled_temp_bytes"]
-    _, _, batch, _ = benchmark.train_step(_workload("flax-resnet18", spatial=4), abstract=True)
+    _, _, batch, _ = train_step(_workload("flax-resnet18", spatial=4), abstract=True)
     images, labels = batch
     assert (images.sharding.spec, labels.sharding.spec) == (P("data", "space"), P("data"))
     with pytest.raises(ValueError, match="--image-size 32 does not split over --spatial 3"):
@@ -223,7 +227,7 @@ def test_a_size_search_over_a_mesh_keeps_the_sizes_that_split():
     budget = (
         _compiled_bytes(workload, image_size=64) + _compiled_bytes(workload, image_size=128)
     ) // 2
-    found = fit.largest(workload, "image_size", budget_bytes=budget, limit=128)
+    found = fit.largest(workload, "image_size", budget_bytes=budget, limit=128).to_json()
     probes = dict(found["max_image_size_probes"])
     # Multiples of 16 per device's rows: each device's part of a U-Net level meets its skip.
     assert probes and all(side % 32 == 0 for side in probes), probes
@@ -237,7 +241,7 @@ def test_a_size_search_over_a_mesh_keeps_the_sizes_that_split():
 def test_accumulating_over_four_devices_updates_as_one_device_s_whole_batch():
     update, _ = _first_update(_workload("vgg11"))
     accumulated = _workload("vgg11", "grad-accum", micro_batch=4, num_devices=4)
-    _, state, batch, _ = benchmark.train_step(accumulated, abstract=True)
+    _, state, batch, _ = train_step(accumulated, abstract=True)
     assert all(x.sharding.spec[0] == "data" for x in batch)  # the images and the labels
     assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree.leaves(state))
     got, _ = _first_update(accumulated)
@@ -246,9 +250,7 @@ def test_accumulating_over_four_devices_updates_as_one_device_s_whole_batch():
 
 def _compiled_bytes(workload, **size):
     """The compiled step's device bytes at a size, as the search compares them with its budget."""
-    step, state, batch, _ = benchmark.train_step(
-        dataclasses.replace(workload, **size), abstract=True
-    )
+    step, state, batch, _ = train_step(dataclasses.replace(workload, **size), abstract=True)
     memory = step.trace(state, batch).lower().compile().memory_analysis()
     return memory.temp_size_in_bytes + memory.argument_size_in_bytes
 
@@ -265,7 +267,7 @@ def test_the_size_search_finds_the_largest_size_that_compiles_within_the_budget(
     budget = (
         _compiled_bytes(workload, **{axis: low}) + _compiled_bytes(workload, **{axis: high})
     ) // 2
-    found = fit.largest(workload, axis, plan=plan, budget_bytes=budget, limit=high)
+    found = fit.largest(workload, axis, plan=plan, budget_bytes=budget, limit=high).to_json()
     size, probes = found[f"max_{axis}"], dict(found[f"max_{axis}_probes"])
     # It compiled within the budget, and a size 2% (or one multiple) above it did not.
     over = min(s for s, nbytes in probes.items() if nbytes > budget)

@@ -13,8 +13,8 @@ ROOT = pathlib.Path(__file__).parents[1]
 
 def test_compile_probe_reports_temp_copies_and_the_twin():
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "compile_probe.py"), "flax-resnet18", "2",
-         "offload@2", "--image-size", "32"],
+        [sys.executable, str(ROOT / "benchmarks" / "probes" / "compile_probe.py"), "flax-resnet18",
+         "2", "offload@2", "--image-size", "32"],
         check=True, capture_output=True, text=True, cwd=ROOT,
     )  # fmt: skip
     (offload,) = (json.loads(line) for line in done.stdout.splitlines())
@@ -49,7 +49,7 @@ def test_plot_of_bench_and_peer_records(tmp_path):
 
 
 def test_gradient_error_stores_then_compares(tmp_path):
-    from jaxoffload.bench.benchmark import gradient_error
+    from jaxoffload.bench.gradients import gradient_error
 
     reference = str(tmp_path / "reference.npz")
     grads = [np.ones((2, 3)), np.full(4, 2.0)]

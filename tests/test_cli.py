@@ -1,18 +1,33 @@
 """The jaxoffload command: arguments, errors, and what it writes."""
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
-from helpers import bench_record
+from helpers import bench_record, stand_in_children
 
 import jaxoffload
-from jaxoffload.bench import benchmark, cli
+from jaxoffload.bench import cli
+from jaxoffload.bench.child import Children, OutOfMemory
+from jaxoffload.bench.command import memory_cap_env
+from jaxoffload.bench.console import Progress, gradient_flags, records_table, say_notes
+from jaxoffload.bench.measure import CACHE_DIR, requested_host_bytes
+from jaxoffload.bench.options import BenchError
+from jaxoffload.bench.planning import budget_bytes
+from jaxoffload.bench.plots import plot_records
+from jaxoffload.bench.record import Record
+from jaxoffload.bench.run import add_transfer_bounds, measure_all
+from jaxoffload.bench.step import train_step
+from jaxoffload.bench.workload import Workload
+from jaxoffload.internal import measure_link
 
 REQUIRED = {
     "model", "batch", "image_size", "dtype", "strategy", "framework", "device", "jax_version",
@@ -65,6 +80,62 @@ def test_bad_arguments_exit_with_a_message(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--batch", "0"], "batch must be at least 1, got 0."),
+        (["--model", "alexnet"], "Unknown model 'alexnet'; choose one of flax-resnet18"),
+        (["--devices", "3"], "--batch 8 does not split over --devices 3: use 6 or 9."),
+        (["--memory-cap", "0"], "--memory-cap must be positive, got 0.0"),
+    ],
+)
+def test_a_bad_flag_is_refused_at_once_before_jax_is_imported(argv, message):
+    """jax takes 10-15 s to import on a GPU machine: the command checks its flags first."""
+    refused = (
+        "import sys\n"
+        "from jaxoffload.bench import cli\n"
+        "try:\n"
+        "    cli.main(['bench', *sys.argv[1:]])\n"
+        "except SystemExit as exit:\n"
+        "    print(exit.code, 'jax' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", refused, *argv], capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.split() == ["2", "False"], (done.stdout, done.stderr)
+    assert message in done.stderr
+    # As a user types it; on this project's loaded 2-core CI machine it takes about 1 s.
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxoffload", "bench", *argv],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert time.monotonic() - start <= 2.0
+    assert done.returncode == 2 and f"jaxoffload bench: error: {message}" in done.stderr
+
+
+def test_the_bench_s_names_are_those_of_its_values_and_models():
+    """The catalog names, without importing jax, what the bench's values and models are."""
+    from jaxoffload._src.planner import BLOCK_COSTS
+    from jaxoffload.bench import catalog, fit, models, record
+    from jaxoffload.bench.options import SIZE_SEARCHES
+    from jaxoffload.bench.workload import STRATEGIES
+
+    assert tuple(STRATEGIES) == catalog.BLOCK_STRATEGIES
+    assert catalog.TO_HOST == tuple(s for s, value in STRATEGIES.items() if value.to_host)
+    assert catalog.BLOCK_COSTS == BLOCK_COSTS
+    assert tuple(fit.AXES) == tuple(SIZE_SEARCHES) == record.SEARCH_AXES
+    # Every model named is built, with the blocks its kind says.
+    for name in catalog.MODEL_NAMES:
+        assert models.num_blocks(name) > 0, name
+        if name in catalog.NNX_MODELS:
+            with pytest.raises(ValueError, match="build it with create_nnx"):
+                models.create(name)
+        else:
+            assert models.create(name).__class__.__name__ in ("ResNet", "VGG", "MobileNetV2",
+                                                               "ConvNeXt", "UNet"), name  # fmt: skip
+
+
 def test_unknown_dtype_is_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--dtype", "float16"])
@@ -98,14 +169,73 @@ def test_bench_writes_table_json_and_plot(tmp_path):
     assert records[0]["steps"] == 1 and not (out / cli.REFERENCE).exists()
 
 
+def _children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``, from /proc."""
+    found = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it ended while being read
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _ended(pid: int) -> bool:
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")  # a zombie is dead: what is left is its exit status
+
+
+def test_an_interrupt_sent_to_the_command_alone_stops_it_at_once_keeping_what_was_measured(
+    tmp_path,
+):
+    """A scheduler's SIGINT goes to the command's process, not its group: the child that
+    measures never sees it. The command stops that child and exits within 3 s, with every
+    record finished already in records.json."""
+    out = tmp_path / "out"
+    command = subprocess.Popen(
+        [sys.executable, "-m", "jaxoffload", "bench", "--batch=2", "--steps=1",
+         "--strategies=none,lean,remat", f"--out={out}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        # 'none' is measured and written; the next strategy's child is measuring.
+        while not (out / "records.json").exists() or not _children_of(command.pid):
+            assert command.poll() is None, command.communicate()
+            assert time.monotonic() < deadline, "no record within 600 s"
+            time.sleep(0.05)
+        measuring = _children_of(command.pid)
+        os.kill(command.pid, signal.SIGINT)
+        sent = time.monotonic()
+        _, err = command.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if command.poll() is None:
+            command.kill()
+    assert command.returncode == 130 and took <= 3.0, (command.returncode, took, err)
+    assert "interrupted" in err and "run the same command with --resume" in err
+    records = json.loads((out / "records.json").read_text())
+    assert [r["strategy"] for r in records] == ["none"] and records[0]["step_time_ms"] > 0
+    # The child was stopped, not left measuring for no one.
+    deadline = time.monotonic() + 3
+    while not all(map(_ended, measuring)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(map(_ended, measuring)), measuring
+
+
 def test_memory_cap_fraction():
     # A child's allocator gets 75% of a 100 GiB device by default: 75 GiB.
-    env = cli._memory_cap_env(12.5, 75 * 2**30)
+    env = memory_cap_env(12.5, 75 * 2**30)
     assert env == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.125000"}
-    with pytest.raises(cli.BenchError, match="more than this GPU has"):
-        cli._memory_cap_env(200, 75 * 2**30)
-    with pytest.raises(cli.BenchError, match="positive"):
-        cli._memory_cap_env(0, 75 * 2**30)
+    with pytest.raises(BenchError, match="more than this GPU has"):
+        memory_cap_env(200, 75 * 2**30)
+    with pytest.raises(BenchError, match="positive"):
+        memory_cap_env(0, 75 * 2**30)
 
 
 def test_the_command_starts_no_device_client_itself(monkeypatch):
@@ -119,30 +249,25 @@ def test_the_command_starts_no_device_client_itself(monkeypatch):
     assert calls == []
 
 
-def test_out_of_memory_records(monkeypatch, tmp_path):
+def test_out_of_memory_records(tmp_path):
     # Simulate a reference that does not fit: the others get no gradient error.
-    from jaxoffload.bench import benchmark
-
     seen = []
 
     def fake(workload, *, steps, reference, env, **options):
         seen.append(reference)
         if workload.strategy == "none":
-            raise benchmark.OutOfMemory("RESOURCE_EXHAUSTED")
-        return {"strategy": workload.strategy, "grad_rel_err": None}
+            raise OutOfMemory("RESOURCE_EXHAUSTED")
+        return Record.of(strategy=workload.strategy, grad_rel_err=None)
 
-    monkeypatch.setattr(benchmark, "measure_in_subprocess", fake)
-    workloads = [
-        benchmark.Workload("flax-resnet18", 2, 32, "float32", s) for s in ("none", "remat")
-    ]
-    records = benchmark.measure_all(workloads, steps=1)
-    assert records[0]["out_of_memory"] and records[0]["strategy"] == "none"
+    workloads = [Workload("flax-resnet18", 2, 32, "float32", s) for s in ("none", "remat")]
+    records = measure_all(workloads, steps=1, children=stand_in_children(measure=fake))
+    assert records[0].out_of_memory and records[0].strategy == "none"
     assert seen[0] is not None and seen[1] is None  # no stale reference for 'remat'
-    assert cli.plot_records([records[0]], tmp_path / "p.png") is None
+    assert plot_records([records[0]], tmp_path / "p.png") is None
     from rich.console import Console
 
     console = Console(width=120, record=True, file=open(os.devnull, "w"))
-    console.print(cli._table([records[0]]))
+    console.print(records_table([records[0]]))
     assert "out of memory" in console.export_text()
 
 
@@ -150,106 +275,93 @@ def test_a_step_compiled_first_is_measured_from_the_cache_and_a_compile_peak_is_
     # On a GPU, compiling autotunes on the device: its peak must not be the step's.
     from rich.console import Console
 
-    from jaxoffload.bench import benchmark
-
-    workload = benchmark.Workload("flax-resnet18", 2, 32, "float32", "none")
-    (record,) = benchmark.measure_all([workload], steps=1, compile_first=True)
-    assert record["compiled_from_cache"] is True
+    workload = Workload("flax-resnet18", 2, 32, "float32", "none")
+    (record,) = measure_all([workload], steps=1, compile_first=True)
+    assert record.compiled_from_cache is True
     gib = 2**30
     records = [
-        {"strategy": "lean", "peak_bytes_in_use": 9 * gib, "compile_peak_bytes": 9 * gib},
-        {"strategy": "remat", "peak_bytes_in_use": 5 * gib, "compile_peak_bytes": gib},
+        Record(strategy="lean", peak_bytes_in_use=9 * gib, compile_peak_bytes=9 * gib),
+        Record(strategy="remat", peak_bytes_in_use=5 * gib, compile_peak_bytes=gib),
     ]
     console = Console(width=200, record=True, file=open(os.devnull, "w"))
-    cli._say_notes(records, console)
+    say_notes(records, console)
     said = console.export_text()
     assert "runtime peak of lean was reached while compiling" in said and "remat" not in said
 
 
-def test_planning_compiles_into_a_cold_cache_of_its_own_that_its_plans_load_from(monkeypatch):
-    from jaxoffload.bench import benchmark
-
+def test_planning_compiles_into_a_cold_cache_of_its_own_that_its_plans_load_from():
     seen = []
     planned = jaxoffload.Plan((("Block_0", jaxoffload.Lean()),)).to_dict()
-    monkeypatch.setattr(
-        benchmark,
-        "plan_budgets_in_subprocess",
-        lambda w, budgets, env: seen.append(("plan", env)) or [{"planned": planned}],
-    )
-    monkeypatch.setattr(
-        benchmark, "compile_in_subprocess", lambda w, env: seen.append(("compile", env)) or {}
-    )
-    monkeypatch.setattr(
-        benchmark,
-        "measure_in_subprocess",
-        lambda w, **k: {"strategy": w.strategy, "step_time_ms": 1.0, "compiled_temp_bytes": 8,
-                        "compiled_argument_bytes": 0, "peak_bytes_in_use": 8},
+    children = stand_in_children(
+        plan_budgets=lambda w, budgets, env: seen.append(("plan", env)) or [{"planned": planned}],
+        compile=lambda w, env: seen.append(("compile", env)) or {},
+        measure=lambda w, **k: Record.from_json({
+            "strategy": w.strategy, "step_time_ms": 1.0, "compiled_temp_bytes": 8,
+            "compiled_argument_bytes": 0, "peak_bytes_in_use": 8,
+        }),
     )  # fmt: skip
     workloads = [
-        benchmark.Workload("flax-resnet18", 2, 32, "float32", "none"),
-        benchmark.Workload("flax-resnet18", 2, 32, "float32", "plan", budget=0.5),
+        Workload("flax-resnet18", 2, 32, "float32", "none"),
+        Workload("flax-resnet18", 2, 32, "float32", "plan", budget=0.5),
     ]
-    benchmark.measure_all(workloads, steps=1, env={"A": "1"}, compile_first=True)
-    (none, _), (plan, _), (planned, _) = [(env[benchmark._CACHE_DIR], kind) for kind, env in seen]
+    measure_all(workloads, steps=1, env={"A": "1"}, compile_first=True, children=children)
+    (none, _), (plan, _), (planned, _) = [(env[CACHE_DIR], kind) for kind, env in seen]
     assert [kind for kind, _ in seen] == ["compile", "plan", "compile"]
     assert plan == planned != none  # planning's cache is its own, cold, and the plan's
     assert all(env["A"] == "1" for _, env in seen)
 
 
-def _compiled_first_here(monkeypatch):
-    """On a faked GPU the bench compiles each step in a child first: a stand-in for that
-    child, where the step's measurement is a stand-in too (the real one is tested in
+def _children(**methods):
+    """Stand-ins for the bench's child processes (``methods``), and for the child that
+    compiles each step first on a faked GPU, where the step's measurement is a stand-in too
+    (the real one is tested in
     test_a_step_compiled_first_is_measured_from_the_cache_and_a_compile_peak_is_said)."""
-    monkeypatch.setattr(benchmark, "compile_in_subprocess", lambda w, env: {"compile_s": 0.0})
+    return stand_in_children(compile=lambda w, env: {"compile_s": 0.0}, **methods)
 
 
-def test_copies_that_free_little_are_said(monkeypatch, tmp_path, capsys):
-    _compiled_first_here(monkeypatch)
-    from jaxoffload.bench import benchmark
-
+def test_copies_that_free_little_are_said(tmp_path, capsys):
     def fake(workload, *, steps, reference, env, **options):
         offload = workload.strategy == "offload"
-        return {
+        return Record.from_json({
             "strategy": workload.strategy, "grad_rel_err": 0.0, "step_time_ms": 1.0,
             "compiled_temp_bytes": 4 * 2**30, "compiled_host_temp_bytes": 0,
             "peak_bytes_in_use": None, "images_per_s": 2.0, "model": "flax-vgg19", "batch": 2,
             "image_size": 32, "dtype": "float32", "device": "cpu",
             "twin_temp_bytes": 4 * 2**30 if offload else None,
             "device_to_host_bytes": 2**31 if offload else 0, "copies_free_little": offload,
-        }  # fmt: skip
+        })  # fmt: skip
 
-    monkeypatch.setattr(benchmark, "measure_in_subprocess", fake)
-    monkeypatch.setattr(benchmark, "probe_device", lambda env=None: {"platform": "gpu"})
-    cli.main(["bench", "--strategies", "none,offload", "--out", str(tmp_path)])
+    children = _children(measure=fake, probe=lambda env=None: {"platform": "gpu"})
+    cli.main(["bench", "--strategies", "none,offload", "--out", str(tmp_path)], children=children)
     err = " ".join(capsys.readouterr().err.split())
     assert "'offload' moves 2.000 GiB to the host" in err and "against 4.000 GiB" in err
 
 
-def test_a_failing_strategy_is_recorded_and_the_others_still_run(monkeypatch, tmp_path, capsys):
-    from jaxoffload.bench import benchmark
-
+def test_a_failing_strategy_is_recorded_and_the_others_still_run(tmp_path, capsys):
     def fake(workload, *, steps, reference, env, **options):
         if workload.strategy == "remat":
             raise RuntimeError("the measuring process failed (exit code 1): boom")
-        return {
-            "strategy": workload.strategy,
-            "grad_rel_err": 0.0,
-            "step_time_ms": 1.0,
-            "compiled_temp_bytes": 1,
-            "compiled_host_temp_bytes": 0,
-            "peak_bytes_in_use": None,
-            "images_per_s": 2.0,
-            "model": "resnet18",
-            "batch": 2,
-            "image_size": 32,
-            "dtype": "float32",
-            "device": "cpu",
-        }
+        return Record.from_json(
+            {
+                "strategy": workload.strategy,
+                "grad_rel_err": 0.0,
+                "step_time_ms": 1.0,
+                "compiled_temp_bytes": 1,
+                "compiled_host_temp_bytes": 0,
+                "peak_bytes_in_use": None,
+                "images_per_s": 2.0,
+                "model": "resnet18",
+                "batch": 2,
+                "image_size": 32,
+                "dtype": "float32",
+                "device": "cpu",
+            }
+        )
 
-    monkeypatch.setattr(benchmark, "measure_in_subprocess", fake)
-    monkeypatch.setattr(benchmark, "probe_device", lambda env=None: {"platform": "cpu"})
+    children = stand_in_children(measure=fake, probe=lambda env=None: {"platform": "cpu"})
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["bench", "--strategies", "none,remat,offload", "--out", str(tmp_path)])
+        argv = ["bench", "--strategies", "none,remat,offload", "--out", str(tmp_path)]
+        cli.main(argv, children=children)
     assert exit_info.value.code == 2
     assert "1 failed (records.json has the rest" in capsys.readouterr().err
     records = json.loads((tmp_path / "records.json").read_text())
@@ -258,64 +370,54 @@ def test_a_failing_strategy_is_recorded_and_the_others_still_run(monkeypatch, tm
 
 
 def test_transfer_bound_uses_the_twins_compute_and_the_records_own_link():
-    from jaxoffload.bench import benchmark
-
     records = [
-        {"strategy": "none", "step_time_ms": 30.0, "forward_ms": 10.0},
-        {"strategy": "remat", "step_time_ms": 40.0},
-        {"strategy": "jax-offload", "step_time_ms": 300.0, "d2h_gbps": 50.0, "h2d_gbps": 25.0,
-         "device_to_host_bytes": 5 * 10**9, "host_to_device_bytes": 10**8},
-        {"strategy": "offload", "out_of_memory": True},
+        Record(strategy="none", step_time_ms=30.0, forward_ms=10.0),
+        Record(strategy="remat", step_time_ms=40.0),
+        Record(strategy="jax-offload", step_time_ms=300.0, d2h_gbps=50.0, h2d_gbps=25.0,
+               device_to_host_bytes=5 * 10**9, host_to_device_bytes=10**8),
+        Record(strategy="offload", out_of_memory=True),
     ]  # fmt: skip
-    benchmark.add_transfer_bounds(records)
-    offload = records[2]
+    add_transfer_bounds(records)
+    offload = records[2].to_json()
     # forward: max(10 ms, 5 GB / 50 GB/s = 100 ms); backward: max(20 ms, 0.1 GB / 25 GB/s = 4 ms).
     assert offload["bound_ms"] == pytest.approx(120.0)
     assert offload["bound_ratio"] == pytest.approx(2.5)
     assert (offload["fwd_compute_ms"], offload["bwd_compute_ms"]) == (10.0, 20.0)
     assert offload["offloaded_bytes"] == 5 * 10**9 and offload["compute_twin"] == "none"
-    assert "bound_ms" not in records[1] and "bound_ms" not in records[3]
+    assert "bound_ms" not in records[1].to_json() and "bound_ms" not in records[3].to_json()
 
 
 def test_measure_link_moves_bytes_both_ways():
-    from jaxoffload.bench import benchmark
-
-    link = benchmark.measure_link(nbytes=2**20, runs=1)
+    link = measure_link(nbytes=2**20, runs=1)
     assert set(link) == {"d2h_gbps", "h2d_gbps", "link_devices"} and min(link.values()) > 0
     assert link["link_devices"] == 1  # the first device, alone
 
 
 def test_requested_host_bytes_match_the_traced_step_and_allocate_nothing():
-    from jaxoffload.bench import benchmark
-
-    workload = benchmark.Workload("flax-vgg11", 2, 32, "float32", "offload")
-    step, state, batch, _ = benchmark.train_step(workload)
+    workload = Workload("flax-vgg11", 2, 32, "float32", "offload")
+    step, state, batch, _ = train_step(workload)
     report = jaxoffload.memory_report(step, state, batch, on_dropped="ignore")
-    assert benchmark.requested_host_bytes(workload) == report.requested_bytes > 0
+    assert requested_host_bytes(workload) == report.requested_bytes > 0
     # At ImageNet size it only traces: no state is allocated.
-    big = benchmark.Workload("flax-vgg19", 128, 224, "bfloat16", "offload")
-    assert benchmark.requested_host_bytes(big) > 1.5 * 10**9
-    none = benchmark.Workload("flax-vgg11", 2, 32, "float32", "none")
-    assert benchmark.requested_host_bytes(none) == 0
+    big = Workload("flax-vgg19", 128, 224, "bfloat16", "offload")
+    assert requested_host_bytes(big) > 1.5 * 10**9
+    none = Workload("flax-vgg11", 2, 32, "float32", "none")
+    assert requested_host_bytes(none) == 0
 
 
-def test_planned_strategy_failures_and_empty_plans_are_reported(monkeypatch, tmp_path, capsys):
-    import dataclasses
-
-    from jaxoffload.bench import benchmark
-
+def test_planned_strategy_failures_and_empty_plans_are_reported(tmp_path, capsys):
     failing = ""  # which process runs out of memory: "plan", "measure" or neither
 
     def fake_plan(workload, *, env, **budget):
         if failing == "plan":
-            raise benchmark.OutOfMemory("RESOURCE_EXHAUSTED")
+            raise OutOfMemory("RESOURCE_EXHAUSTED")
         return dataclasses.replace(workload, plan=("lean",) * 8, window=2)
 
     def fake_measure(workload, *, steps, reference, env, **options):
         planned = workload.strategy == "offload-hidden"
         if planned and failing == "measure":
-            raise benchmark.OutOfMemory("RESOURCE_EXHAUSTED")
-        return {
+            raise OutOfMemory("RESOURCE_EXHAUSTED")
+        return Record.from_json({
             "strategy": workload.strategy, "grad_rel_err": 0.0, "step_time_ms": 1.0,
             "compiled_temp_bytes": 1, "compiled_host_temp_bytes": 0, "peak_bytes_in_use": None,
             "images_per_s": 2.0, "model": "vgg11", "batch": 2, "image_size": 32,
@@ -323,19 +425,19 @@ def test_planned_strategy_failures_and_empty_plans_are_reported(monkeypatch, tmp
             "h2d_gbps": 1.0, "plan": list(workload.plan) if planned else None,
             "offloaded_blocks": 0, "window": workload.window, "device_to_host_bytes": 0,
             "host_to_device_bytes": 0,
-        }  # fmt: skip
+        })  # fmt: skip
 
-    monkeypatch.setattr(benchmark, "plan_in_subprocess", fake_plan)
-    monkeypatch.setattr(benchmark, "measure_in_subprocess", fake_measure)
-    monkeypatch.setattr(benchmark, "probe_device", lambda env=None: {"platform": "cpu"})
+    children = stand_in_children(
+        plan_hidden=fake_plan, measure=fake_measure, probe=lambda env=None: {"platform": "cpu"}
+    )
     argv = ["bench", "--model", "vgg11", "--strategies", "offload-hidden"]
     # A plan that offloads nothing is said, not left for the reader to spot.
-    cli.main([*argv, "--out", str(tmp_path / "empty")])
+    cli.main([*argv, "--out", str(tmp_path / "empty")], children=children)
     assert "'offload-hidden' offloads nothing here" in capsys.readouterr().err
     # A planned strategy that fails still gives its record: with its plan if the
     # planning process finished, with no block count if it did not.
     for failing in ("measure", "plan"):
-        cli.main([*argv, "--out", str(tmp_path / failing)])
+        cli.main([*argv, "--out", str(tmp_path / failing)], children=children)
         record = json.loads((tmp_path / failing / "records.json").read_text())[-1]
         assert record["out_of_memory"], failing
         assert record["offloaded_blocks"] == (0 if failing == "measure" else None), failing
@@ -347,35 +449,33 @@ def test_budgets_parse_and_make_plan_workloads():
         with pytest.raises(argparse.ArgumentTypeError, match=error):
             cli.parse_budgets(bad)
     with pytest.raises(ValueError, match="takes a budget"):
-        benchmark.Workload("flax-resnet18", 2, 32, "float32", "plan")
+        Workload("flax-resnet18", 2, 32, "float32", "plan")
     with pytest.raises(ValueError, match="reference model"):
-        benchmark.Workload("resnet18", 2, 32, "float32", "plan", budget=0.5)
+        Workload("resnet18", 2, 32, "float32", "plan", budget=0.5)
     with pytest.raises(ValueError, match="needs its plan"):
-        _ = benchmark.Workload(
-            "flax-resnet18", 2, 32, "float32", "plan", budget=0.5
-        ).block_strategies
+        _ = Workload("flax-resnet18", 2, 32, "float32", "plan", budget=0.5).block_strategies
 
 
 def test_plan_budgets_are_shares_of_the_none_peak_less_the_allocator_s_excess():
-    none = {"strategy": "none", "step_time_ms": 1.0, "compiled_temp_bytes": 800,
-            "compiled_argument_bytes": 100, "peak_bytes_in_use": 1000}  # fmt: skip
+    none = Record(strategy="none", step_time_ms=1.0, compiled_temp_bytes=800,
+                  compiled_argument_bytes=100, peak_bytes_in_use=1000)  # fmt: skip
     # Half of the 1000-byte peak, less the 100 bytes the allocator held beyond the program's.
-    assert benchmark._budget_bytes([0.5, 1.0], [none]) == [400, 900]
-    assert benchmark._budget_bytes([0.5], [{**none, "peak_bytes_in_use": None}]) == [450]
+    assert budget_bytes([0.5, 1.0], [none]) == [400, 900]
+    assert budget_bytes([0.5], [dataclasses.replace(none, peak_bytes_in_use=None)]) == [450]
 
 
 def test_gradient_errors_are_flagged_against_the_same_arithmetic_control():
     records = [
-        {"strategy": "none", "grad_rel_err": 0.0},
-        {"strategy": "remat", "grad_rel_err": 1e-3},
-        {"strategy": "lean", "grad_rel_err": 1.9e-3},
-        {"strategy": "offload", "grad_rel_err": 5e-3},
-        {"strategy": "plan", "budget": 0.5, "grad_rel_err": None},
+        Record(strategy="none", grad_rel_err=0.0),
+        Record(strategy="remat", grad_rel_err=1e-3),
+        Record(strategy="lean", grad_rel_err=1.9e-3),
+        Record(strategy="offload", grad_rel_err=5e-3),
+        Record(strategy="plan", budget=0.5, grad_rel_err=None),
     ]
-    assert [r["strategy"] for r in cli.gradient_flags(records)] == ["offload"]
+    assert [r.strategy for r in gradient_flags(records)] == ["offload"]
     # Without the control, or where it is exact, nothing can be read as rounding.
-    assert cli.gradient_flags([r for r in records if r["strategy"] != "remat"]) == []
-    assert cli.gradient_flags([{**records[1], "grad_rel_err": 0.0}, records[3]]) == []
+    assert gradient_flags([r for r in records if r.strategy != "remat"]) == []
+    assert gradient_flags([dataclasses.replace(records[1], grad_rel_err=0.0), records[3]]) == []
 
 
 def _never(*args, **kwargs):
@@ -383,9 +483,7 @@ def _never(*args, **kwargs):
 
 
 @pytest.mark.parametrize("kind", ["file", "read-only folder"])
-def test_an_unusable_out_is_refused_before_anything_is_measured(
-    kind, monkeypatch, tmp_path, capsys
-):
+def test_an_unusable_out_is_refused_before_anything_is_measured(kind, tmp_path, capsys):
     out = tmp_path / "out"
     if kind == "file":
         out.write_text("an earlier result")
@@ -395,17 +493,38 @@ def test_an_unusable_out_is_refused_before_anything_is_measured(
         if os.access(out, os.W_OK):  # root writes anywhere, but not into sysfs
             out = pathlib.Path("/sys")
         message = f"--out {out}: cannot write records there (Permission denied)"
-    monkeypatch.setattr(benchmark, "probe_device", _never)
-    monkeypatch.setattr(benchmark, "measure_in_subprocess", _never)
+    children = stand_in_children(probe=_never, measure=_never)
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["bench", "--out", str(out)])
+        cli.main(["bench", "--out", str(out)], children=children)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
 
-def test_an_interrupted_run_keeps_its_records_and_resumes_with_the_rest(
-    monkeypatch, tmp_path, capsys
-):
+@pytest.mark.parametrize(
+    ("text", "holds"),
+    [
+        ('{"strategy": "none"}', "holds an object with the keys ['strategy'], not a list of "
+         "bench records"),
+        ('[{"strategy": "none"}, "lean"]', 'holds a string ("lean") at index 1 of its list, '
+         "where a bench record (an object with a 'strategy' string) belongs"),
+        ("3", "holds a number (3), not a list of bench records"),
+    ],
+)  # fmt: skip
+def test_resume_refuses_a_records_file_that_holds_no_list_of_records(text, holds, tmp_path, capsys):
+    (tmp_path / "records.json").write_text(text)
+    children = stand_in_children(probe=_never, measure=_never)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--out", str(tmp_path), "--resume"], children=children)
+    assert exit_info.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert (
+        f"jaxoffload bench: error: --resume: {tmp_path / 'records.json'} {holds}: give the --out "
+        "folder of an earlier bench run, or leave out --resume to measure afresh"
+    ) in err
+    assert "Traceback" not in err
+
+
+def test_an_interrupted_run_keeps_its_records_and_resumes_with_the_rest(tmp_path, capsys):
     measured, interrupt = [], "remat"
 
     def fake(workload, *, steps, reference, env, **options):
@@ -416,12 +535,11 @@ def test_an_interrupted_run_keeps_its_records_and_resumes_with_the_rest(
             pathlib.Path(reference).write_bytes(b"its gradient")  # as measure() does
         return bench_record(workload, run=len(measured))
 
-    monkeypatch.setattr(benchmark, "measure_in_subprocess", fake)
-    monkeypatch.setattr(benchmark, "probe_device", lambda env=None: {"platform": "cpu"})
+    children = stand_in_children(measure=fake, probe=lambda env=None: {"platform": "cpu"})
     argv = ["bench", "--batch", "2", "--steps", "1", "--out", str(tmp_path)]
     argv += ["--strategies", "none,lean,remat,offload"]
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(argv)
+        cli.main(argv, children=children)
     assert exit_info.value.code == 130
     assert "run the same command with --resume" in capsys.readouterr().err
     records = json.loads((tmp_path / "records.json").read_text())
@@ -433,7 +551,7 @@ def test_an_interrupted_run_keeps_its_records_and_resumes_with_the_rest(
     # The same command resumed measures only the rest, and keeps what was measured.
     measured.clear()
     interrupt = ""
-    cli.main([*argv, "--resume"])
+    cli.main([*argv, "--resume"], children=children)
     assert measured == ["remat", "offload"]
     assert "kept none, lean; measuring remat, offload" in capsys.readouterr().err
     records = json.loads((tmp_path / "records.json").read_text())
@@ -443,14 +561,14 @@ def test_an_interrupted_run_keeps_its_records_and_resumes_with_the_rest(
     # A complete run removes the reference gradient: resumed with nothing to compare,
     # 'none' is kept; a strategy added later is compared with a new 'none' run.
     measured.clear()
-    cli.main([*argv, "--resume"])
+    cli.main([*argv, "--resume"], children=children)
     assert measured == []
-    cli.main([*argv[:-1], "none,lean,remat,offload,remat-dots", "--resume"])
+    cli.main([*argv[:-1], "none,lean,remat,offload,remat-dots", "--resume"], children=children)
     assert measured == ["none", "remat-dots"]
 
     # Records of another configuration are not mixed in.
     with pytest.raises(SystemExit) as exit_info:
-        cli.main([*argv, "--resume", "--batch", "4"])
+        cli.main([*argv, "--resume", "--batch", "4"], children=children)
     assert exit_info.value.code == 2
     assert (
         f"--resume: {tmp_path / 'records.json'} holds 'none' measured with --batch 2, and this "
@@ -458,10 +576,7 @@ def test_an_interrupted_run_keeps_its_records_and_resumes_with_the_rest(
     ) in capsys.readouterr().err
 
 
-def test_grad_accum_and_devices_reach_the_workloads_the_notes_and_resume(
-    monkeypatch, tmp_path, capsys
-):
-    _compiled_first_here(monkeypatch)
+def test_grad_accum_and_devices_reach_the_workloads_the_notes_and_resume(tmp_path, capsys):
     measured = []
 
     def fake(workload, *, steps, reference, env, **options):
@@ -473,12 +588,11 @@ def test_grad_accum_and_devices_reach_the_workloads_the_notes_and_resume(
             workload, accumulation_steps=2, grad_rel_err=0.5, grad_rel_err_note=note
         )
 
-    monkeypatch.setattr(benchmark, "measure_in_subprocess", fake)
     probe = {"platform": "cpu", "device_count": 4}
-    monkeypatch.setattr(benchmark, "probe_device", lambda env=None: probe)
+    children = _children(measure=fake, probe=lambda env=None: probe)
     argv = ["bench", "--strategies", "grad-accum", "--micro-batch", "4", "--devices", "4"]
     argv += ["--steps", "1", "--out", str(tmp_path)]
-    cli.main(argv)
+    cli.main(argv, children=children)
     # No reference is added: the accumulation checks itself against its own whole step.
     assert measured == [("grad-accum", 4, 4)]
     out, err = capsys.readouterr()
@@ -488,14 +602,14 @@ def test_grad_accum_and_devices_reach_the_workloads_the_notes_and_resume(
         "batch of 8" in " ".join(err.split())
     )
     with pytest.raises(SystemExit):
-        cli.main([*argv, "--resume", "--micro-batch", "8"])
+        cli.main([*argv, "--resume", "--micro-batch", "8"], children=children)
     assert (
         "holds 'grad-accum' measured with --micro-batch 4, and this command has --micro-batch 8"
         in capsys.readouterr().err
     )
     probe = {"platform": "cpu", "device_count": 1}
     with pytest.raises(SystemExit):
-        cli.main(argv)
+        cli.main(argv, children=children)
     assert (
         "--devices 4: jax sees 1 cpu devices here; on CPU, "
         "XLA_FLAGS=--xla_force_host_platform_device_count=4 gives more"
@@ -503,15 +617,15 @@ def test_grad_accum_and_devices_reach_the_workloads_the_notes_and_resume(
 
 
 def test_a_size_search_runs_in_a_process_of_its_own_which_says_why_it_cannot_on_cpu():
-    workload = benchmark.Workload("flax-resnet18", 2, 32, "float32", "none")
+    workload = Workload("flax-resnet18", 2, 32, "float32", "none")
     with pytest.raises(RuntimeError, match="needs a device that reports its memory limit"):
-        benchmark.largest_in_subprocess(workload, "image_size", time_limit_s=1.0)
+        Children().largest(workload, "image_size", time_limit_s=1.0)
 
 
 H200 = {"platform": "gpu", "device": "NVIDIA H200", "bytes_limit": 75 * 2**30, "device_count": 1}
 
 
-def _fake_size_search(monkeypatch, searches, fail=()):
+def _size_search(searches, fail=()):
     """Stands in for each search's process: records ``(strategy, axis, plan)``; sizes are made up.
 
     A search named in ``fail`` (``(name, axis)``, name ``"plan"`` for the planned model) raises
@@ -528,32 +642,35 @@ def _fake_size_search(monkeypatch, searches, fail=()):
         size = {"batch": 64, "image_size": 96}[axis] * (3 if plan else 1)
         speed = {"batch": "images_per_s", "image_size": "ms_per_megapixel"}[axis]
         floor = {f"max_{axis}_min_speed": min_speed} if plan else {}
-        return {f"max_{axis}": size, f"max_{axis}_{speed}": 100.0 + size,
-                f"max_{axis}_step_ms": 5.0, f"max_{axis}_stopped": None, **floor}  # fmt: skip
+        return Record.from_json({
+            "strategy": name, f"max_{axis}": size, f"max_{axis}_{speed}": 100.0 + size,
+            f"max_{axis}_step_ms": 5.0, f"max_{axis}_stopped": None, **floor,
+        })  # fmt: skip
 
-    monkeypatch.setattr(benchmark, "largest_in_subprocess", fake)
+    return fake
 
 
 def test_size_searches_reach_each_uniform_strategy_and_the_planned_model(
     monkeypatch, tmp_path, capsys
 ):
-    _compiled_first_here(monkeypatch)
     searches = []
-    _fake_size_search(monkeypatch, searches)
-    monkeypatch.setattr(
-        benchmark, "measure_in_subprocess",
-        lambda workload, **_: bench_record(
-            workload, device="NVIDIA H200", compiled_argument_bytes=0
-        ),
-    )  # fmt: skip
     # --budget's plan fits nothing here: its record is a plan@0.5 beside the searches' plan.
     no_plan = {"no_plan": "no plan fits", "least_share": 0.9, "platform": "gpu", "planning_s": 1.0}
-    monkeypatch.setattr(benchmark, "plan_budgets_in_subprocess", lambda *a, **k: [no_plan])
-    monkeypatch.setattr(benchmark, "probe_device", lambda env=None: H200)
+    children = _children(
+        largest=_size_search(searches),
+        measure=lambda workload, **_: bench_record(
+            workload, device="NVIDIA H200", compiled_argument_bytes=0
+        ),
+        plan_budgets=lambda *a, **k: [no_plan],
+        probe=lambda env=None: H200,
+    )
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     argv = ["bench", "--model", "flax-resnet50", "--strategies", "none,lean,grad-accum",
             "--micro-batch", "4", "--budget", "0.5", "--steps", "1", "--out", str(tmp_path)]  # fmt: skip
-    cli.main([*argv, "--max-batch", "--max-image-size", "--memory-cap", "16", "--time-limit", "42"])
+    cli.main(
+        [*argv, "--max-batch", "--max-image-size", "--memory-cap", "16", "--time-limit", "42"],
+        children=children,
+    )
     cap = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.160000"}  # 16 of the device's 100 GiB
     # Not grad-accum (its micro-batch sets its memory), nor --budget's plan (made for one batch).
     assert searches == [
@@ -561,7 +678,9 @@ def test_size_searches_reach_each_uniform_strategy_and_the_planned_model(
         for name in ("none", "lean", "plan")
         for axis in ("batch", "image_size")
     ]
-    records = {cli._name(r): r for r in json.loads((tmp_path / "records.json").read_text())}
+    records = {
+        Record.from_json(r).name: r for r in json.loads((tmp_path / "records.json").read_text())
+    }
     assert list(records) == ["none", "lean", "grad-accum", "plan@0.5", "plan"]
     plan = records["plan"]
     assert "budget" not in plan and records["plan@0.5"]["budget"] == 0.5
@@ -586,30 +705,30 @@ def test_size_searches_reach_each_uniform_strategy_and_the_planned_model(
 
 
 def test_a_speed_floor_reaches_the_planned_search_alone_and_resuming_with_another_reruns_it(
-    monkeypatch, tmp_path, capsys
+    tmp_path, capsys
 ):
-    _compiled_first_here(monkeypatch)
     searches = []
-    _fake_size_search(monkeypatch, searches)
-    monkeypatch.setattr(benchmark, "measure_in_subprocess", lambda w, **_: bench_record(w))
-    monkeypatch.setattr(benchmark, "probe_device", lambda env=None: H200)
+    children = _children(
+        largest=_size_search(searches),
+        measure=lambda w, **_: bench_record(w),
+        probe=lambda env=None: H200,
+    )
     argv = ["bench", "--strategies", "none", "--steps", "1", "--out", str(tmp_path), "--max-batch"]
-    cli.main([*argv, "--min-speed", "0.7"])
-    records = {cli._name(r): r for r in json.loads((tmp_path / "records.json").read_text())}
+    cli.main([*argv, "--min-speed", "0.7"], children=children)
+    records = {
+        Record.from_json(r).name: r for r in json.loads((tmp_path / "records.json").read_text())
+    }
     assert records["plan"]["max_batch_min_speed"] == 0.7
     assert "max_batch_min_speed" not in records["none"]
     searches.clear()
-    cli.main([*argv, "--min-speed", "0.5", "--resume"])
+    cli.main([*argv, "--min-speed", "0.5", "--resume"], children=children)
     assert [s[:2] for s in searches] == [("plan", "batch")]
     with pytest.raises(SystemExit):
-        cli.main(["bench", "--min-speed", "0.7", "--out", str(tmp_path)])
+        cli.main(["bench", "--min-speed", "0.7", "--out", str(tmp_path)], children=children)
     assert "--min-speed 0.7 is a share" in capsys.readouterr().err
 
 
-def test_resumed_size_searches_keep_what_was_found_and_search_the_rest(
-    monkeypatch, tmp_path, capsys
-):
-    _compiled_first_here(monkeypatch)
+def test_resumed_size_searches_keep_what_was_found_and_search_the_rest(tmp_path, capsys):
     searches, measured = [], []
 
     def fake_measure(workload, *, reference, **_):
@@ -618,23 +737,27 @@ def test_resumed_size_searches_keep_what_was_found_and_search_the_rest(
             pathlib.Path(reference).write_bytes(b"its gradient")  # as measure() does
         return bench_record(workload)
 
-    monkeypatch.setattr(benchmark, "measure_in_subprocess", fake_measure)
-    monkeypatch.setattr(benchmark, "probe_device", lambda env=None: H200)
+    def children(fail=()):
+        return _children(
+            measure=fake_measure, probe=lambda env=None: H200, largest=_size_search(searches, fail)
+        )
+
     argv = ["bench", "--strategies", "none,lean", "--steps", "1", "--out", str(tmp_path)]
     # Interrupted during the planned model's search: what was found is in records.json.
-    _fake_size_search(monkeypatch, searches, fail=[(("plan", "batch"), KeyboardInterrupt)])
     with pytest.raises(SystemExit) as exit_info:
-        cli.main([*argv, "--max-batch"])
+        cli.main(
+            [*argv, "--max-batch"], children=children([(("plan", "batch"), KeyboardInterrupt)])
+        )
     assert exit_info.value.code == 130
     records = json.loads((tmp_path / "records.json").read_text())
-    assert [(cli._name(r), r.get("max_batch")) for r in records] == [
+    assert [(Record.from_json(r).name, r.get("max_batch")) for r in records] == [
         ("none", 64), ("lean", 64), ("plan", None)
     ]  # fmt: skip
     # Resumed, only that search runs; it fails, which is said and recorded, not lost.
     searches.clear()
-    _fake_size_search(monkeypatch, searches, fail=[(("plan", "batch"), RuntimeError("boom"))])
+    failing = children([(("plan", "batch"), RuntimeError("boom"))])
     with pytest.raises(SystemExit) as exit_info:
-        cli.main([*argv, "--max-batch", "--resume"])
+        cli.main([*argv, "--max-batch", "--resume"], children=failing)
     assert exit_info.value.code == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "kept none, lean; measuring nothing more; searching plan batch." in err
@@ -645,29 +768,28 @@ def test_resumed_size_searches_keep_what_was_found_and_search_the_rest(
     assert [s[:2] for s in searches] == [("plan", "batch")] and measured == ["none", "lean"]
     # Resumed again, with the other axis too: what was found is kept, the rest searched.
     searches.clear()
-    _fake_size_search(monkeypatch, searches)
-    cli.main([*argv, "--max-batch", "--max-image-size", "--resume"])
+    cli.main([*argv, "--max-batch", "--max-image-size", "--resume"], children=children())
     assert [s[:2] for s in searches] == [
         ("none", "image_size"), ("lean", "image_size"), ("plan", "batch"), ("plan", "image_size")
     ]  # fmt: skip
     assert measured == ["none", "lean"]
     records = json.loads((tmp_path / "records.json").read_text())
-    assert [(cli._name(r), r["max_batch"], r["max_image_size"]) for r in records] == [
+    assert [(Record.from_json(r).name, r["max_batch"], r["max_image_size"]) for r in records] == [
         ("none", 64, 96), ("lean", 64, 96), ("plan", 192, 288)
     ]  # fmt: skip
     assert "max_batch_error" not in records[2]
 
 
-def test_progress_off_a_terminal_is_a_plain_line_per_step(monkeypatch, tmp_path, capsys):
+def test_progress_off_a_terminal_is_a_plain_line_per_step(tmp_path, capsys):
     def fake(workload, *, steps, reference, env, **options):
         if workload.strategy == "remat":
             raise RuntimeError("the measuring process failed (exit code 1):\nboom")
         return bench_record(workload)
 
-    monkeypatch.setattr(benchmark, "measure_in_subprocess", fake)
-    monkeypatch.setattr(benchmark, "probe_device", lambda env=None: {"platform": "cpu"})
+    children = stand_in_children(measure=fake, probe=lambda env=None: {"platform": "cpu"})
     with pytest.raises(SystemExit):  # remat failed
-        cli.main(["bench", "--strategies", "none,remat", "--steps", "1", "--out", str(tmp_path)])
+        argv = ["bench", "--strategies", "none,remat", "--steps", "1", "--out", str(tmp_path)]
+        cli.main(argv, children=children)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
     assert [re.sub(r"\([\d.]+ s\)", "(T s)", line) for line in lines] == [
         "[1/2] none on flax-resnet18, batch 8: compile and 1 steps",
@@ -684,7 +806,7 @@ def test_progress_is_plain_lines_when_only_stdout_is_redirected(monkeypatch):
         is_terminal = True
 
     monkeypatch.setattr(sys.stdout, "isatty", lambda: False, raising=False)
-    assert cli._Progress(Terminal(), total=1).bar is None
+    assert Progress(Terminal(), total=1).bar is None
 
 
 def test_version_and_defaults_in_help(capsys):

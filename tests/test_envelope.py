@@ -6,8 +6,10 @@ import pytest
 from helpers import bench_record
 from rich.console import Console
 
-from jaxoffload.bench import benchmark, cli
+from jaxoffload.bench.console import say_notes
 from jaxoffload.bench.envelope import envelope_step, pareto_front
+from jaxoffload.bench.plots import plot_records
+from jaxoffload.bench.workload import Workload
 
 GIB = 2**30
 # (memory, step) of Store, Lean, Remat and Offload, shaped like a ResNet's on a GPU.
@@ -46,7 +48,7 @@ def _records(peaks: bool) -> list[dict]:
     """Uniform records and two plans, with runtime peaks (as on a GPU) or without (CPU)."""
     records = []
     for strategy, (memory, step) in UNIFORM.items():
-        w = benchmark.Workload("flax-resnet18", 2, 32, "float32", strategy)
+        w = Workload("flax-resnet18", 2, 32, "float32", strategy)
         peak = int(memory * GIB) if peaks else None
         records.append(
             bench_record(
@@ -54,7 +56,7 @@ def _records(peaks: bool) -> list[dict]:
             )
         )
     for budget, peak, step in [(0.5, 4.8, 44.2), (0.35, 3.6, 47.0)]:
-        w = benchmark.Workload("flax-resnet18", 2, 32, "float32", "plan", budget=budget)
+        w = Workload("flax-resnet18", 2, 32, "float32", "plan", budget=budget)
         plan = {"budget": budget, "budget_bytes": int(budget * 10 * GIB), "step_time_ms": step,
                 "compiled_temp_bytes": int(peak * GIB),
                 "peak_bytes_in_use": int(peak * GIB) if peaks else None,
@@ -69,7 +71,7 @@ def test_plot_draws_the_envelope_and_the_budgets(peaks, tmp_path, monkeypatch):
 
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to read it
-    path = cli.plot_records(_records(peaks), tmp_path / "pareto.png")
+    path = plot_records(_records(peaks), tmp_path / "pareto.png")
     assert path.read_bytes()[:4] == b"\x89PNG"
     ax = figures[0].axes[0]
     lines = {line.get_label(): line for line in ax.get_lines()}
@@ -83,7 +85,7 @@ def test_plot_draws_the_envelope_and_the_budgets(peaks, tmp_path, monkeypatch):
 
 def _notes(records) -> str:
     console = Console(width=300, record=True, file=open(os.devnull, "w"))
-    cli._say_notes(records, console)
+    say_notes(records, console)
     return console.export_text()
 
 

@@ -10,8 +10,10 @@ from helpers import normal, rel_err
 
 import jaxoffload
 from jaxoffload import Lean, Offload, Plan, Remat, Store
-from jaxoffload.bench import benchmark, models
+from jaxoffload.bench import models
 from jaxoffload.bench.models import flax_convnext, flax_mobilenet, flax_unet
+from jaxoffload.bench.step import cross_entropy, train_step
+from jaxoffload.bench.workload import Workload
 
 
 @pytest.mark.parametrize(
@@ -141,21 +143,19 @@ def test_the_bench_trains_a_segmentation_model_on_label_maps():
     # Traced, not compiled: the labels, the loss and the offloaded blocks of the registered U-Net.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", jaxoffload.OffloadWarning)
-        workload = benchmark.Workload("flax-unet", 2, 32, "float32", "offload")
-        step, state, batch, _ = benchmark.train_step(workload, abstract=True)
+        workload = Workload("flax-unet", 2, 32, "float32", "offload")
+        step, state, batch, _ = train_step(workload, abstract=True)
         assert workload.num_classes == 2 and workload.offloaded_blocks == 9
         assert batch[1].shape == (2, 32, 32) and batch[1].dtype == jnp.int32
         calls = jaxoffload.offloaded_calls(step, state, batch)
         assert sum(c.host_bytes > 0 for c in calls) == 9
         assert jax.eval_shape(step, state, batch)[1].shape == ()
     # Classifiers keep one label per image, and their 1000 classes.
-    classify = benchmark.Workload("flax-mobilenetv2", 2, 32, "float32", "none")
+    classify = Workload("flax-mobilenetv2", 2, 32, "float32", "none")
     assert classify.num_classes == 1000
-    assert benchmark.train_step(classify, abstract=True)[2][1].shape == (2,)
+    assert train_step(classify, abstract=True)[2][1].shape == (2,)
     with pytest.raises(ValueError, match="divisible by 16, got 40x40"):
-        benchmark.train_step(
-            benchmark.Workload("flax-unet", 1, 40, "float32", "none"), abstract=True
-        )
+        train_step(Workload("flax-unet", 1, 40, "float32", "none"), abstract=True)
 
 
 def test_per_pixel_loss_is_the_mean_over_pixels():
@@ -164,18 +164,18 @@ def test_per_pixel_loss_is_the_mean_over_pixels():
     # Each pixel's -log softmax at its label, in numpy.
     log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     per_pixel = -np.take_along_axis(log_p, labels[..., None], -1)
-    loss = benchmark._loss(jnp.asarray(logits, jnp.float32), jnp.asarray(labels))
+    loss = cross_entropy(jnp.asarray(logits, jnp.float32), jnp.asarray(labels))
     assert float(loss) == pytest.approx(per_pixel.mean(), rel=1e-6)
     with pytest.raises(ValueError, match=r"logits \(2, 3\) do not match the labels \(2, 4, 4\)"):
-        benchmark._loss(jnp.asarray(logits[:, 0, 0]), jnp.asarray(labels))
+        cross_entropy(jnp.asarray(logits[:, 0, 0]), jnp.asarray(labels))
 
 
 def test_the_bench_trains_a_model_without_batch_stats():
     # ConvNeXt's state holds no collection but its parameters: the step's model state is empty.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", jaxoffload.OffloadWarning)
-        workload = benchmark.Workload("flax-convnext-tiny", 2, 32, "float32", "offload")
-        step, state, batch, _ = benchmark.train_step(workload, abstract=True)
+        workload = Workload("flax-convnext-tiny", 2, 32, "float32", "offload")
+        step, state, batch, _ = train_step(workload, abstract=True)
         (params, model_state, _), loss = jax.eval_shape(step, state, batch)
     assert state[1] == {} and model_state == {} and loss.shape == ()
     assert jax.tree.structure(params) == jax.tree.structure(state[0])

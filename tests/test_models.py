@@ -9,8 +9,10 @@ from helpers import normal, rel_err
 import jaxoffload
 from jaxoffload import Lean, Offload, Remat, Store
 from jaxoffload.bench import models
-from jaxoffload.bench.benchmark import Workload, requested_host_bytes
+from jaxoffload.bench.measure import requested_host_bytes
 from jaxoffload.bench.models import resnet
+from jaxoffload.bench.step import train_step
+from jaxoffload.bench.workload import Workload
 
 
 @pytest.mark.parametrize(
@@ -194,7 +196,7 @@ def test_bad_strategies_and_models_are_named():
     with pytest.raises(ValueError, match="wraps one block class"):
         models.create("flax-resnet18", strategy=(Lean(), Store()) * 4)
     with pytest.raises(ValueError, match="the stem takes"):
-        resnet._stem_strategy(Offload(), (Store(),))
+        resnet.stem_strategy(Offload(), (Store(),))
 
 
 def test_lean_offload_asks_to_move_fewer_bytes_than_lean_keeps():
@@ -221,7 +223,7 @@ def test_lean_offload_asks_to_move_fewer_bytes_than_lean_keeps():
 
 
 def _abstract_step(workload):
-    step, state, batch, _ = jaxoffload.bench.benchmark.train_step(workload, abstract=True)
+    step, state, batch, _ = train_step(workload, abstract=True)
     return step, state, batch
 
 
@@ -248,5 +250,5 @@ def test_resnet_stem_follows_the_blocks_unless_told():
         ((Offload(), Lean()), Lean()),
         ((Offload(), Offload()), Remat()),
     ]:
-        assert resnet._stem_strategy(None, strategies) == expected, strategies
-    assert resnet._stem_strategy(Store(), (Offload(), Offload())) == Store()
+        assert resnet.stem_strategy(None, strategies) == expected, strategies
+    assert resnet.stem_strategy(Store(), (Offload(), Offload())) == Store()

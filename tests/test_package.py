@@ -1,10 +1,14 @@
-"""What ``import jaxoffload`` loads: the library, not the benchmark harness."""
+"""What ``import jaxoffload`` loads: the library, not the benchmark harness; and when."""
 
+import ast
 import json
+import pathlib
 import subprocess
 import sys
 
 import pytest
+
+import jaxoffload
 
 
 def _modules_after(statement: str) -> set[str]:
@@ -18,7 +22,8 @@ def _modules_after(statement: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def library_modules() -> set[str]:
-    return _modules_after("import jaxoffload")
+    # Every public name read: the face imports each when it is first read.
+    return _modules_after("from jaxoffload import *")
 
 
 def test_import_jaxoffload_loads_no_harness(library_modules):
@@ -37,3 +42,35 @@ def test_import_jaxoffload_adds_nothing_to_flax_but_itself(library_modules):
     loaded_by_flax = {m.split(".")[0] for m in _modules_after("import flax.linen, flax.nnx")}
     added = {m.split(".")[0] for m in library_modules} - loaded_by_flax
     assert added - set(sys.stdlib_module_names) == {"jaxoffload"}, added
+
+
+def test_import_jaxoffload_imports_no_jax_until_a_name_is_read():
+    # `python -m jaxoffload` runs the package first: the command refuses a bad flag before
+    # jax is imported (tests/test_cli.py times it).
+    modules = _modules_after("import jaxoffload")
+    assert "jax" not in modules and "jaxoffload._src.transform" not in modules
+    assert "jax" in _modules_after("import jaxoffload; jaxoffload.Offload")
+
+
+def test_the_face_imports_for_type_checkers_what_it_imports_when_read():
+    """The names that ``jaxoffload.__getattr__`` imports, and from where, are the imports
+    under ``TYPE_CHECKING``, one for one."""
+    tree = ast.parse(pathlib.Path(jaxoffload.__file__).read_text())
+    (checking,) = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+    ]
+    imported = {}
+    for node in checking.body:
+        for alias in node.names:
+            assert alias.asname == alias.name, ast.unparse(node)  # re-exported as itself
+            module = f"{node.module}.{alias.name}" if node.module == "jaxoffload" else node.module
+            imported[alias.name] = module
+    (sources,) = [
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "_SOURCES"
+    ]
+    assert imported == sources
+    assert set(jaxoffload.__all__) <= set(imported)

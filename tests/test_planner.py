@@ -9,8 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxoffload
-from jaxoffload.bench import benchmark, models
+from jaxoffload.bench import models
 from jaxoffload.bench.hidden import plan_hidden_offload
+from jaxoffload.bench.planning import hidden_offload_workload, time_offloaded_calls
+from jaxoffload.bench.step import train_step
+from jaxoffload.bench.workload import Workload
 
 LINK = {"d2h_gbps": 50.0, "h2d_gbps": 40.0}
 
@@ -106,12 +109,12 @@ def test_bad_arguments_are_named():
 
 
 def test_hidden_workload_plans_from_each_blocks_residual_bytes():
-    workload = benchmark.Workload("vgg11", 2, 32, "float32", "offload-hidden")
+    workload = Workload("vgg11", 2, 32, "float32", "offload-hidden")
     with pytest.raises(ValueError, match="needs a plan"):
         _ = workload.block_strategies
     # A fast link: every block fits, except the last, which has no block after
     # it to hide behind; chosen blocks are a window apart.
-    planned = benchmark.hidden_offload_workload(
+    planned = hidden_offload_workload(
         workload, fwd_ms=10.0, bwd_ms=20.0, d2h_gbps=1e6, h2d_gbps=1e6
     )
     chosen = [i for i, s in enumerate(planned.plan) if s == "offload"]
@@ -122,8 +125,8 @@ def test_hidden_workload_plans_from_each_blocks_residual_bytes():
 
 
 def test_offloaded_calls_count_each_blocks_convolutions():
-    step, state, batch, _ = benchmark.train_step(
-        benchmark.Workload("vgg11", 2, 32, "float32", "offload"), abstract=True
+    step, state, batch, _ = train_step(
+        Workload("vgg11", 2, 32, "float32", "offload"), abstract=True
     )
     calls = jaxoffload.offloaded_calls(step, state, batch)
     # vgg11: (channels in, channels out, resolution) of each 3x3 convolution.
@@ -133,8 +136,8 @@ def test_offloaded_calls_count_each_blocks_convolutions():
 
 
 def test_residuals_per_call_gives_one_list_per_block():
-    step, state, batch, _ = benchmark.train_step(
-        benchmark.Workload("resnet18", 2, 32, "bfloat16", "offload"), abstract=True
+    step, state, batch, _ = train_step(
+        Workload("resnet18", 2, 32, "bfloat16", "offload"), abstract=True
     )
     calls = jaxoffload.residuals_per_call(step, state, batch)
     assert len(calls) == models.num_blocks("resnet18")
@@ -148,6 +151,6 @@ def test_each_call_is_timed_alone_and_equal_programs_once():
     wide = jaxoffload.offload(lambda w, x: jnp.tanh(x @ w) @ w.T, device_argnums=0)
     step = jax.grad(lambda w, x: wide(w, layer(w, layer(w, x))).sum())
     calls = jaxoffload.offloaded_calls(step, jnp.ones((64, 64)), jnp.ones((32, 64)))
-    times = benchmark.time_offloaded_calls(calls, runs=2)
+    times = time_offloaded_calls(calls, runs=2)
     assert len(times) == 3 and min(times) > 0
     assert times[0] == times[1]  # one program, timed once

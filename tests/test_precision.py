@@ -3,7 +3,10 @@
 import jax
 
 from jaxoffload import Lean, Plan, Remat
-from jaxoffload.bench import benchmark, precision
+from jaxoffload.bench import precision
+from jaxoffload.bench.record import Record
+from jaxoffload.bench.step import linen_model, train_step
+from jaxoffload.bench.workload import Workload
 
 MODEL, SIZE = "flax-resnet18", 32
 
@@ -23,9 +26,9 @@ def _record(strategy, dtype="bfloat16", **fields):
 
 def _a_plan() -> dict:
     """Remat on the first block, Lean on the rest, by the plannable model's block paths."""
-    w = benchmark.Workload(model=MODEL, batch=2, image_size=SIZE, dtype="float32", strategy="none")
-    model = benchmark.linen_model(w, plannable=True)
-    images = benchmark.train_step(w, abstract=True)[2][0]
+    w = Workload(model=MODEL, batch=2, image_size=SIZE, dtype="float32", strategy="none")
+    model = linen_model(w, plannable=True)
+    images = train_step(w, abstract=True)[2][0]
     shapes = jax.eval_shape(lambda x: model.init(jax.random.key(0), x, True), images)
     paths = sorted(
         (p for p in shapes["params"] if p.startswith("ResNetBlock")),
@@ -45,7 +48,7 @@ def test_strategies_and_plans_are_checked_against_float32_beside_store():
         {**_record("remat"), "step_time_ms": None, "out_of_memory": True},
     ]
     records[-1].pop("step_time_ms")
-    lines = precision.errors_against_float32(records, batch=4)
+    lines = precision.errors_against_float32([Record.from_json(r) for r in records], batch=4)
     assert [line["strategy"] for line in lines] == ["none", "lean", "plan"]
     store = lines[0]
     assert store["ratio_to_store"] == 1.0 and store["grad_err_f32"] > 1e-4  # bf16 is not exact
@@ -56,5 +59,7 @@ def test_strategies_and_plans_are_checked_against_float32_beside_store():
 
 def test_the_reference_is_what_float32_computes_on_the_same_images():
     """The control that makes the check able to fail: float32 against itself is exact."""
-    (line,) = precision.errors_against_float32([_record("none", dtype="float32")], batch=4)
+    (line,) = precision.errors_against_float32(
+        [Record.from_json(_record("none", dtype="float32"))], batch=4
+    )
     assert line["grad_err_f32"] < 1e-5

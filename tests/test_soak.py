@@ -15,8 +15,8 @@ import pytest
 from helpers import normal, rel_err
 
 import jaxoffload
-from jaxoffload.bench import benchmark
 from jaxoffload.bench.models import flax_resnet, plain_model
+from jaxoffload.bench.step import cross_entropy, sgd_step
 
 STEPS = 1000
 WARM_UP = 100
@@ -71,10 +71,10 @@ def _train(strategy, variables, batch):
         logits, model_state = model.apply(
             {"params": params, **model_state}, x, True, mutable=["batch_stats"]
         )
-        return benchmark._loss(logits, labels), model_state
+        return cross_entropy(logits, labels), model_state
 
     # The bench's step: SGD with momentum on (params, model_state, opt_state).
-    step = jax.jit(benchmark._sgd_step(loss_fn, tx), donate_argnums=0)
+    step = jax.jit(sgd_step(loss_fn, tx), donate_argnums=0)
     params, model_state = variables["params"], {"batch_stats": variables["batch_stats"]}
     # Copies, since the step donates its state and every strategy starts from these.
     state = jax.tree.map(jnp.copy, (params, model_state, tx.init(params)))

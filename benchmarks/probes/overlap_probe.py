@@ -20,8 +20,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxoffload import Lean, Offload
-from jaxoffload._src import schedule, timing, traces
+import jaxoffload
+from jaxoffload import Lean, Offload, internal
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 
@@ -85,7 +85,7 @@ def lines_of(folder):
 
 
 def overlap_record(run, folder, steps=5):
-    o = traces.measure_overlap(run, steps=steps, warmup=1, log_dir=folder)
+    o = jaxoffload.measure_overlap(run, steps=steps, warmup=1, log_dir=folder)
     rec = o.fields()
     rec["summary"] = o.summary()
     rec["timeline"] = [(a.kind, a.start_ns, a.end_ns, a.name[:40], a.nbytes) for a in o.timeline]
@@ -132,7 +132,8 @@ def minimal(out):
             if "+" in name:
                 rec.update(
                     overlap_record(
-                        lambda c=c, args=args: c(*args), os.path.join(out, "trace-" + name.replace("+", "_"))
+                        lambda c=c, args=args: c(*args),
+                        os.path.join(out, "trace-" + name.replace("+", "_")),
                     )
                 )
                 with gzip.open(
@@ -165,13 +166,14 @@ VARIANTS = {
 
 def copy_profile(text):
     """Each host copy priced at its bytes over 52 GB/s (the link as measured), for fdo_profile."""
-    return schedule.copy_cost_profile(text, 52.0)
+    return internal.copy_cost_profile(text, 52.0)
 
 
 def resnet50(variant, out, options):
-    from jaxoffload.bench import benchmark, models
+    from jaxoffload.bench import models, workload
+    from jaxoffload.bench import step as bench_step
 
-    w = benchmark.Workload(
+    w = workload.Workload(
         model="flax-resnet50",
         batch=int(os.environ.get("BATCH", 256)),
         image_size=int(os.environ.get("IMAGE", 224)),
@@ -181,13 +183,9 @@ def resnet50(variant, out, options):
     model = models.create(
         "flax-resnet50", strategy=(VARIANTS[variant],) * 16, dtype=jnp.bfloat16, num_classes=1000
     )
-    step, state, batch, _ = benchmark.training(w, model, abstract=False)
+    step, state, batch, _ = bench_step.training(w, model, abstract=False)
     step = jax.jit(step, donate_argnums=0)
     fdo = options.pop("fdo", None)
-    if options.pop("nopack", None):
-        from jaxoffload._src import transfers
-
-        transfers.PACK_BELOW = 0
     t = time.perf_counter()
     lowered = step.lower(state, batch)
     compiled = lowered.compile(options) if options else lowered.compile()
@@ -232,7 +230,7 @@ def resnet50(variant, out, options):
     }
     rec.update(overlap_record(run, os.path.join(out, "trace-" + tag)))
     holder.clear()  # the state, freed before the link is probed
-    rec.update(timing.measure_link(2**30, devices=jax.devices()[:1]))
+    rec.update(internal.measure_link(2**30, devices=jax.devices()[:1]))
     json.dump(rec, open(os.path.join(out, f"{tag}.json"), "w"), indent=1, default=str)
     print(
         tag, {k: v for k, v in rec.items() if k not in ("timeline", "lines", "times")}, flush=True

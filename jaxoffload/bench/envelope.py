@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 # The strategies that give one choice to every block, whose points make the envelope that
 # plans are judged against: the four the planner's acceptance names.
@@ -76,3 +77,13 @@ def _lower_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
             hull.pop()
         hull.append((m, s))
     return hull
+
+
+def uniform_points(records: Sequence[Any], key: str) -> dict[str, tuple[float, float]]:
+    """``(memory at key, step)`` of each measured strategy of :data:`UNIFORM_STRATEGIES`,
+    from records (:class:`jaxoffload.bench.record.Record`): ``key`` names their memory field."""
+    return {
+        r.strategy: (getattr(r, key), r.step_time_ms)
+        for r in records
+        if r.strategy in UNIFORM_STRATEGIES and r.step_time_ms is not None and getattr(r, key)
+    }

@@ -1,22 +1,22 @@
 """The bench's size search: :func:`jaxoffload.largest_size` on a workload's training step.
 
-Run it in a fresh process: its confirming step reads the process's runtime peak.
-``python -m jaxoffload.bench.fit WORKLOAD OPTIONS`` (JSON, as
-:func:`jaxoffload.bench.benchmark.largest_in_subprocess` gives them) prints its fields.
+Run it in a fresh process (:meth:`jaxoffload.bench.child.Children.largest`): its
+confirming step reads the process's runtime peak.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
 import time
-from typing import Any
 
 import jax
 
 import jaxoffload
-from jaxoffload.bench import benchmark, models
+from jaxoffload.bench import models
+from jaxoffload.bench.measure import device_fields
+from jaxoffload.bench.record import Record, SizeSearch
+from jaxoffload.bench.step import linen_model, training
+from jaxoffload.bench.workload import Workload
 
 __all__ = ["AXES", "largest"]
 
@@ -24,7 +24,7 @@ __all__ = ["AXES", "largest"]
 # size that a step's bytes grow with: the batch, or the images' side. Sides are multiples
 # of 16, so that a U-Net's four halvings and doublings meet its skips.
 AXES = {"batch": (1, 1.0), "image_size": (16, 2.0)}
-# The smallest size of each axis that a workload takes (benchmark.Workload checks it), and
+# The smallest size of each axis that a workload takes (Workload checks it), and
 # the largest searched: a segmentation net's one image may reach thousands of pixels a side.
 SMALLEST = {"batch": 1, "image_size": 32}
 LARGEST = {"batch": 4096, "image_size": 8192}
@@ -34,7 +34,7 @@ ALLOCATOR_SLACK = 0.03
 
 
 def largest(
-    workload: benchmark.Workload,
+    workload: Workload,
     axis: str,
     *,
     plan: bool = False,
@@ -42,7 +42,7 @@ def largest(
     time_limit_s: float = 300.0,
     limit: int | None = None,
     min_speed: float | None = None,
-) -> dict[str, Any]:
+) -> Record:
     """The largest ``axis`` (``"batch"`` or ``"image_size"``) at which the workload's step fits.
 
     Args:
@@ -55,9 +55,10 @@ def largest(
         limit is :data:`LARGEST`'s by default.
 
     Returns:
-      The record's fields, named for the axis: ``max_batch``,
-      ``max_batch_images_per_s``, ``max_batch_step_ms``, ... (or ``max_image_size``,
-      with ``max_image_size_ms_per_megapixel``); and the device and versions.
+      A record of the search alone: the workload's strategy (``"plan"`` with ``plan``),
+      the device and versions, and what the search found (``searches[axis]``, written as
+      ``max_batch``, ``max_batch_images_per_s``, ``max_batch_step_ms``, ... or
+      ``max_image_size``, with ``max_image_size_ms_per_megapixel``).
     """
     if axis not in AXES:
         raise ValueError(f"axis must be one of {sorted(AXES)}, got {axis!r}.")
@@ -75,7 +76,7 @@ def largest(
     smallest = -(-SMALLEST[axis] // multiple) * multiple
 
     def args_at(size):
-        _, state, batch, _ = benchmark.training(
+        _, state, batch, _ = training(
             dataclasses.replace(workload, **{axis: size}), model, abstract=True
         )
         return state, batch
@@ -88,47 +89,46 @@ def largest(
         donate_argnums=(0,), min_speed=min_speed,
     )  # fmt: skip
     # The versions too: the planned model's search record has no measured step to carry them.
-    device = benchmark.device_fields(jax.devices()[0])
-    fields = _fields(workload, axis, found, time.perf_counter() - began)
+    found = _found(workload, axis, found, time.perf_counter() - began)
     if plan:
-        fields[f"max_{axis}_min_speed"] = min_speed
-    return {**device, **fields}
+        found = found.with_fields(min_speed=min_speed)
+    return Record.of(
+        strategy="plan" if plan else workload.strategy,
+        **device_fields(jax.devices()[0]),
+        searches={axis: found},
+    )
 
 
-def _model_and_step(workload: benchmark.Workload, plan: bool):
+def _model_and_step(workload: Workload, plan: bool):
     """The model as the library takes it, and ``step(model, state, batch)``."""
     if models.is_nnx(workload.model):
         raise NotImplementedError("the size search takes the linen models of the bench.")
 
     def step(model, state, batch):
-        return benchmark.training(workload, model, abstract=None)[0](state, batch)
+        return training(workload, model, abstract=None)[0](state, batch)
 
-    return benchmark.linen_model(workload, plannable=plan), step
+    return linen_model(workload, plannable=plan), step
 
 
-def _fields(workload, axis, found: jaxoffload.Fit, search_s: float) -> dict[str, Any]:
-    name = f"max_{axis}"
+def _found(workload, axis, found: jaxoffload.Fit, search_s: float) -> SizeSearch:
+    """What the search found, and at what speed."""
     batch = found.size if axis == "batch" else workload.batch
     side = found.size if axis == "image_size" else workload.image_size
-    fields = {
-        name: found.size,
-        f"{name}_step_ms": found.step_ms,
-        f"{name}_images_per_s": batch / found.step_ms * 1e3 if found.step_ms else None,
-        f"{name}_peak_bytes": found.peak_bytes,
-        f"{name}_compiled_bytes": found.compiled_bytes,
-        f"{name}_confirmed": found.confirmed,
-        f"{name}_budget_bytes": found.budget_bytes,
-        f"{name}_probes": [list(p) for p in found.probes],
-        f"{name}_search_s": search_s,
-        f"{name}_stopped": found.stopped,
-    }
+    fields = {}
     if axis == "image_size" and found.step_ms:
-        fields[f"{name}_ms_per_megapixel"] = found.step_ms / (batch * side * side / 1e6)
+        fields["ms_per_megapixel"] = found.step_ms / (batch * side * side / 1e6)
     if found.plan is not None:
-        fields[f"{name}_plan"] = found.plan.to_dict()
-    return fields
-
-
-if __name__ == "__main__":
-    workload, options = (json.loads(a) for a in sys.argv[1:3])
-    print(json.dumps(largest(benchmark.Workload(**workload), **options)), flush=True)
+        fields["plan"] = found.plan.to_dict()
+    return SizeSearch.of(
+        size=found.size,
+        step_ms=found.step_ms,
+        images_per_s=batch / found.step_ms * 1e3 if found.step_ms else None,
+        peak_bytes=found.peak_bytes,
+        compiled_bytes=found.compiled_bytes,
+        confirmed=found.confirmed,
+        budget_bytes=found.budget_bytes,
+        probes=[list(p) for p in found.probes],
+        search_s=search_s,
+        stopped=found.stopped,
+        **fields,
+    )

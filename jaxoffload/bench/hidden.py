@@ -56,7 +56,7 @@ def plan_hidden_offload(
     blocks are at least ``w`` apart, so that no two transfers share the link.
     Each block's share of the compute time, forward and backward, is its share
     of ``block_costs``, or an equal share without them. Measured times are the
-    better costs (:func:`jaxoffload.bench.benchmark.time_offloaded_calls`): FLOPs
+    better costs (:func:`jaxoffload.bench.planning.time_offloaded_calls`): FLOPs
     (:attr:`jaxoffload.OffloadedCall.flops`) give every ResNet-50 identity
     bottleneck the same share, though the wide ones take several times as long as
     the narrow ones (docs/history.md).

@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxoffload._src.layers import relu
+from jaxoffload.internal import relu
 
 __all__ = [
     "BatchNorm",

@@ -14,7 +14,8 @@ import argparse
 import json
 import pathlib
 
-from jaxoffload.bench.cli import plot_records
+from jaxoffload.bench.plots import plot_records
+from jaxoffload.bench.record import Record
 
 
 def main(argv=None) -> None:
@@ -22,8 +23,8 @@ def main(argv=None) -> None:
     parser.add_argument("records", type=pathlib.Path, nargs="+", help="JSON record files")
     parser.add_argument("--out", type=pathlib.Path, required=True, help="PNG path")
     args = parser.parse_args(argv)
-    records = [r for path in args.records for r in json.loads(path.read_text())]
-    models = {(r["model"], r["batch"], r.get("image_size")) for r in records}
+    records = [Record.from_json(r) for path in args.records for r in json.loads(path.read_text())]
+    models = {(r.model, r.batch, r.image_size) for r in records}
     if len(models) != 1:
         parser.error(f"the files hold different workloads: {sorted(models)}")
     if plot_records(records, args.out) is None:

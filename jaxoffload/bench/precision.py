@@ -20,13 +20,16 @@ import dataclasses
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxoffload.bench import benchmark
+from jaxoffload.bench.gradients import gradient_at, relative_error
+from jaxoffload.bench.measure import device_fields
+from jaxoffload.bench.record import Record
+from jaxoffload.bench.step import train_step
+from jaxoffload.bench.workload import STRATEGIES, Workload
 
 __all__ = ["TOLERANCE", "errors_against_float32", "gradient"]
 
@@ -34,39 +37,39 @@ __all__ = ["TOLERANCE", "errors_against_float32", "gradient"]
 TOLERANCE = 0.10
 
 
-def gradient(workload: benchmark.Workload, images: jax.Array | None = None) -> list[np.ndarray]:
-    """The workload's gradient at its initial parameters (:func:`benchmark.gradient_at`).
+def gradient(workload: Workload, images: jax.Array | None = None) -> list[np.ndarray]:
+    """The workload's gradient at its initial parameters (:func:`~jaxoffload.bench.gradients.gradient_at`).
 
     ``images`` replaces the workload's own (cast to its dtype), so that a
     reference in another dtype sees the same pixels.
     """
-    _, state, batch, loss_fn = benchmark.train_step(workload)
+    _, state, batch, loss_fn = train_step(workload)
     if images is not None:
         batch = (images.astype(jnp.dtype(workload.dtype)), *batch[1:])
-    return benchmark.gradient_at(loss_fn, *state[:2], batch)
+    return gradient_at(loss_fn, *state[:2], batch)
 
 
-def _small(record: dict[str, Any], batch: int) -> benchmark.Workload | None:
+def _small(record: Record, batch: int) -> Workload | None:
     """The record's workload at ``batch`` images, or ``None`` if it has no gradient to check."""
-    strategy = record.get("strategy")
-    if "step_time_ms" not in record or record.get("micro_batch") is not None:
+    strategy = record.strategy
+    if record.step_time_ms is None or record.micro_batch is not None:
         return None
-    if strategy not in benchmark.STRATEGIES and strategy != "plan":
+    if strategy not in STRATEGIES and strategy != "plan":
         return None
-    return benchmark.Workload(
-        model=record["model"],
+    return Workload(
+        model=record.model,
         batch=batch,
-        image_size=record["image_size"],
-        dtype=record["dtype"],
+        image_size=record.image_size,
+        dtype=record.dtype,
         strategy=strategy,
-        window=record.get("window", 1),
-        plan=record.get("plan"),
-        budget=record.get("budget"),
-        planned=record.get("planned"),
+        window=1 if record.window is None else record.window,
+        plan=record.plan,
+        budget=record.budget,
+        planned=record.planned,
     )
 
 
-def errors_against_float32(records: Sequence[dict[str, Any]], batch: int = 8) -> list[dict]:
+def errors_against_float32(records: Sequence[Record], batch: int = 8) -> list[dict]:
     """Per record with a gradient, its error and Store's against the float32 reference.
 
     The records must be one model's, at one image size and dtype, with a
@@ -78,7 +81,7 @@ def errors_against_float32(records: Sequence[dict[str, Any]], batch: int = 8) ->
     if store is None:
         raise ValueError("the records hold no 'none' run: Store is the control.")
     reference_workload = dataclasses.replace(store, dtype="float32")
-    images = benchmark.train_step(store, abstract=False)[2][0].astype(jnp.float32)
+    images = train_step(store, abstract=False)[2][0].astype(jnp.float32)
     with jax.default_matmul_precision("highest"):
         reference = gradient(reference_workload, images)
     errors: dict[str, float] = {}  # each distinct workload compiled once
@@ -86,7 +89,7 @@ def errors_against_float32(records: Sequence[dict[str, Any]], batch: int = 8) ->
     def error_of(workload):
         key = json.dumps(dataclasses.asdict(workload), sort_keys=True)
         if key not in errors:
-            errors[key] = benchmark.relative_error(gradient(workload, images), reference)
+            errors[key] = relative_error(gradient(workload, images), reference)
         return errors[key]
 
     store_error = error_of(store)
@@ -104,7 +107,7 @@ def errors_against_float32(records: Sequence[dict[str, Any]], batch: int = 8) ->
                 "store_grad_err_f32": store_error,
                 "ratio_to_store": error / store_error if store_error else None,
                 "holds": error <= (1 + TOLERANCE) * store_error,
-                **benchmark.device_fields(jax.devices()[0]),
+                **device_fields(jax.devices()[0]),
             }
         )
     return lines
@@ -117,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", help="where to write the lines (JSON); stdout by default")
     args = parser.parse_args(argv)
     with open(args.results) as f:
-        records = json.load(f)
+        records = [Record.from_json(r) for r in json.load(f)]
     lines = errors_against_float32(records, args.batch)
     text = json.dumps(lines, indent=1)
     if args.out:

@@ -1,6 +1,6 @@
 """PyTorch peer of ``jaxoffload bench``: torchvision models, each memory mode in a fresh process.
 
-The same training step as :func:`jaxoffload.bench.benchmark.train_step`, written the
+The same training step as :func:`jaxoffload.bench.step.train_step`, written the
 way a PyTorch user would: torchvision VGG19 or ResNet-50, ``channels_last``,
 bf16 autocast, softmax cross-entropy, SGD with momentum 0.9. Modes:
 
@@ -169,7 +169,7 @@ def _time_steps(step, *, warmup: int, steps: int):
 def _gradient_error(model, opt, backward, initial, reference: str) -> float:
     """The gradient at the initial parameters, against the one stored at ``reference``."""
     # The same comparison as jaxoffload bench's (importing jax starts no device client).
-    from jaxoffload.bench.benchmark import gradient_error
+    from jaxoffload.bench.gradients import gradient_error
 
     model.load_state_dict(initial)
     opt.zero_grad(set_to_none=True)

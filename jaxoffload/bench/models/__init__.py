@@ -24,6 +24,13 @@ import jax.numpy as jnp
 
 from jaxoffload import Lean, Store, Strategy
 from jaxoffload import linen as offload_linen
+from jaxoffload.bench.catalog import MODEL_NAMES as MODEL_NAMES
+from jaxoffload.bench.catalog import RESNETS, check_model
+from jaxoffload.bench.catalog import TASKS as TASKS
+from jaxoffload.bench.catalog import default_num_classes as default_num_classes
+from jaxoffload.bench.catalog import is_nnx as is_nnx
+from jaxoffload.bench.catalog import is_plain as is_plain
+from jaxoffload.bench.catalog import task as task
 from jaxoffload.bench.models import (
     flax_convnext,
     flax_mobilenet,
@@ -35,7 +42,6 @@ from jaxoffload.bench.models import (
 from jaxoffload.bench.models.common import check_strategies as check_strategies
 from jaxoffload.bench.models.common import uses_lean_layers as uses_lean_layers
 from jaxoffload.bench.models.common import wrap_block as wrap_block
-from jaxoffload.bench.models.resnet import RESNETS
 from jaxoffload.bench.models.resnet import BasicBlock as BasicBlock
 from jaxoffload.bench.models.resnet import BottleneckBlock as BottleneckBlock
 from jaxoffload.bench.models.resnet import ResNet as ResNet
@@ -47,6 +53,7 @@ from jaxoffload.bench.models.vgg import VGG19 as VGG19
 from jaxoffload.bench.models.vgg import ConvBlock as ConvBlock
 from jaxoffload.bench.models.vgg import num_conv_blocks
 
+# Each model name of jaxoffload.bench.catalog is built below (tests/test_models.py checks).
 _VGGS = {"vgg11": VGG11, "vgg13": VGG13, "vgg16": VGG16, "vgg19": VGG19}
 
 # name: (model constructor, the block class that strategies wrap)
@@ -84,12 +91,6 @@ _BLOCK_COUNT = {
     # A double conv at each level down, one at the bottom, one at each level up.
     flax_unet.UNet: lambda model: 2 * model.depth + 1,
 }
-# What each model is trained for, when not "classify" (see `task`).
-_TASKS = {"flax-unet": "segment"}
-# The number of classes a model is built with by default, when not ImageNet's 1000: the
-# U-Net paper's two (cell and background), which also keep its per-pixel logits small.
-_NUM_CLASSES = {"flax-unet": 2}
-TASKS = ("classify", "segment")
 
 
 def _outside_blocks(strategy: Strategy) -> Strategy | None:
@@ -102,13 +103,6 @@ def _outside_blocks(strategy: Strategy) -> Strategy | None:
     """
     return Lean() if strategy.cuts or strategy.to_host else None
 
-
-MODEL_NAMES = tuple(
-    [*_PLAIN, *_NNX]
-    + sorted(
-        [*_VGGS, *(f"{name}_bn" for name in _VGGS), *RESNETS], key=lambda n: (n[:3], len(n), n)
-    )
-)
 
 __all__ = [
     "MODEL_NAMES",
@@ -137,46 +131,9 @@ __all__ = [
 ]
 
 
-def is_plain(name: str) -> bool:
-    """Whether the named model is a plain-Flax one, whose code knows nothing of jaxoffload."""
-    _check_name(name)
-    return name in _PLAIN or name in _NNX
-
-
-def is_nnx(name: str) -> bool:
-    """Whether the named model is a plain Flax NNX one (build it with :func:`create_nnx`)."""
-    _check_name(name)
-    return name in _NNX
-
-
-def task(name: str) -> str:
-    """What the named model is trained for: one of ``TASKS``.
-
-    ``"classify"``: logits ``(batch, num_classes)``, one label per image.
-    ``"segment"``: logits ``(batch, height, width, num_classes)``, one label per pixel.
-
-    Example:
-      >>> task("flax-resnet18"), task("flax-unet")
-      ('classify', 'segment')
-    """
-    _check_name(name)
-    return _TASKS.get(name, "classify")
-
-
-def default_num_classes(name: str) -> int:
-    """The classes the named model is built with unless told: 1000 (ImageNet's), 2 for ``flax-unet``.
-
-    Example:
-      >>> default_num_classes("flax-resnet18"), default_num_classes("flax-unet")
-      (1000, 2)
-    """
-    _check_name(name)
-    return _NUM_CLASSES.get(name, 1000)
-
-
 def num_blocks(name: str) -> int:
     """How many blocks (each taking one strategy) the named model has."""
-    _check_name(name)
+    check_model(name)
     if name in _PLAIN:
         model, block = _PLAIN[name]
         base = model.func if isinstance(model, functools.partial) else model
@@ -217,7 +174,7 @@ def create(
       >>> type(model).__name__, model.block_cls.__name__
       ('ResNet', 'ResNetBlock')
     """
-    _check_name(name)
+    check_model(name)
     if name in _NNX:
         raise ValueError(f"{name} is an NNX model: build it with create_nnx.")
     n = num_blocks(name)
@@ -291,7 +248,7 @@ def create_nnx(
       >>> type(model).__name__, type(model.blocks[0]).__name__
       ('ResNet', 'ResNetBlock')
     """
-    _check_name(name)
+    check_model(name)
     if name not in _NNX:
         raise ValueError(f"{name} is a linen model: build it with create.")
     strategy = Store() if strategy is None else check_strategies((strategy,), 1)[0]
@@ -316,7 +273,7 @@ def wrap_nnx_blocks(model: Any, strategy: Strategy) -> Any:
 
 def nnx_block_class(name: str) -> type:
     """The block class of a plain NNX model: what ``jaxoffload.plan(..., blocks=)`` selects."""
-    _check_name(name)
+    check_model(name)
     if name not in _NNX:
         raise ValueError(f"{name} is not an NNX model; choose one of {', '.join(_NNX)}.")
     return _NNX[name][1]
@@ -335,7 +292,7 @@ def plannable_model(
       >>> model.block_cls.__name__
       'ResNetBlock'
     """
-    _check_name(name)
+    check_model(name)
     if name not in _PLAIN:
         raise ValueError(
             f"{name} is a reference model, which takes strategies per block directly; plan one "
@@ -348,8 +305,3 @@ def plannable_model(
         num_classes=default_num_classes(name) if num_classes is None else num_classes,
         dtype=dtype,
     )
-
-
-def _check_name(name: str) -> None:
-    if name not in MODEL_NAMES:
-        raise ValueError(f"Unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}.")

@@ -13,8 +13,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxoffload import Lean, Remat, Store, Strategy
 from jaxoffload import linen as offload_linen
-from jaxoffload._src.layers import relu, relu_max_pool
 from jaxoffload.bench import layers
+from jaxoffload.bench.catalog import RESNETS as RESNETS
 from jaxoffload.bench.models.common import (
     CONV_NAME,
     check_strategies,
@@ -22,18 +22,10 @@ from jaxoffload.bench.models.common import (
     uses_lean_layers,
     wrap_block,
 )
+from jaxoffload.internal import relu, relu_max_pool
 from jaxoffload.strategies import check_strategy
 
 __all__ = ["BasicBlock", "BottleneckBlock", "ResNet", "RESNETS"]
-
-# name: (blocks per stage, block kind)
-RESNETS = {
-    "resnet18": ((2, 2, 2, 2), "basic"),
-    "resnet34": ((3, 4, 6, 3), "basic"),
-    "resnet50": ((3, 4, 6, 3), "bottleneck"),
-    "resnet101": ((3, 4, 23, 3), "bottleneck"),
-    "resnet152": ((3, 8, 36, 3), "bottleneck"),
-}
 
 
 def _layers(dtype: Any, train: bool, lean: bool = False):
@@ -64,7 +56,7 @@ def _layers(dtype: Any, train: bool, lean: bool = False):
     return conv, norm, norm_relu_conv, nn.relu
 
 
-def _stem_strategy(stem: Strategy | None, block_strategies: Sequence[Strategy]) -> Strategy:
+def stem_strategy(stem: Strategy | None, block_strategies: Sequence[Strategy]) -> Strategy:
     """The stem's strategy: ``stem``, or one that suits the blocks when ``stem`` is ``None``.
 
     ``Store()`` uses flax's layers, ``Lean()`` the lean ones (the convolution's
@@ -232,7 +224,7 @@ class ResNet(nn.Module):
             raise ValueError(f"block must be 'basic' or 'bottleneck', got {self.block!r}.")
         strategies = check_strategies(self.block_strategies, sum(self.stage_sizes))
         kind = BasicBlock if self.block == "basic" else BottleneckBlock
-        stem = _stem_strategy(self.stem, strategies)
+        stem = stem_strategy(self.stem, strategies)
         stem_module = offload_linen.wrap(_Stem, stem, static_argnums=(2,))
         x = stem_module(self.dtype, not stem.is_identity, name="stem")(x, train)
         blocks = [(stage, i) for stage, size in enumerate(self.stage_sizes) for i in range(size)]

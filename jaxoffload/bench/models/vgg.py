@@ -11,9 +11,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxoffload import Strategy
-from jaxoffload._src.layers import max_pool, relu, relu_max_pool
 from jaxoffload.bench import layers
 from jaxoffload.bench.models.common import CONV_NAME, check_strategies, uses_lean_layers, wrap_block
+from jaxoffload.internal import max_pool, relu, relu_max_pool
 
 __all__ = ["VGG", "ConvBlock", "VGG11", "VGG13", "VGG16", "VGG19", "num_conv_blocks"]
 

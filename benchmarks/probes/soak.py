@@ -1,6 +1,6 @@
 """A long training run under one strategy: is the step's memory and time steady?
 
-    python benchmarks/soak.py --model flax-resnet50 --strategy offload --batch 256 \
+    python benchmarks/probes/soak.py --model flax-resnet50 --strategy offload --batch 256 \
         --image-size 224 --dtype bfloat16 --steps 300 --out soak.json
 
 Trains ``jaxoffload bench``'s workload for ``--steps`` steps on its fixed batch
@@ -22,7 +22,8 @@ import flax
 import jax
 
 import jaxoffload
-from jaxoffload.bench import benchmark
+from jaxoffload.bench.step import train_step
+from jaxoffload.bench.workload import Workload
 
 
 def _rss_bytes() -> int:
@@ -30,8 +31,8 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def soak(workload: benchmark.Workload, steps: int) -> list[dict]:
-    step, state, batch, _ = benchmark.train_step(workload)
+def soak(workload: Workload, steps: int) -> list[dict]:
+    step, state, batch, _ = train_step(workload)
     rows = []
     for n in range(1, steps + 1):
         start = time.perf_counter()
@@ -63,7 +64,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    workload = benchmark.Workload(
+    workload = Workload(
         model=args.model,
         strategy=args.strategy,
         batch=args.batch,

@@ -1,6 +1,6 @@
 """What a model's blocks keep under Store() and Lean(), from traces alone (no device memory).
 
-    python benchmarks/traced_residuals.py MODEL BATCH IMAGE_SIZE
+    python benchmarks/probes/traced_residuals.py MODEL BATCH IMAGE_SIZE
 
 Every block takes the strategy, and the code outside them Lean() (so that Store() blocks are
 StoredCalls); the residuals of every call are summed, leaving out the Module variables that
@@ -13,19 +13,18 @@ import sys
 
 import jaxoffload
 from jaxoffload import Lean, Plan, Store
-from jaxoffload._src.planner.program import discover
-from jaxoffload.bench import benchmark
+from jaxoffload.bench.step import linen_model, training
+from jaxoffload.bench.workload import Workload
+from jaxoffload.internal import discover
 
 model_name, batch, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-w = benchmark.Workload(
-    model=model_name, batch=batch, image_size=size, dtype="bfloat16", strategy="none"
-)
-model = benchmark.linen_model(w, plannable=True)
-_, state, images, _ = benchmark.training(w, model, abstract=True)
+w = Workload(model=model_name, batch=batch, image_size=size, dtype="bfloat16", strategy="none")
+model = linen_model(w, plannable=True)
+_, state, images, _ = training(w, model, abstract=True)
 
 
 def step(model, state, batch):
-    return benchmark.training(w, model, abstract=None)[0](state, batch)
+    return training(w, model, abstract=None)[0](state, batch)
 
 
 paths, _ = discover(model, step, (state, images), None)

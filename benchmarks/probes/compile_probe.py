@@ -1,6 +1,6 @@
 """Compiles training steps without running them: device temp, host copies, and what is alive at the peak.
 
-    python benchmarks/compile_probe.py MODEL BATCH STRATEGY [STRATEGY ...] [--peaks]
+    python benchmarks/probes/compile_probe.py MODEL BATCH STRATEGY [STRATEGY ...] [--peaks]
 
 For each strategy (a ``jaxoffload bench`` name, with ``@W`` for an ``Offload``
 window of W, as in ``offload@2``), in this process: the compiled
@@ -64,15 +64,17 @@ def main():
 
 def _probe(name, args, dump):
     """One strategy's record: the compiled step, its twin if it asks for host copies, their peaks."""
-    from jaxoffload._src.report import analyze
-    from jaxoffload.bench import benchmark
+    from jaxoffload.bench.measure import compile_twin
+    from jaxoffload.bench.step import train_step
+    from jaxoffload.bench.workload import Workload
+    from jaxoffload.internal import analyze
 
     strategy, _, window = name.partition("@")
-    workload = benchmark.Workload(
+    workload = Workload(
         args.model, args.batch, args.image_size, "bfloat16", strategy, window=int(window or 1)
     )
     start = time.perf_counter()
-    step, state, batch, _ = benchmark.train_step(workload, abstract=True)
+    step, state, batch, _ = train_step(workload, abstract=True)
     traced = step.trace(state, batch)
     compiled = traced.lower().compile()
     report = analyze(traced, compiled, on_dropped="ignore")
@@ -88,7 +90,7 @@ def _probe(name, args, dump):
         record["peak"], record["alive_at_peak"] = _peak_breakdown(dump)
         _clear(dump)
     if report.requested_transfers:
-        twin, _ = benchmark.compile_twin(workload)
+        twin, _ = compile_twin(workload)
         record["twin_temp_bytes"] = twin.memory_analysis().temp_size_in_bytes
         if dump:
             record["twin_peak"], record["twin_alive_at_peak"] = _peak_breakdown(dump)

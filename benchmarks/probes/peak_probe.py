@@ -1,6 +1,6 @@
 """Where a measuring process's runtime peak comes from: making the state, compiling, or the step.
 
-    python benchmarks/peak_probe.py MODEL BATCH STRATEGY CACHE_DIR|-
+    python benchmarks/probes/peak_probe.py MODEL BATCH STRATEGY CACHE_DIR|-
 
 With CACHE_DIR, compiled programs go to (and come from) jax's persistent cache there: run it
 twice, and the second process loads the step rather than compile (and autotune) it.
@@ -11,7 +11,8 @@ import time
 
 import jax
 
-from jaxoffload.bench import benchmark
+from jaxoffload.bench.step import train_step
+from jaxoffload.bench.workload import Workload
 
 model, batch, strategy, cache = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 if cache != "-":
@@ -31,8 +32,8 @@ def say(what):
     )
 
 
-w = benchmark.Workload(model, batch, 224, "bfloat16", strategy)
-step, state, b, _ = benchmark.train_step(w)
+w = Workload(model, batch, 224, "bfloat16", strategy)
+step, state, b, _ = train_step(w)
 jax.block_until_ready(state)
 say("state and batch made")
 compiled = step.trace(state, b).lower().compile()

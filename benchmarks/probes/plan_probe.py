@@ -2,7 +2,7 @@
 plan with the model's bytes and ms beside the compiled bytes and the timed ms.
 
     OUT=folder [SHARES=0.75,0.5,0.35] [BLOCK_COSTS=timed|traced] \
-        python benchmarks/plan_probe.py MODEL BATCH IMAGE_SIZE
+        python benchmarks/probes/plan_probe.py MODEL BATCH IMAGE_SIZE
 
 writes OUT/plan-MODEL-bBATCH-IMAGE_SIZE.jsonl (one JSON object a line: "block", "plan",
 "noplan", "all" for every compiled plan after each budget, "cand" for the uniform plans and
@@ -15,15 +15,13 @@ import sys
 import time
 
 from jaxoffload import Lean, NoPlanFits
-from jaxoffload._src import timing
-from jaxoffload._src.planner.messages import summary
-from jaxoffload._src.planner.program import device_bytes, lower_step
-from jaxoffload._src.strategies import brief
-from jaxoffload.bench import benchmark
+from jaxoffload.bench.planning import planner_of
+from jaxoffload.bench.workload import Workload
+from jaxoffload.internal import brief, compile_all, device_bytes, lower_step, step_ms, summary
 
 model, batch, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 costs = os.environ.get("BLOCK_COSTS", "timed")
-w = benchmark.Workload(model, batch, size, "bfloat16", "none", block_costs=costs)
+w = Workload(model, batch, size, "bfloat16", "none", block_costs=costs)
 start = time.perf_counter()
 
 
@@ -39,7 +37,7 @@ def emit(**kw):
     out.flush()
 
 
-P = benchmark.planner_of(w, say)
+P = planner_of(w, say)
 for blk in P.blocks:
     for s, c in blk.costs.items():
         emit(
@@ -95,11 +93,11 @@ for s in P.options:
         emit(kind="cand", name=brief(s), **fields(c), measured_ms=P.step_ms(c))
 # The Lean variants are no options of the planner's: timed here, kept out of its compiled plans.
 extras = [P.uniform(Lean(max_slowdown=0.03)), P.uniform(Lean(max_recompute=0.0))]
-executables = timing.compile_all(
+executables = compile_all(
     [lower_step(P.model, P.step, P.args, c, P.donate_argnums) for c in extras]
 )
 for c, ex in zip(extras, executables):
-    got, ms = device_bytes(ex), timing.step_ms(ex, P.arrays, 3)
+    got, ms = device_bytes(ex), step_ms(ex, P.arrays, 3)
     name = summary(c.strategies)
     emit(kind="cand", name=name, summary=name, compiled=got, measured_ms=ms)
     say(f"{name}: compiled {got / 2**30:.2f} GiB, {ms:.1f} ms")

@@ -1,10 +1,10 @@
 """The bench's planning alone, from a cold compilation cache: what ``bench --budget`` plans.
 
-    OUT=folder python benchmarks/plan_only.py MODEL BATCH PEAK_BYTES SHARES
+    OUT=folder python benchmarks/probes/plan_only.py MODEL BATCH PEAK_BYTES SHARES
 
 Plans the bench's plain-Flax MODEL at BATCH (224², bf16, ``--block-costs traced``)
 for each share in SHARES (``0.75,0.5,0.35``) of PEAK_BYTES (Store's runtime
-peak, from a bench record), as :func:`jaxoffload.bench.benchmark.plan_budgets`
+peak, from a bench record), as :func:`jaxoffload.bench.plan_budgets`
 does, and writes OUT/planonly-MODEL.json (each budget's plan or why none
 fits, the planning time, the plans compiled). The planner's progress goes to
 stderr; one line a budget to stdout. Its step times are the planner's own, timed
@@ -16,16 +16,17 @@ import os
 import sys
 import time
 
-from jaxoffload.bench import benchmark
+from jaxoffload.bench.planning import plan_budgets
+from jaxoffload.bench.workload import Workload
 
 model, batch, peak = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 shares = [float(x) for x in sys.argv[4].split(",")]
-w = benchmark.Workload(
+w = Workload(
     model=model, batch=batch, image_size=224, dtype="bfloat16", strategy="none",
     block_costs="traced",
 )  # fmt: skip
 start = time.perf_counter()
-results = benchmark.plan_budgets(w, [int(s * peak) for s in shares])
+results = plan_budgets(w, [int(s * peak) for s in shares])
 record = {
     "model": model,
     "batch": batch,

@@ -1,6 +1,6 @@
 """Where compile time goes on a GPU: one block's programs in turn and at once, whole steps too.
 
-    python benchmarks/compile_parallel_probe.py MODEL BATCH WHOLE_STEPS(0|1) [plain-first]
+    python benchmarks/probes/compile_parallel_probe.py MODEL BATCH WHOLE_STEPS(0|1) [plain-first]
 
 With ``plain-first``, the plain step is compiled before the blocks' programs, as the planner
 does, to see whether its autotuned kernels make the blocks' programs cheap to compile at once.
@@ -13,14 +13,19 @@ import time
 
 from jax.extend import core as jex_core
 
+import jaxoffload
 from jaxoffload import Lean, Plan, Remat, Store
-from jaxoffload._src import timing, transform
-from jaxoffload._src.jaxprs import struct_of
-from jaxoffload._src.planner import search
-from jaxoffload._src.planner.costs import _distinct
-from jaxoffload._src.planner.program import discover, lower_step
-from jaxoffload._src.transfers import without_host_placement
-from jaxoffload.bench import benchmark
+from jaxoffload.bench.step import linen_model, training
+from jaxoffload.bench.workload import Workload
+from jaxoffload.internal import (
+    compile_all,
+    default_options,
+    discover,
+    lower_step,
+    struct_of,
+    vjp_programs,
+    without_host_placement,
+)
 
 T0 = time.perf_counter()
 
@@ -30,21 +35,22 @@ def say(s):
 
 
 model_name, batch, whole = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
-w = benchmark.Workload(
-    model=model_name, batch=batch, image_size=224, dtype="bfloat16", strategy="none"
-)
-m = benchmark.linen_model(w, plannable=True)
-_, state, b, _ = benchmark.training(w, m, abstract=True)
+w = Workload(model=model_name, batch=batch, image_size=224, dtype="bfloat16", strategy="none")
+m = linen_model(w, plannable=True)
+_, state, b, _ = training(w, m, abstract=True)
 
 
 def step(model, state, batch):
-    return benchmark.training(w, model, abstract=None)[0](state, batch)
+    return training(w, model, abstract=None)[0](state, batch)
 
 
 paths, calls = discover(m, step, (state, b), None)
-distinct = list(_distinct(calls).values())
+first_of_each = {}  # the first call of each distinct block program
+for call in calls:
+    first_of_each.setdefault((str(call.forward), call.device_inputs), call)
+distinct = list(first_of_each.values())
 say(f"traced: {len(paths)} blocks, {len(distinct)} distinct")
-strategies = list(dict.fromkeys(s.costed() for s in search.default_options()))
+strategies = list(dict.fromkeys(s.costed() for s in default_options()))
 
 
 def lowered_of(call):
@@ -53,8 +59,8 @@ def lowered_of(call):
         fun = jex_core.jaxpr_as_fun(call.forward)
         structs = [struct_of(v.aval, rebind=True) for v in call.forward.jaxpr.invars]
         for n, s in enumerate(strategies):
-            wrapped = transform.wrap(fun, s, device_argnums=call.device_inputs)
-            f, both, fa, ba = timing.vjp_programs(wrapped, structs)
+            wrapped = jaxoffload.wrap(fun, s, device_argnums=call.device_inputs)
+            f, both, fa, ba = vjp_programs(wrapped, structs)
             if n == 0:
                 out.append(("fwd", f.trace(*fa).lower()))
             out.append((repr(s)[:30], both.trace(*ba).lower()))
@@ -75,7 +81,7 @@ for name, lowered in low:
     say(f"  serial compile {name}: {time.perf_counter() - t:.1f}s")
 low = lowered_of(distinct[2])
 t = time.perf_counter()
-timing.compile_all([x for _, x in low])
+compile_all([x for _, x in low])
 say(f"block 2: {len(low)} parallel: {time.perf_counter() - t:.1f}s")
 low = lowered_of(distinct[3])
 t = time.perf_counter()
@@ -96,9 +102,9 @@ if whole:
     ls[1].compile()
     say(f"step Lean serial compile {time.perf_counter() - t:.1f}s")
     t = time.perf_counter()
-    timing.compile_all(ls[2:])
+    compile_all(ls[2:])
     say(f"2 steps parallel {time.perf_counter() - t:.1f}s")
     ls = [lower_step(m, step, (state, b), p, (0,)) for p in plans]
     t = time.perf_counter()
-    timing.compile_all(ls)
+    compile_all(ls)
     say(f"4 steps parallel (fresh lowerings, caches warm) {time.perf_counter() - t:.1f}s")

@@ -1,6 +1,6 @@
 """Compiled bytes of many mixed plans, for fitting models of a step's peak offline.
 
-    OUT=folder [PLANS=40] [SEED=0] python benchmarks/byte_points.py MODEL BATCH IMAGE_SIZE
+    OUT=folder [PLANS=40] [SEED=0] python benchmarks/probes/byte_points.py MODEL BATCH IMAGE_SIZE
 
 Builds the planner of the bench's plain-Flax MODEL (traced block costs), then
 compiles PLANS plans it would not propose by itself: random mixes of Store,
@@ -19,14 +19,14 @@ import time
 
 import numpy as np
 
-from jaxoffload import Lean, Remat, Store
-from jaxoffload._src.planner.plan import Plan
-from jaxoffload._src.strategies import brief
-from jaxoffload.bench import benchmark
+from jaxoffload import Lean, Plan, Remat, Store
+from jaxoffload.bench.planning import planner_of
+from jaxoffload.bench.workload import Workload
+from jaxoffload.internal import brief
 
 model, batch, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 count, seed = int(os.environ.get("PLANS", 40)), int(os.environ.get("SEED", 0))
-w = benchmark.Workload(model, batch, size, "bfloat16", "none", block_costs="traced")
+w = Workload(model, batch, size, "bfloat16", "none", block_costs="traced")
 start = time.perf_counter()
 
 
@@ -34,7 +34,7 @@ def say(line):
     print(f"[{time.perf_counter() - start:6.1f}] {line}", file=sys.stderr, flush=True)
 
 
-P = benchmark.planner_of(w, say)
+P = planner_of(w, say)
 n = len(P.paths)
 rng = np.random.default_rng(seed)
 hidden = [[o.strategy for o in options if o.strategy.max_bytes] for options in P.choices]

@@ -2,16 +2,15 @@
 autotuned kernels cached), with jax's default compile options and with LLVM module
 parallelism; then each executable's step time, in turns. A GPU probe, not a test:
 
-    python benchmarks/compile_options_probe.py
+    python benchmarks/probes/compile_options_probe.py
 """
 
 import time
 
-from jaxoffload import Lean, Remat, Store
-from jaxoffload._src import timing
-from jaxoffload._src.planner.plan import Plan
-from jaxoffload._src.planner.program import device_bytes, discover, program, trace_step
-from jaxoffload.bench import benchmark
+from jaxoffload import Lean, Plan, Remat, Store
+from jaxoffload.bench.step import linen_model, training
+from jaxoffload.bench.workload import Workload
+from jaxoffload.internal import device_bytes, discover, program, steps_together, trace_step
 
 START = time.perf_counter()
 
@@ -20,15 +19,13 @@ def say(*parts):
     print(f"[{time.perf_counter() - START:7.1f}]", *parts, flush=True)
 
 
-w = benchmark.Workload(
-    model="flax-resnet50", batch=256, image_size=224, dtype="bfloat16", strategy="none"
-)
-model = benchmark.linen_model(w, plannable=True)
-_, state, batch, _ = benchmark.training(w, model, abstract=True)
+w = Workload(model="flax-resnet50", batch=256, image_size=224, dtype="bfloat16", strategy="none")
+model = linen_model(w, plannable=True)
+_, state, batch, _ = training(w, model, abstract=True)
 
 
 def step(model, state, batch):
-    return benchmark.training(w, model, abstract=None)[0](state, batch)
+    return training(w, model, abstract=None)[0](state, batch)
 
 
 paths, _ = discover(model, step, (state, batch), None)
@@ -58,7 +55,5 @@ for name, options in [
         name, "compile", round(time.perf_counter() - began, 1), "s, bytes", device_bytes(executable)
     )
 arrays = program(model, step, (state, batch), plain)[1]
-for name, (ms, spread) in zip(
-    executables, timing.steps_together(list(executables.values()), arrays, 11)
-):
+for name, (ms, spread) in zip(executables, steps_together(list(executables.values()), arrays, 11)):
     say(name, f"{ms:.2f} ms ±{spread:.1%}")

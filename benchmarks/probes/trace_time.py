@@ -1,6 +1,6 @@
 """Seconds to trace and to lower a plain-Flax model's training step under three mixed plans.
 
-    python benchmarks/trace_time.py [MODEL] [BATCH] [IMAGE_SIZE]
+    python benchmarks/probes/trace_time.py [MODEL] [BATCH] [IMAGE_SIZE]
 
 Blocks take Lean(), Remat() and Store() in turn, shifted by one for each plan; shapes do
 not change the trace, so a CPU answers for a GPU's batch. Tracing is what a planner pays
@@ -12,31 +12,31 @@ import time
 
 import jax
 
-from jaxoffload import Lean, Remat, Store
-from jaxoffload._src.planner import program
-from jaxoffload._src.planner.plan import Plan
-from jaxoffload.bench import benchmark
+from jaxoffload import Lean, Plan, Remat, Store
+from jaxoffload.bench.step import linen_model, training
+from jaxoffload.bench.workload import Workload
+from jaxoffload.internal import discover, program
 
 model = sys.argv[1] if len(sys.argv) > 1 else "flax-resnet50"
 batch = int(sys.argv[2]) if len(sys.argv) > 2 else 256
 size = int(sys.argv[3]) if len(sys.argv) > 3 else 224
-w = benchmark.Workload(model, batch, size, "bfloat16", "none")
-m = benchmark.linen_model(w, plannable=True)
-_, state, b, _ = benchmark.training(w, m, abstract=True)
+w = Workload(model, batch, size, "bfloat16", "none")
+m = linen_model(w, plannable=True)
+_, state, b, _ = training(w, m, abstract=True)
 
 
 def step(model, state, batch):
-    return benchmark.training(w, model, abstract=None)[0](state, batch)
+    return training(w, model, abstract=None)[0](state, batch)
 
 
 start = time.perf_counter()
-paths, _ = program.discover(m, step, (state, b), None)
+paths, _ = discover(m, step, (state, b), None)
 print(f"found {len(paths)} blocks in {time.perf_counter() - start:.2f} s (every block Lean())")
 kinds = (Lean(), Remat(), Store())
 for shift in range(3):
     plan = Plan(tuple((p, kinds[(i + shift) % 3]) for i, p in enumerate(paths)), Lean())
     start = time.perf_counter()
-    fun, arrays, donate = program.program(m, step, (state, b), plan, (0,))
+    fun, arrays, donate = program(m, step, (state, b), plan, (0,))
     traced = jax.jit(fun, donate_argnums=donate).trace(*arrays)
     mid = time.perf_counter()
     traced.lower()

@@ -1,0 +1,389 @@
+"""One workload measured in this process: its compiled program, runtime peak, steps and gradient.
+
+``peak_bytes_in_use`` never goes down inside a process, so :func:`measure` runs in a
+fresh process of its own (:mod:`jaxoffload.bench.child`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import os
+import statistics
+import time
+from typing import Any
+
+import flax
+import jax
+
+import jaxoffload
+from jaxoffload import Plan
+from jaxoffload.bench.catalog import PLANNED_STRATEGIES
+from jaxoffload.bench.gradients import accumulation_check, compare_gradients
+from jaxoffload.bench.record import Record
+from jaxoffload.bench.step import train_step
+from jaxoffload.bench.workload import Workload
+from jaxoffload.internal import (
+    analyze,
+    brief,
+    measure_link,
+    median_ms,
+    read_spatial_gathers,
+    requested_host_transfers,
+    with_twin,
+    without_host_placement,
+)
+
+__all__ = [
+    "CACHE_DIR",
+    "cache_env",
+    "compile_only",
+    "compile_twin",
+    "device_fields",
+    "measure",
+    "probe",
+    "requested_host_bytes",
+    "spatial_fields",
+]
+
+
+def requested_host_bytes(workload: Workload) -> int:
+    """The bytes a workload's training step asks to move to host memory, from its jaxpr alone.
+
+    Traces the step with abstract values: no device memory and no compilation,
+    so it runs anywhere, at any size. It predicts what a GPU's compiled
+    program moves (a record's ``device_to_host_bytes``; docs/history.md
+    compares the two).
+    """
+    step, state, batch, _ = train_step(workload, abstract=True)
+    return sum(requested_host_transfers(step.trace(state, batch).jaxpr))
+
+
+def measure(
+    workload: Workload,
+    *,
+    steps: int = 10,
+    warmup: int = 2,
+    reference: str | None = None,
+    time_forward: bool = False,
+    probe_link: bool = False,
+    time_twin: bool = False,
+) -> Record:
+    """Compiles and runs a workload in this process; returns its record.
+
+    Call it in a fresh process (see :meth:`jaxoffload.bench.child.Children.measure`): the runtime
+    peak covers everything the process did before.
+
+    Args:
+      workload: what to measure.
+      steps: timed steps; the record holds their median.
+      warmup: untimed steps first.
+      reference: a ``.npz`` path. If the file exists, the record's
+        ``grad_rel_err`` compares this workload's gradient at the initial
+        parameters with the one stored there; if not, this workload's gradient
+        is stored there (measure the ``"none"`` strategy first). The gradient is
+        computed after the runtime peak is read. An accumulating workload
+        checks its gradient against the whole batch's itself
+        (:func:`accumulation_check`), and reads no reference.
+      time_forward: also time the forward pass alone (``forward_ms``), after
+        the runtime peak is read.
+      probe_link: also measure the host link (``d2h_gbps``, ``h2d_gbps``, see
+        :func:`measure_link`), after the runtime peak is read.
+      time_twin: if the step moves residuals, also time its twin without
+        host placement (``twin_step_ms``, ``twin_forward_ms``), after the
+        runtime peak is read: the compute of its transfer bound.
+
+    A planned strategy's workload must carry its plan (:meth:`jaxoffload.bench.child.Children.plan_hidden`).
+    With ``num_devices`` or ``spatial`` > 1 the memory figures are per device: the
+    compiled program's are one device's, and the runtime peak is the largest
+    device's; with ``spatial`` > 1, ``spatial_gathers`` lists the all-gathers that
+    undo the split (:func:`jaxoffload.spatial_gathers`).
+    """
+    if (
+        workload.strategy in PLANNED_STRATEGIES
+        and workload.plan is None
+        and workload.planned is None
+    ):
+        raise ValueError(
+            f"{workload.strategy!r} needs a plan first: see Children.plan_hidden, whose "
+            "timing runs would otherwise count in this process's peak."
+        )
+    step, state, batch, loss_fn = train_step(workload)
+    devices = jax.devices()[: workload.devices]
+    # Donation consumes the initial state: keep a host copy for the gradient check, and
+    # where it was (a sharded step's gradients are sharded as its parameters are).
+    initial = None
+    if reference is not None or workload.micro_batch is not None:
+        initial = jax.device_get(state[:2]), jax.tree.map(lambda a: a.sharding, state[:2])
+    hits = _cache_hits()[0]
+    compiled, report = _compile_and_analyze(step, state, batch)
+    from_cache = _cache_hits()[0] > hits if os.environ.get(CACHE_DIR) else None
+    compile_peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+    twin = None
+    if report.moved:
+        # The same program without host placement: what the copies free.
+        twin = compile_twin(workload)
+        report = with_twin(report, twin[0])
+    state, loss, times = _time_steps(compiled, state, batch, warmup=warmup, steps=steps)
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+    peak = None if None in peaks else max(peaks)
+    device = devices[0]
+    extra = {}
+    if workload.spatial > 1:  # what the partitioner could not split along the rows
+        gathers = read_spatial_gathers(compiled.as_text())
+        extra["spatial_gathers"] = [dataclasses.asdict(g) for g in gathers]
+    if time_forward:
+        extra["forward_ms"] = _forward_ms(loss_fn, state, batch, runs=steps)
+    if time_twin and twin is not None:
+        state, loss, twin_times = _time_twin(*twin, state, batch, steps=steps)
+        extra.update(twin_times)
+    del state
+    if probe_link:
+        extra.update(_probe_link(devices))
+    gradient = {"grad_rel_err": None}
+    if initial is not None:
+        initial = jax.device_put(*initial)
+        if workload.micro_batch is not None:
+            gradient = accumulation_check(workload, loss_fn, initial)
+        else:
+            gradient["grad_rel_err"] = compare_gradients(loss_fn, initial, batch, reference)
+    fields = {
+        **_workload_fields(workload),
+        **device_fields(device),
+        **_compiled_fields(report),
+        "peak_bytes_in_use": peak,
+        # What compiling held at its peak (autotuning runs kernels on the device), and
+        # whether the step came from the persistent cache that Children.compile fills.
+        "compile_peak_bytes": None if None in compile_peaks else max(compile_peaks),
+        "compiled_from_cache": from_cache,
+        **_step_fields(workload, times, loss),
+        **gradient,
+        "date": datetime.date.today().isoformat(),
+        **extra,
+    }
+    return Record.of(**fields)
+
+
+def _compile_and_analyze(step, state, batch):
+    """The compiled step, and what its compiled program holds and moves (:func:`analyze`)."""
+    traced = step.trace(state, batch)
+    compiled = traced.lower().compile()
+    return compiled, analyze(traced, compiled, on_dropped="warn")
+
+
+# jax's persistent compilation cache, by the environment variables that set it: a child that
+# compiles a step leaves it there for the child that measures it.
+CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"
+
+
+@functools.cache
+def _cache_hits() -> list[int]:
+    """This process's count of persistent-cache hits, counted from the first call on."""
+    hits = [0]
+
+    def count(event: str, **_: Any) -> None:
+        hits[0] += event == "/jax/compilation_cache/cache_hits"
+
+    jax.monitoring.register_event_listener(count)
+    return hits
+
+
+def cache_env(folder: str) -> dict[str, str]:
+    """The environment of a child that reads and writes every compiled program in ``folder``."""
+    return {
+        CACHE_DIR: folder,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+    }
+
+
+def compile_only(workload: Workload) -> dict[str, float]:
+    """Compiles the workload's step (and its twin, if it moves bytes) as :func:`measure` does.
+
+    Under :func:`cache_env`, the programs land in the persistent cache, so
+    that :func:`measure` in another process loads them rather than compile:
+    on a GPU compiling autotunes kernels on the device, and its scratch
+    buffers count in the process's peak (a U-Net b80 under ``Lean()`` peaked
+    at 9.68 GiB compiling, where its step holds 8.36).
+    """
+    start = time.perf_counter()
+    step, state, batch, _ = train_step(workload)
+    _, report = _compile_and_analyze(step, state, batch)
+    if report.moved:
+        compile_twin(workload)
+    return {"compile_s": time.perf_counter() - start}
+
+
+def compile_twin(workload: Workload):
+    """The workload's step compiled without host placement, and its ``loss_fn``, allocating nothing.
+
+    The twin keeps the same residuals and compute as the step, on the
+    device: its temp is what the host copies free, and its times are the
+    compute of the step's transfer bound. The bench's internal API, for
+    :func:`measure` and ``benchmarks/probes/compile_probe.py``.
+    """
+    with without_host_placement():
+        step, state, batch, loss_fn = train_step(workload, abstract=True)
+        return step.trace(state, batch).lower().compile(), loss_fn
+
+
+def _time_steps(compiled, state, batch, *, warmup: int, steps: int):
+    """``(state, loss, times)`` after ``warmup`` untimed steps and ``steps`` timed ones, in seconds."""
+    for _ in range(warmup):
+        state, loss = compiled(state, batch)
+    loss.block_until_ready()
+    return _timed(compiled, state, batch, steps)
+
+
+def _timed(compiled, state, batch, steps: int):
+    """``(state, loss, times)``: ``steps`` steps, each timed to its end, in seconds."""
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, loss = compiled(state, batch)
+        loss.block_until_ready()
+        times.append(time.perf_counter() - start)
+    return state, loss, times
+
+
+def _forward_ms(loss_fn, state, batch, *, runs: int) -> float:
+    """The median time of the forward pass alone (the loss), in milliseconds."""
+    forward = jax.jit(lambda params, model_state, batch: loss_fn(params, model_state, batch)[0])
+    return median_ms(forward, state[0], state[1], batch, runs=runs)
+
+
+def _time_twin(twin, twin_loss, state, batch, *, steps: int):
+    """``(state, loss, {"twin_forward_ms", "twin_step_ms"})``: the twin's forward pass and step.
+
+    The twin's steps go on training ``state``; the first, a warm-up, is not counted.
+    """
+    with without_host_placement():
+        forward_ms = _forward_ms(twin_loss, state, batch, runs=steps)
+    state, loss, times = _timed(twin, state, batch, steps + 1)
+    return (
+        state,
+        loss,
+        {
+            "twin_forward_ms": forward_ms,
+            "twin_step_ms": statistics.median(times[1:]) * 1e3,
+        },
+    )
+
+
+def _probe_link(devices) -> dict[str, float]:
+    """The host link's bandwidths per device, all the step's devices copying at once
+    (:func:`measure_link`), with an array that fits what each has free."""
+    # On CPU the "link" is a memcpy: a smaller array tells as much, sooner.
+    # Under a memory cap, the probe must fit in what the step left free.
+    nbytes = 2**30 if devices[0].platform == "gpu" else 2**26
+    for stats in (d.memory_stats() or {} for d in devices):
+        if "bytes_limit" in stats:
+            nbytes = min(nbytes, (stats["bytes_limit"] - stats["bytes_in_use"]) // 4)
+    return measure_link(nbytes, devices=devices)
+
+
+def _workload_fields(workload: Workload) -> dict[str, Any]:
+    """What a record says of its workload, the plan included."""
+    return {
+        "model": workload.model,
+        "batch": workload.batch,
+        "image_size": workload.image_size,
+        "dtype": workload.dtype,
+        "strategy": workload.strategy,
+        "window": workload.window,
+        "plan": workload.plan,
+        **_plan_fields(workload),
+        "offloaded_blocks": workload.offloaded_blocks,
+        "num_devices": workload.num_devices,
+        **spatial_fields(workload),
+        **_accumulation_fields(workload),
+        "framework": "jax",
+    }
+
+
+def spatial_fields(workload: Workload) -> dict[str, Any]:
+    """A spatially split workload's mesh; the image size recorded is the whole image's."""
+    if workload.spatial == 1:
+        return {}
+    return {"spatial": workload.spatial, "mesh": {"data": workload.num_devices,
+                                                 "space": workload.spatial}}  # fmt: skip
+
+
+def _accumulation_fields(workload: Workload) -> dict[str, Any]:
+    """An accumulating workload's micro-batch, and how many make its (global) batch."""
+    if workload.micro_batch is None:
+        return {}
+    return {
+        "micro_batch": workload.micro_batch,
+        "accumulation_steps": workload.batch // workload.micro_batch,
+    }
+
+
+def device_fields(device) -> dict[str, Any]:
+    """The device and the versions a record was measured with."""
+    return {
+        "device": device.device_kind,
+        "platform": device.platform,
+        "jax_version": jax.__version__,
+        "flax_version": flax.__version__,
+        "jaxoffload_version": jaxoffload.__version__,
+    }
+
+
+def _compiled_fields(report) -> dict[str, Any]:
+    """What the compiled program holds and moves, from its :class:`jaxoffload.MemoryReport`."""
+    return {
+        "compiled_temp_bytes": report.temp_bytes,
+        "compiled_host_temp_bytes": report.host_temp_bytes,
+        "compiled_argument_bytes": report.argument_bytes,
+        "twin_temp_bytes": report.twin_temp_bytes,
+        "copies_free_little": report.frees_little,
+        "requested_host_bytes": report.requested_bytes,
+        "host_buffers": report.host_buffers,
+        "device_to_host_copies": report.device_to_host,
+        "device_to_host_bytes": report.device_to_host_bytes,
+        "host_to_device_copies": report.host_to_device,
+        "host_to_device_bytes": report.host_to_device_bytes,
+    }
+
+
+def _step_fields(workload: Workload, times: list[float], loss) -> dict[str, Any]:
+    """The timed steps' median and each, the throughput and the last loss."""
+    step_s = statistics.median(times)
+    return {
+        "step_time_ms": step_s * 1e3,
+        "step_times_ms": [t * 1e3 for t in times],
+        "images_per_s": workload.batch / step_s,
+        "final_loss": float(loss),
+    }
+
+
+def _plan_fields(workload: Workload) -> dict[str, Any]:
+    """A planned workload's budget and per-block choices, for its record."""
+    if workload.strategy != "plan":
+        return {}
+    planned = Plan.from_dict(workload.planned)
+    return {
+        "budget": workload.budget,
+        "budget_bytes": planned.budget_bytes,
+        "plan_choices": [brief(s) for s in planned.strategies],
+        "plan_outside": brief(planned.outside),
+        "plan_compiled_bytes": planned.compiled_bytes,
+        "plan_estimated_bytes": planned.estimated_bytes,
+        "plan_estimated_step_ms": planned.estimated_step_ms,
+        "plan_measured_step_ms": planned.measured_step_ms,
+        "planned": workload.planned,  # the plan itself: it re-applies without planning
+    }
+
+
+def probe() -> dict[str, Any]:
+    """The default device's platform, kind, memory limit, and how many devices jax sees."""
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    return {
+        "platform": device.platform,
+        "device": device.device_kind,
+        "bytes_limit": stats.get("bytes_limit"),
+        "device_count": jax.device_count(),
+    }

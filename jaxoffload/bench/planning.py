@@ -1,0 +1,263 @@
+"""Planning workloads: ``jaxoffload.plan`` at a run's budgets, and ``offload-hidden``'s plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.extend import core as jex_core
+
+from jaxoffload import NoPlanFits, OffloadedCall, Plan, offloaded_calls
+from jaxoffload.bench import models
+from jaxoffload.bench.catalog import COMPUTE_TWIN
+from jaxoffload.bench.hidden import plan_hidden_offload
+from jaxoffload.bench.record import Record
+from jaxoffload.bench.step import linen_model, nnx_training, train_step, training
+from jaxoffload.bench.workload import Workload
+from jaxoffload.internal import Planner, median_ms, zeros
+
+__all__ = [
+    "HIDDEN_RECOMPUTE_SHARE",
+    "budget_bytes",
+    "compute_ms",
+    "hidden_budget",
+    "hidden_offload_workload",
+    "plan_budgets",
+    "planner_of",
+    "planning_inputs",
+    "time_offloaded_calls",
+]
+
+
+# The share of a step's compute time that "offload-hidden" may add by recomputation.
+HIDDEN_RECOMPUTE_SHARE = 0.02
+
+
+def planning_inputs(workload: Workload) -> tuple[Any, Callable[..., Any], tuple, Any]:
+    """``(model, step, (state, batch), blocks)``: the workload's plain-Flax model, abstract
+    arguments and training step, as a user gives them to :func:`jaxoffload.plan`."""
+    dtype = jnp.dtype(workload.dtype)
+    if models.is_nnx(workload.model):
+        model = nnx.eval_shape(
+            lambda: models.create_nnx(
+                workload.model, dtype=dtype, num_classes=workload.num_classes, rngs=nnx.Rngs(1)
+            )
+        )
+        _, state, batch, _ = nnx_training(workload, abstract=True, model=model)
+
+        def step(model, state, batch):
+            return nnx_training(workload, abstract=None, model=model)[0](state, batch)
+
+        return model, step, (state, batch), models.nnx_block_class(workload.model)
+    model = linen_model(workload, plannable=True)
+    _, state, batch, _ = training(workload, model, abstract=True)
+
+    def step(model, state, batch):
+        return training(workload, model, abstract=None)[0](state, batch)
+
+    return model, step, (state, batch), None
+
+
+def planner_of(workload: Workload, say: Callable[[str], None], inputs=None) -> Planner:
+    """The :class:`~jaxoffload._src.planner.search.Planner` of the workload's plain-Flax
+    model and training step (``inputs``, by default :func:`planning_inputs`), as ``bench
+    --budget`` plans it: the state donated, ``workload.block_costs``."""
+    model, step, args, blocks = planning_inputs(workload) if inputs is None else inputs
+    return Planner(
+        model,
+        step,
+        args,
+        None,
+        blocks=blocks,
+        runs=5,
+        say=say,
+        donate_argnums=(0,),
+        block_costs=workload.block_costs,
+    )
+
+
+def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[str, Any]]:
+    """:func:`jaxoffload.plan` of the workload's plain-Flax model at each budget, in bytes.
+
+    Returns:
+      One ``{"planned": Plan.to_dict()}`` per budget, or ``{"no_plan": message}``
+      where no plan fits; each with ``planning_s``, the seconds that planning
+      every budget took (they are planned together, from the model and its abstract
+      arguments built, as :func:`jaxoffload.plan` is given them), and ``planned_budgets``;
+      the first also with ``planner_points``, every plan compiled
+      (:meth:`~jaxoffload._src.planner.search.Planner.compiled_points`).
+    """
+    inputs = planning_inputs(workload)
+    # Planning is what jaxoffload.plan does, from the model and arguments that a user has.
+    start = time.perf_counter()
+
+    def say(line: str) -> None:  # the seconds since planning began, to see where time goes
+        print(f"[plan] {time.perf_counter() - start:6.1f} s  {line}", file=sys.stderr, flush=True)
+
+    shared = planner_of(workload, say, inputs)
+    results = []
+    found = shared.plans_for([int(b) for b in budgets_bytes], max_rounds=3)
+    # The budgets are planned together: each one's planning time is theirs together.
+    planning_s = time.perf_counter() - start
+    for planned in found:
+        if isinstance(planned, NoPlanFits):
+            e = planned
+            share = e.least_bytes / e.plain_bytes if e.least_bytes and e.plain_bytes else None
+            results.append(
+                {"no_plan": str(e), "least_share": share, "platform": jax.default_backend()}
+            )
+        else:
+            results.append({"planned": planned.to_dict()})
+        results[-1].update(planning_s=planning_s, planned_budgets=len(budgets_bytes))
+        print(results[-1].get("no_plan") or Plan.from_dict(results[-1]["planned"]), file=sys.stderr)
+    # What was compiled, once, with the first budget's result: for fitting byte models offline.
+    results[0]["planner_points"] = shared.compiled_points()
+    return results
+
+
+def budget_bytes(budgets: Sequence[float], records: Sequence[Record]) -> list[int]:
+    """Each budget share in the planner's bytes (compiled arguments and temporaries).
+
+    A share is of the ``"none"`` run's runtime peak, less what that run's
+    allocator held beyond its compiled bytes, so that the plan's runtime
+    peak, not only its compiled bytes, fits.
+    """
+    none = next((r for r in records if r.strategy == "none" and r.step_time_ms is not None), None)
+    if none is None:
+        raise RuntimeError("'plan' budgets are shares of the 'none' run's peak: it failed.")
+    compiled = none.compiled_temp_bytes + none.compiled_argument_bytes
+    peak = none.peak_bytes_in_use or compiled  # no runtime peak on some backends
+    return [int(b * peak - max(0, peak - compiled)) for b in budgets]
+
+
+def hidden_offload_workload(
+    workload: Workload,
+    *,
+    fwd_ms: float,
+    bwd_ms: float,
+    d2h_gbps: float,
+    h2d_gbps: float,
+    recompute_share: float = HIDDEN_RECOMPUTE_SHARE,
+) -> Workload:
+    """The workload with the plan of :func:`jaxoffload.bench.hidden.plan_hidden_offload`.
+
+    The plan frees the most device memory whose transfers hide behind
+    compute and whose recomputation adds at most ``recompute_share`` of the
+    step's compute time (``fwd_ms + bwd_ms``). Per block, from traces alone
+    (:func:`jaxoffload.offloaded_calls`):
+
+    - the bytes it moves, and the device bytes it keeps, when it offloads
+      and its neighbours are ``"lean"``, as in the plans this makes: two
+      traces, in which every other block offloads. A ResNet block between
+      lean ones leaves on the device the input that the block before keeps
+      anyway;
+    - the device bytes it frees: what it keeps as a ``"lean"`` block (a
+      third trace), less what it keeps when it offloads, less the residuals
+      that are its own outputs, which the next block keeps as its input;
+    - its recomputation: its forward time times the extra FLOPs of its
+      backward pass over a lean block's, as a share of its forward FLOPs.
+
+    Each block's forward time comes from timing it alone on the default
+    device (:func:`time_offloaded_calls`). The step's compute times and the
+    bandwidths are measured ones, e.g. those of the ``"lean"`` run.
+    """
+    n = models.num_blocks(workload.model)
+
+    def traced_calls(plan):
+        step, state, batch, _ = train_step(dataclasses.replace(workload, plan=plan), abstract=True)
+        traced = offloaded_calls(step, state, batch)
+        if len(traced) != n:
+            raise RuntimeError(f"expected one offloaded call per block, traced {len(traced)}.")
+        return traced
+
+    calls: list[Any] = [None] * n
+    for parity in (0, 1):
+        alternate = tuple("offload" if i % 2 == parity else "lean" for i in range(n))
+        calls[parity::2] = traced_calls(alternate)[parity::2]
+    lean = traced_calls(("lean",) * n)
+    forward_ms = time_offloaded_calls(calls)
+    freed = [
+        lean_call.device_bytes
+        - sum(r.nbytes for r in lean_call.residuals if r.output)
+        - call.device_bytes
+        for call, lean_call in zip(calls, lean)
+    ]
+    extra = [
+        ms * max(0, call.grad_flops - lean_call.grad_flops) / call.flops if call.flops else 0.0
+        for ms, call, lean_call in zip(forward_ms, calls, lean)
+    ]
+    plan = plan_hidden_offload(
+        [call.host_bytes for call in calls],
+        block_costs=forward_ms,
+        freed_bytes=[max(0, f) for f in freed],
+        extra_ms=extra,
+        max_extra_ms=recompute_share * (fwd_ms + bwd_ms),
+        fwd_ms=fwd_ms,
+        bwd_ms=bwd_ms,
+        d2h_gbps=d2h_gbps,
+        h2d_gbps=h2d_gbps,
+    )
+    strategies = tuple("offload" if chosen else "lean" for chosen in plan.offload)
+    return dataclasses.replace(workload, plan=strategies, window=plan.window)
+
+
+def hidden_budget(workload: Workload, records: Sequence[Record]) -> dict[str, float]:
+    """What ``offload-hidden``'s planner is given (:func:`hidden_offload_workload`): the
+    compute and the link of its :data:`COMPUTE_TWIN`'s record, which must come before it."""
+    twin = COMPUTE_TWIN[workload.strategy]
+    done = [r for r in records if r.strategy == twin and r.d2h_gbps is not None]
+    if not done:
+        raise RuntimeError(
+            f"{workload.strategy!r} is planned from the {twin!r} run's times and link: "
+            f"list {twin!r} before it."
+        )
+    r = done[-1]
+    fwd, bwd = compute_ms(r)
+    return {"fwd_ms": fwd, "bwd_ms": bwd, "d2h_gbps": r.d2h_gbps, "h2d_gbps": r.h2d_gbps}
+
+
+def compute_ms(twin: Record) -> tuple[float, float]:
+    """A no-transfer run's forward time, and the rest of its step (backward and update)."""
+    return twin.forward_ms, twin.step_time_ms - twin.forward_ms
+
+
+def time_offloaded_calls(calls: Sequence[OffloadedCall], runs: int = 5) -> list[float]:
+    """Each offloaded call's forward pass, run alone on the default device: median ms.
+
+    A planner's per-block compute. Blocks of the same FLOPs can take very
+    different times: BatchNorm and ReLU passes over memory, which scale with
+    the activations, take much of a block's time (docs/history.md gives
+    ResNet-50's). Calls with the same forward program are timed once. The
+    inputs are zeros: a convolution's time does not depend on its values.
+
+    Args:
+      calls: from :func:`jaxoffload.offloaded_calls`.
+      runs: timed runs per distinct call, after one to compile and warm up.
+
+    Returns:
+      One time per call, in call order.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxoffload import offload, offloaded_calls
+      >>> layer = offload(lambda w, x: jnp.tanh(x @ w), device_argnums=0)
+      >>> step = jax.grad(lambda w, x: layer(w, layer(w, x)).sum())
+      >>> calls = offloaded_calls(step, jnp.ones((8, 8)), jnp.ones((4, 8)))
+      >>> first, second = time_offloaded_calls(calls, runs=2)
+      >>> first == second  # the same program, timed once
+      True
+    """
+    programs = [str(call.forward) for call in calls]
+    times: dict[str, float] = {}
+    for call, program in zip(calls, programs):
+        if program not in times:
+            args = [zeros(v.aval) for v in call.forward.jaxpr.invars]
+            forward = jax.jit(jex_core.jaxpr_as_fun(call.forward))
+            times[program] = median_ms(forward, *args, runs=runs)
+    return [times[program] for program in programs]

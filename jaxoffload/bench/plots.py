@@ -1,0 +1,152 @@
+"""The command's plots: memory against step time, and the speed at the largest sizes found.
+
+They need matplotlib (the ``bench`` extra); without it, no plot is drawn.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+from jaxoffload.bench.envelope import envelope_step, pareto_front, uniform_points
+from jaxoffload.bench.options import SIZE_SEARCHES
+from jaxoffload.bench.record import Record
+
+__all__ = ["plot_records", "plot_sizes"]
+
+
+def plot_records(records: list[Record], path: pathlib.Path) -> pathlib.Path | None:
+    """Plots memory against step time, one point per record, with the Pareto front and the envelope.
+
+    The envelope is the least step the uniform strategies reach at each memory
+    (:func:`~jaxoffload.bench.envelope.envelope_step`), drawn up from the leanest
+    of them. Plans are stars; where memory is the runtime peak, each plan's budget
+    (``budget_bytes``) is a dotted line of its colour, so that a plan reads against
+    its budget and against the envelope where the line crosses it. Records of other
+    frameworks (``framework`` other than ``"jax"``, such as
+    ``jaxoffload/bench/torch_reference.py``'s) are drawn as squares and named
+    with their framework. Returns ``path``, or ``None`` if matplotlib is missing
+    or no record has a step time.
+    """
+    plt = _pyplot()
+    done = [r for r in records if r.step_time_ms is not None]
+    if plt is None or not done:
+        return None
+    # Without a runtime peak (CPU), the compiled temp is the memory reading; the
+    # budgets, in the planner's bytes, are then not on the axis.
+    key = "peak_bytes_in_use" if all(r.peak_bytes_in_use for r in done) else "compiled_temp_bytes"
+    points = [(r.step_time_ms, getattr(r, key) / 2**30) for r in done]
+    plans = [r for r in done if r.strategy == "plan"] if key == "peak_bytes_in_use" else []
+    top = 1.05 * max([y for _, y in points] + [r.budget_bytes / 2**30 for r in plans])
+    fig, ax = plt.subplots(figsize=(8, 4.2), constrained_layout=True)
+    budget_colors = []
+    for r, (x, y) in zip(done, points):
+        jax_record = r.framework in ("jax", None)
+        label = r.name if jax_record else f"{r.framework} {r.strategy}"
+        marker = "s" if not jax_record else "*" if r.strategy == "plan" else "o"
+        dot = ax.scatter(x, y, s=90 if marker == "*" else 45, marker=marker, label=label, zorder=3)
+        if r in plans:
+            budget_colors.append((r.budget_bytes / 2**30, dot.get_facecolor()[0]))
+    for n, (budget, color) in enumerate(budget_colors):  # one legend entry for them all
+        ax.axhline(budget, color=color, ls=":", lw=1, label=None if n else "a plan's budget")
+    front = pareto_front(points)
+    ax.plot(*zip(*[points[i] for i in front]), "k--", lw=1, label="Pareto front")
+    uniform = uniform_points(done, key).values()
+    _plot_envelope(ax, [(m / 2**30, step) for m, step in uniform], top)
+    first = done[0]
+    _set_time_axis(ax, [x for x, _ in points])
+    ax.set(
+        xlabel="step time (ms)",
+        ylabel=("runtime peak" if key == "peak_bytes_in_use" else "compiled device temp")
+        + " (GiB)",
+        title=f"{first.model} b{first.batch} {first.image_size}² {first.dtype}, {first.device}",
+    )
+    ax.set_ylim(0, top)
+    # Outside the axes, so that it never hides a point.
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_sizes(records: list[Record], axis: str, path: pathlib.Path) -> pathlib.Path | None:
+    """Plots the speed at the largest size found against that size, a labelled point per search.
+
+    ``axis`` is a key of :data:`SIZE_SEARCHES`: images/s against the largest batch, or
+    ms per megapixel against the largest image side. The planned model's point is a
+    star. Returns ``path``, or ``None`` if matplotlib is missing or no search found a
+    size that it timed.
+    """
+    plt = _pyplot()
+    _, speed, unit = SIZE_SEARCHES[axis]
+    found = [
+        (r, search)
+        for r in records
+        if (search := r.searches.get(axis)) and search.size and getattr(search, speed)
+    ]
+    if plt is None or not found:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4.2), constrained_layout=True)
+    for r, search in found:
+        x, y = search.size, getattr(search, speed)
+        star = r.strategy == "plan"
+        ax.scatter(x, y, s=90 if star else 45, marker="*" if star else "o", zorder=3)
+        ax.annotate(r.name, (x, y), xytext=(5, 3), textcoords="offset points", fontsize="small")
+    label = axis.replace("_", " ")
+    first = found[0][0]
+    held = f"{first.image_size}²" if axis == "batch" else f"batch {first.batch}"
+    cap = f", {first.memory_cap_gib:g} GiB cap" if first.memory_cap_gib else ""
+    ax.set(
+        xlabel=f"largest {label} that fits",
+        ylabel=f"{unit} at that {label}",
+        title=f"{first.model} {held} {first.dtype}, {first.device}{cap}",
+    )
+    ax.set_xlim(0, 1.15 * max(search.size for _, search in found))
+    ax.set_ylim(0, 1.15 * max(getattr(search, speed) for _, search in found))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot, drawing into files; ``None`` if matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _plot_envelope(ax: Any, uniform: list[tuple[float, float]], top: float) -> None:
+    """The envelope of the ``uniform`` points, from the leanest up to memory ``top``.
+
+    It is sampled, not drawn as the hull's polyline: on a logarithmic time axis a
+    segment of the hull is a curve. The points' own memories are among the samples,
+    so that each corner of the hull is drawn where it is.
+    """
+    import numpy as np
+
+    if not uniform:
+        return
+    leanest = min(m for m, _ in uniform)
+    memories = sorted({*np.linspace(leanest, top, 200).tolist(), *(m for m, _ in uniform)})
+    steps = [envelope_step(uniform, m) for m in memories]
+    ax.plot(steps, memories, color="0.45", lw=1.5, zorder=2, label="uniform envelope")
+
+
+def _set_time_axis(ax: Any, times: list[float]) -> None:
+    """A step-time axis: logarithmic where the times span more than ten times, else from 0."""
+    import matplotlib.ticker
+
+    if max(times) > 10 * min(times):  # offload and recompute differ by orders of magnitude
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        # Label 20, 50, 200, 500...: every minor tick would crowd the axis.
+        ax.xaxis.set_minor_formatter(
+            matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "25" else "")
+        )
+    else:
+        ax.set_xlim(0, 1.15 * max(times))

@@ -1,0 +1,78 @@
+"""What the bench and the probes may use of jaxoffload's internals: no stability promise.
+
+Like ``equinox.internal``, this module is semi-public. Its names are not the public API
+(``jaxoffload``, ``jaxoffload.linen``, ``jaxoffload.nnx``, ``jaxoffload.strategies``): they
+may change or go in any release, without notice or deprecation. It is the one way in to
+``jaxoffload/_src/`` for the harness (``jaxoffload.bench``) and the probe scripts
+(``benchmarks/``), and it names exactly what they use (``tests/test_layout.py`` checks
+both), so that the rest of ``_src`` can change without asking them.
+"""
+
+# Reading traced programs.
+from jaxoffload._src.jaxprs import equations as equations
+from jaxoffload._src.jaxprs import struct_of as struct_of
+
+# The lean layers that the reference models are built from.
+from jaxoffload._src.layers import max_pool as max_pool
+from jaxoffload._src.layers import relu as relu
+from jaxoffload._src.layers import relu_max_pool as relu_max_pool
+
+# The planner, and the steps it compiles.
+from jaxoffload._src.planner import Planner as Planner
+from jaxoffload._src.planner import default_options as default_options
+from jaxoffload._src.planner.messages import summary as summary
+from jaxoffload._src.planner.program import device_bytes as device_bytes
+from jaxoffload._src.planner.program import discover as discover
+from jaxoffload._src.planner.program import lower_step as lower_step
+from jaxoffload._src.planner.program import program as program
+from jaxoffload._src.planner.program import trace_step as trace_step
+
+# What a compiled step holds and moves.
+from jaxoffload._src.report import analyze as analyze
+from jaxoffload._src.report import read_spatial_gathers as read_spatial_gathers
+from jaxoffload._src.report import requested_host_transfers as requested_host_transfers
+from jaxoffload._src.report import with_twin as with_twin
+
+# XLA options, and host copies priced for the scheduler.
+from jaxoffload._src.schedule import copy_cost_profile as copy_cost_profile
+from jaxoffload._src.strategies import brief as brief
+
+# Timing programs on the device, and the host link.
+from jaxoffload._src.timing import compile_all as compile_all
+from jaxoffload._src.timing import measure_link as measure_link
+from jaxoffload._src.timing import median_ms as median_ms
+from jaxoffload._src.timing import step_ms as step_ms
+from jaxoffload._src.timing import steps_together as steps_together
+from jaxoffload._src.timing import vjp_programs as vjp_programs
+from jaxoffload._src.timing import zeros as zeros
+from jaxoffload._src.transfers import without_host_placement as without_host_placement
+
+__all__ = [
+    "Planner",
+    "analyze",
+    "brief",
+    "compile_all",
+    "copy_cost_profile",
+    "default_options",
+    "device_bytes",
+    "discover",
+    "equations",
+    "lower_step",
+    "max_pool",
+    "measure_link",
+    "median_ms",
+    "program",
+    "read_spatial_gathers",
+    "relu",
+    "relu_max_pool",
+    "requested_host_transfers",
+    "step_ms",
+    "steps_together",
+    "struct_of",
+    "summary",
+    "trace_step",
+    "vjp_programs",
+    "with_twin",
+    "without_host_placement",
+    "zeros",
+]
