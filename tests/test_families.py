@@ -11,7 +11,7 @@ from helpers import normal, rel_err
 import jaxoffload
 from jaxoffload import Lean, Offload, Plan, Remat, Store
 from jaxoffload.bench import models
-from jaxoffload.bench.models import flax_convnext, flax_mobilenet, flax_unet
+from jaxoffload.bench.models import flax_convnext, flax_efficientnet, flax_mobilenet, flax_unet
 from jaxoffload.bench.step import cross_entropy, train_step
 from jaxoffload.bench.workload import Workload
 
@@ -22,7 +22,9 @@ from jaxoffload.bench.workload import Workload
         # torchvision's mobilenet_v2 and convnext_tiny; the U-Net as the common
         # BatchNorm reimplementations count it, with two classes.
         ("flax-mobilenetv2", 3_504_872, 17),
-        ("flax-convnext-tiny", 28_589_128, 18),
+        ("flax-convnext-t", 28_589_128, 18),
+        # torchvision's efficientnet_b0: 16 MBConv blocks with squeeze-and-excitation.
+        ("flax-efficientnet-b0", 5_288_548, 16),
         ("flax-unet", 31_037_698, 9),
     ],
 )
@@ -39,7 +41,7 @@ def test_published_shapes(name, count, blocks):
     per_pixel = models.task(name) == "segment"
     assert out.shape == ((1, 224, 224, 2) if per_pixel else (1, 1000))
     # ConvNeXt has no BatchNorm: its variables are its parameters alone.
-    assert ("batch_stats" in shapes) == (name != "flax-convnext-tiny")
+    assert ("batch_stats" in shapes) == (name != "flax-convnext-t")
 
 
 # Tiny versions that keep every kind of block: MobileNetV2's expansion-1 block, which at a
@@ -57,6 +59,13 @@ TINY = {
         dict(stage_sizes=(1, 1), num_filters=8, num_classes=10),
     ),
     "unet": (flax_unet.UNet, flax_unet.DoubleConv, dict(num_filters=4, depth=1, num_classes=3)),
+    # EfficientNet's expansion-1 block, and a strided expanding one with a 5x5 depthwise conv,
+    # each with its squeeze-and-excitation.
+    "efficientnet": (
+        flax_efficientnet.EfficientNet, flax_efficientnet.MBConv,
+        dict(stages=((1, 3, 1, 8, 1), (6, 5, 2, 16, 1)), stem_features=8, head_features=16,
+             num_classes=10),
+    ),
 }  # fmt: skip
 # An RngBitGenerator key for dropout: XLA:CPU compiles threefry slowly (a tiny U-Net's init
 # took 20 s).
@@ -117,7 +126,7 @@ def test_tiny_families_give_the_plain_gradient_under_lean_offload_and_a_plan(fam
     grads, state = _gradients(plain, x, variables)
     # A plan mixes the strategies over the blocks (Remat's among them), the code outside lean.
     paths = _block_paths(variables, block)
-    assert len(paths) == {"mobilenetv2": 2, "convnext": 2, "unet": 3}[family]
+    assert len(paths) == {"mobilenetv2": 2, "convnext": 2, "unet": 3, "efficientnet": 2}[family]
     cycle = (Offload(), Remat(), Offload(recompute=True))
     plan = Plan(tuple((p, cycle[n % len(cycle)]) for n, p in enumerate(paths)), Lean())
     variants = {
@@ -174,7 +183,7 @@ def test_the_bench_trains_a_model_without_batch_stats():
     # ConvNeXt's state holds no collection but its parameters: the step's model state is empty.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", jaxoffload.OffloadWarning)
-        workload = Workload("flax-convnext-tiny", 2, 32, "float32", "offload")
+        workload = Workload("flax-convnext-t", 2, 32, "float32", "offload")
         step, state, batch, _ = train_step(workload, abstract=True)
         (params, model_state, _), loss = jax.eval_shape(step, state, batch)
     assert state[1] == {} and model_state == {} and loss.shape == ()

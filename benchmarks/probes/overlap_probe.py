@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 import jaxoffload
-from jaxoffload import Lean, Offload, internal
+from jaxoffload import Lean, Offload
+from jaxoffload.internal import copy_cost_profile, measure_link
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 
@@ -166,7 +167,7 @@ VARIANTS = {
 
 def copy_profile(text):
     """Each host copy priced at its bytes over 52 GB/s (the link as measured), for fdo_profile."""
-    return internal.copy_cost_profile(text, 52.0)
+    return copy_cost_profile(text, 52.0)
 
 
 def resnet50(variant, out, options):
@@ -230,7 +231,7 @@ def resnet50(variant, out, options):
     }
     rec.update(overlap_record(run, os.path.join(out, "trace-" + tag)))
     holder.clear()  # the state, freed before the link is probed
-    rec.update(internal.measure_link(2**30, devices=jax.devices()[:1]))
+    rec.update(measure_link(2**30, devices=jax.devices()[:1]))
     json.dump(rec, open(os.path.join(out, f"{tag}.json"), "w"), indent=1, default=str)
     print(
         tag, {k: v for k, v in rec.items() if k not in ("timeline", "lines", "times")}, flush=True

@@ -105,6 +105,29 @@ class Overlap:
             out[f"{direction}_overlap_fraction"] = None if share is None else round(share, 4)
         return out
 
+    def rows(self, merge_ns: float = 2000.0) -> dict[str, list[list[float]]]:
+        """The timeline as one row per kind: the intervals in ms from the step's start, those
+        less than ``merge_ns`` apart merged (a picture needs no more, and a record stays small).
+
+        Example:
+          >>> o = overlap_of([Activity("compute", 0, 1e6, "k"), Activity("compute", 1.001e6, 2e6, "k"),
+          ...                 Activity("d2h", 5e5, 3e6, "MemcpyD2H", 8)])
+          >>> o.rows()
+          {'compute': [[0.0, 2.0]], 'd2h': [[0.5, 3.0]], 'h2d': []}
+        """
+        rows = {}
+        for kind in (COMPUTE, TO_HOST, TO_DEVICE):
+            merged: list[list[float]] = []
+            for start, end in _union(
+                (a.start_ns, a.end_ns) for a in self.timeline if a.kind == kind
+            ):
+                if merged and start - merged[-1][1] * 1e6 < merge_ns:
+                    merged[-1][1] = end / 1e6
+                else:
+                    merged.append([start / 1e6, end / 1e6])
+            rows[kind] = [[round(s, 4), round(e, 4)] for s, e in merged]
+        return rows
+
     def summary(self) -> str:
         """A few lines a person reads: the busy times, and what share of each copy was hidden."""
         lines = [

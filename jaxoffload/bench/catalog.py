@@ -73,7 +73,8 @@ BLOCK_COSTS = ("timed", "traced")
 # jaxoffload, and the reference models, built by hand (jaxoffload.bench.models builds them).
 PLAIN_MODELS = (
     "flax-resnet18", "flax-resnet34", "flax-resnet50", "flax-resnet101", "flax-vgg11",
-    "flax-vgg16", "flax-vgg19", "flax-mobilenetv2", "flax-convnext-tiny", "flax-unet",
+    "flax-vgg16", "flax-vgg19", "flax-mobilenetv2", "flax-convnext-t", "flax-efficientnet-b0",
+    "flax-unet",
 )  # fmt: skip
 NNX_MODELS = ("flax-nnx-resnet18", "flax-nnx-resnet50")
 VGGS = ("vgg11", "vgg13", "vgg16", "vgg19")

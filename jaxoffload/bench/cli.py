@@ -165,6 +165,14 @@ def _add_run_arguments(bench: argparse.ArgumentParser) -> None:
         f"and replaces {RECORDS}",
     )
     bench.add_argument(
+        "--trace",
+        action="store_true",
+        help="also trace 5 steps of each strategy with jax.profiler, after its peak is read: "
+        "records get compute_busy_ms, d2h_busy_ms, h2d_busy_ms, their overlaps and "
+        "d2h_overlap_fraction and h2d_overlap_fraction (the share of each copy direction's "
+        "busy time that ran under compute), and OUT/timeline.png draws one step of each",
+    )
+    bench.add_argument(
         "--max-batch",
         action="store_true",
         help="GPU only: also find the largest batch whose step fits the device's memory (or "

@@ -35,7 +35,7 @@ from jaxoffload.bench.folder import (
 )
 from jaxoffload.bench.measure import spatial_fields
 from jaxoffload.bench.options import SIZE_SEARCHES, BenchError, workload_fields
-from jaxoffload.bench.plots import plot_records, plot_sizes
+from jaxoffload.bench.plots import plot_records, plot_sizes, plot_timelines
 from jaxoffload.bench.record import Record
 from jaxoffload.bench.run import measure_all
 from jaxoffload.bench.workload import STRATEGIES, Workload
@@ -91,7 +91,10 @@ def bench(
     )  # fmt: skip
     print_table(records)
     say_notes(records, console)
-    plots = [plot_records(records, out / "pareto.png")]
+    plots = [
+        plot_records(records, out / "pareto.png"),
+        plot_timelines(records, out / "timeline.png"),
+    ]
     plots += [plot_sizes(records, axis, out / f"max_{axis}.png") for axis in axes]
     plotted = ", ".join(str(p) for p in plots if p)
     console.print(f"wrote {out / RECORDS}" + (f" and {plotted}" if plotted else ""))
@@ -242,6 +245,7 @@ def _measure(
             reference=str(reference),
             # A GPU autotunes while compiling, on the device: not in the measured peak.
             compile_first=device["platform"] != "cpu",
+            trace=args.trace,
             children=children,
         )
         if "plan" in searched:

@@ -18,7 +18,7 @@ import flax
 import jax
 
 import jaxoffload
-from jaxoffload import Plan
+from jaxoffload import Plan, compiler_options, measure_overlap
 from jaxoffload.bench.catalog import PLANNED_STRATEGIES
 from jaxoffload.bench.gradients import accumulation_check, compare_gradients
 from jaxoffload.bench.record import Record
@@ -69,6 +69,7 @@ def measure(
     time_forward: bool = False,
     probe_link: bool = False,
     time_twin: bool = False,
+    trace: bool = False,
 ) -> Record:
     """Compiles and runs a workload in this process; returns its record.
 
@@ -93,6 +94,9 @@ def measure(
       time_twin: if the step moves residuals, also time its twin without
         host placement (``twin_step_ms``, ``twin_forward_ms``), after the
         runtime peak is read: the compute of its transfer bound.
+      trace: also trace :data:`TRACED_STEPS` steps with ``jax.profiler``, after the
+        runtime peak is read: the compute's and each copy direction's busy time, their
+        overlap and a timeline (:func:`jaxoffload.measure_overlap`).
 
     A planned strategy's workload must carry its plan (:meth:`jaxoffload.bench.child.Children.plan_hidden`).
     With ``num_devices`` or ``spatial`` > 1 the memory figures are per device: the
@@ -138,6 +142,9 @@ def measure(
     if time_twin and twin is not None:
         state, loss, twin_times = _time_twin(*twin, state, batch, steps=steps)
         extra.update(twin_times)
+    if trace:
+        state, overlap = _traced(compiled, state, batch)
+        extra.update(overlap.fields(), timeline=overlap.rows())
     del state
     if probe_link:
         extra.update(_probe_link(devices))
@@ -165,10 +172,31 @@ def measure(
     return Record.of(**fields)
 
 
+# The steps a trace covers, after a warm-up step (shared/MEASURING: at least 5).
+TRACED_STEPS = 5
+
+
+def _traced(compiled, state, batch):
+    """The state after :data:`TRACED_STEPS` more steps, and how they ran (:class:`Overlap`)."""
+    holder = [state]
+
+    def run_step():
+        holder[0], loss = compiled(holder[0], batch)
+        return loss
+
+    overlap = measure_overlap(run_step, steps=TRACED_STEPS, warmup=1)
+    return holder[0], overlap
+
+
 def _compile_and_analyze(step, state, batch):
-    """The compiled step, and what its compiled program holds and moves (:func:`analyze`)."""
+    """The compiled step, and what its compiled program holds and moves (:func:`analyze`).
+
+    It is compiled as the README tells users to compile an offloading step, with
+    :func:`jaxoffload.compiler_options`, whatever its strategy: the options touch only
+    asynchronous work, such as host copies.
+    """
     traced = step.trace(state, batch)
-    compiled = traced.lower().compile()
+    compiled = traced.lower().compile(compiler_options())
     return compiled, analyze(traced, compiled, on_dropped="warn")
 
 
@@ -225,7 +253,7 @@ def compile_twin(workload: Workload):
     """
     with without_host_placement():
         step, state, batch, loss_fn = train_step(workload, abstract=True)
-        return step.trace(state, batch).lower().compile(), loss_fn
+        return step.trace(state, batch).lower().compile(compiler_options()), loss_fn
 
 
 def _time_steps(compiled, state, batch, *, warmup: int, steps: int):

@@ -12,7 +12,7 @@ from jaxoffload.bench.envelope import envelope_step, pareto_front, uniform_point
 from jaxoffload.bench.options import SIZE_SEARCHES
 from jaxoffload.bench.record import Record
 
-__all__ = ["plot_records", "plot_sizes"]
+__all__ = ["plot_records", "plot_sizes", "plot_timelines"]
 
 
 def plot_records(records: list[Record], path: pathlib.Path) -> pathlib.Path | None:
@@ -103,6 +103,50 @@ def plot_sizes(records: list[Record], axis: str, path: pathlib.Path) -> pathlib.
     )
     ax.set_xlim(0, 1.15 * max(search.size for _, search in found))
     ax.set_ylim(0, 1.15 * max(getattr(search, speed) for _, search in found))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# A timeline's rows, top to bottom, as its records name them, and their colours.
+_ROWS = (("compute", "compute", "tab:blue"), ("d2h", "to host", "tab:orange"),
+         ("h2d", "from host", "tab:green"))  # fmt: skip
+
+
+def plot_timelines(records: list[Record], path: pathlib.Path) -> pathlib.Path | None:
+    """Draws one traced step of each record that has a ``timeline`` (``bench --trace``).
+
+    One panel per record, on one time axis: a row for the compute and one per copy
+    direction, so that a copy drawn under compute is one that hid, and one drawn where the
+    compute row is empty is one the step waited for. The title gives each copy direction's
+    share under compute. Returns ``path``, or ``None`` without matplotlib or a timeline.
+    """
+    plt = _pyplot()
+    traced = [r for r in records if r.timeline]
+    if plt is None or not traced:
+        return None
+    fig, axes = plt.subplots(
+        len(traced), 1, figsize=(9, 0.9 + 0.9 * len(traced)), sharex=True, squeeze=False,
+        constrained_layout=True,
+    )  # fmt: skip
+    for ax, r in zip(axes[:, 0], traced):
+        for row, (kind, _, color) in enumerate(_ROWS):
+            spans = [(start, end - start) for start, end in r.timeline.get(kind, [])]
+            ax.broken_barh(spans, (len(_ROWS) - row - 0.8, 0.6), color=color)
+        ax.set_yticks([len(_ROWS) - row - 0.5 for row in range(len(_ROWS))])
+        ax.set_yticklabels([name for _, name, _ in _ROWS], fontsize=8)
+        shares = [
+            f"{name} {share:.0%} hidden"
+            for (kind, name, _), share in zip(
+                _ROWS[1:], (r.d2h_overlap_fraction, r.h2d_overlap_fraction)
+            )  # fmt: skip
+            if share is not None
+        ]
+        ax.set_title(
+            f"{r.name}: {r.traced_step_ms:.1f} ms a step" + (f"; {', '.join(shares)}" if shares else ""),
+            fontsize=9, loc="left",
+        )  # fmt: skip
+    axes[-1, 0].set_xlabel("ms from the step's first kernel (one traced step)")
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -159,6 +159,19 @@ class Record(_Carrying):
     d2h_gbps: float | None = None
     h2d_gbps: float | None = None
     link_devices: int | None = None
+    # A device trace of the step (bench --trace; jaxoffload.Overlap.fields).
+    compute_busy_ms: float | None = None
+    d2h_busy_ms: float | None = None
+    h2d_busy_ms: float | None = None
+    d2h_overlap_ms: float | None = None
+    h2d_overlap_ms: float | None = None
+    d2h_overlap_fraction: float | None = None
+    h2d_overlap_fraction: float | None = None
+    traced_step_ms: float | None = None
+    traced_steps: int | None = None
+    traced_d2h_bytes: int | None = None
+    traced_h2d_bytes: int | None = None
+    timeline: dict[str, list[list[float]]] | None = None
     # Planning, the run's own fields, and the transfer bound.
     planning_s: float | None = None
     planned_budgets: int | None = None

@@ -33,6 +33,7 @@ def measure_all(
     measured: Sequence[Record] = (),
     reference: str | None = None,
     compile_first: bool = False,
+    trace: bool = False,
     children: Children | None = None,
 ) -> list[Record]:
     """Measures each workload in its own process, with gradients compared to the first.
@@ -66,6 +67,7 @@ def measure_all(
         from (:func:`compile_only`): on a GPU, so that the runtime peak is the
         step's, not its compile's. Planning compiles into a cache of its own
         (empty when it starts), from which the plans' steps are then loaded.
+      trace: trace each workload's step too (:func:`jaxoffload.bench.measure.measure`).
       children: the child processes (:class:`~jaxoffload.bench.child.Children`), or a
         stand-in for them.
     """
@@ -102,6 +104,7 @@ def measure_all(
                     reference=reference,
                     env=env,
                     cache=planned if w.strategy == "plan" else cache,
+                    trace=trace,
                     children=children,
                 )
             records.append(record)
@@ -122,6 +125,7 @@ def _plan_and_measure(
     reference: str | None,
     env: dict[str, str] | None,
     cache: dict[str, str] | None,
+    trace: bool,
     children: Children,
 ) -> Record:
     """The record of one workload, planned first if its strategy is: measured, or its failure.
@@ -138,8 +142,9 @@ def _plan_and_measure(
             env = {**(env or {}), **cache}
             children.compile(w, env)
         record = children.measure(
-            w, steps=steps, reference=reference, env=env, **_measure_options(w.strategy)
-        )
+            w, steps=steps, reference=reference, env=env, trace=trace,
+            **_measure_options(w.strategy),
+        )  # fmt: skip
     except OutOfMemory:
         return _failure_record(w, {"out_of_memory": True})
     except NoPlan as e:

@@ -1,7 +1,8 @@
 """CNNs for the benchmarks: plain-Flax models (``flax-*``) and the reference models.
 
 The plain-Flax models (:mod:`.flax_resnet`, :mod:`.flax_vgg`,
-:mod:`.flax_mobilenet`, :mod:`.flax_convnext`, :mod:`.flax_unet`, and the NNX
+:mod:`.flax_mobilenet`, :mod:`.flax_convnext`, :mod:`.flax_efficientnet`, :mod:`.flax_unet`,
+and the NNX
 :mod:`.flax_nnx_resnet`) are written as a user writes them and import nothing
 from jaxoffload: :func:`create` wraps their blocks, unmodified, with
 :func:`jaxoffload.linen.wrap`. The reference models (:mod:`.resnet`,
@@ -33,6 +34,7 @@ from jaxoffload.bench.catalog import is_plain as is_plain
 from jaxoffload.bench.catalog import task as task
 from jaxoffload.bench.models import (
     flax_convnext,
+    flax_efficientnet,
     flax_mobilenet,
     flax_nnx_resnet,
     flax_resnet,
@@ -66,7 +68,8 @@ _PLAIN = {
     "flax-vgg16": (flax_vgg.VGG16, flax_vgg.VGGStage),
     "flax-vgg19": (flax_vgg.VGG19, flax_vgg.VGGStage),
     "flax-mobilenetv2": (flax_mobilenet.MobileNetV2, flax_mobilenet.InvertedResidual),
-    "flax-convnext-tiny": (flax_convnext.ConvNeXtTiny, flax_convnext.ConvNeXtBlock),
+    "flax-convnext-t": (flax_convnext.ConvNeXtTiny, flax_convnext.ConvNeXtBlock),
+    "flax-efficientnet-b0": (flax_efficientnet.EfficientNetB0, flax_efficientnet.MBConv),
     "flax-unet": (flax_unet.UNet, flax_unet.DoubleConv),
 }
 # Plain Flax NNX models, whose block instances are wrapped in place.
@@ -80,6 +83,7 @@ _BLOCK_ATTRIBUTE = {
     flax_vgg.VGG: "stage_cls",
     flax_mobilenet.MobileNetV2: "block_cls",
     flax_convnext.ConvNeXt: "block_cls",
+    flax_efficientnet.EfficientNet: "block_cls",
     flax_unet.UNet: "block_cls",
 }
 # How many blocks a plain model of each class has, read from its attributes.
@@ -88,6 +92,7 @@ _BLOCK_COUNT = {
     flax_vgg.VGG: lambda model: sum(model.stage_sizes),
     flax_mobilenet.MobileNetV2: lambda model: sum(n for _, _, n, _ in model.stages),
     flax_convnext.ConvNeXt: lambda model: sum(model.stage_sizes),
+    flax_efficientnet.EfficientNet: lambda model: sum(stage[-1] for stage in model.stages),
     # A double conv at each level down, one at the bottom, one at each level up.
     flax_unet.UNet: lambda model: 2 * model.depth + 1,
 }
