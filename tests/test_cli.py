@@ -133,7 +133,7 @@ def test_the_bench_s_names_are_those_of_its_values_and_models():
                 models.create(name)
         else:
             assert models.create(name).__class__.__name__ in ("ResNet", "VGG", "MobileNetV2",
-                                                               "ConvNeXt", "UNet"), name  # fmt: skip
+                                                               "ConvNeXt", "EfficientNet", "UNet"), name  # fmt: skip
 
 
 def test_unknown_dtype_is_refused_by_the_parser(capsys):

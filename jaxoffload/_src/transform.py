@@ -382,22 +382,27 @@ def _custom_call(traced: TracedCall, strategy: Strategy, fun) -> Any:
 
     run.defvjp(run_fwd, run_bwd)
     operands = traced.dynamic, traced.kwargs, gates
+    # jax.jvp of a custom_vjp: under jit, jax would say so only when lowering, in its words.
+    if any(type(leaf).__name__ == "JVPTracer" for leaf in jax.tree.leaves(operands)):
+        raise _forward_mode_error(fun, strategy)
     try:
-        out, token, fetch_token = run(
-            *operands
-        )  # for jax.jvp, even under jit, wrap with Remat() or Store()
-    except TypeError as e:  # jax.jvp of a custom_vjp, as jax words it: say which, and what works
+        out, token, fetch_token = run(*operands)
+    except TypeError as e:  # forward mode that the check above did not see: jax's words
         if "forward-mode" not in str(e):
             raise
-        name = getattr(fun, "__qualname__", None) or getattr(fun, "__name__", repr(fun))
-        raise TypeError(
-            f"jax.jvp, jax.jacfwd and jax.hessian differentiate in forward mode, which {name}, "
-            f"wrapped with {brief(strategy)}, does not support: a custom_vjp rule chooses its "
-            "residuals, and jax differentiates those in reverse mode only. For forward mode, "
-            "wrap it with Remat() or Store(); for second order, go reverse over reverse: "
-            "jax.jacrev(jax.jacrev(f)), or jax.grad of jax.grad."
-        ) from e
+        raise _forward_mode_error(fun, strategy) from e
     chain.push(index, window, token)
     if fetch_window != window:
         chain.push(index, fetch_window, fetch_token)
     return out
+
+
+def _forward_mode_error(fun, strategy: Strategy) -> TypeError:
+    name = getattr(fun, "__qualname__", None) or getattr(fun, "__name__", repr(fun))
+    return TypeError(
+        f"jax.jvp, jax.jacfwd and jax.hessian differentiate in forward mode, which {name}, "
+        f"wrapped with {brief(strategy)}, does not support: a custom_vjp rule chooses its "
+        "residuals, and jax differentiates those in reverse mode only. For forward mode, "
+        "wrap it with Remat() or Store(); for second order, go reverse over reverse: "
+        "jax.jacrev(jax.jacrev(f)), or jax.grad of jax.grad."
+    )

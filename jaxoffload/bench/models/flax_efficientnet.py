@@ -29,6 +29,12 @@ EFFICIENTNET_B0_STAGES = (
 )
 
 
+def _batch_norm(train: bool, dtype: Any):
+    return functools.partial(
+        nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5, dtype=dtype
+    )
+
+
 class MBConv(nn.Module):
     """1x1 expansion, kxk depthwise, squeeze-and-excitation, 1x1 linear projection; the shortcut."""
 
@@ -40,10 +46,7 @@ class MBConv(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool = True):
-        norm = functools.partial(
-            nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5,
-            dtype=self.dtype,
-        )  # fmt: skip
+        norm = _batch_norm(train, self.dtype)
         conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
         inputs = x.shape[-1]
         wide = inputs * self.expansion
@@ -75,10 +78,7 @@ class EfficientNet(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool = True):
-        norm = functools.partial(
-            nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5,
-            dtype=self.dtype,
-        )  # fmt: skip
+        norm = _batch_norm(train, self.dtype)
         x = nn.Conv(self.stem_features, (3, 3), 2, padding=1, use_bias=False, dtype=self.dtype)(x)
         x = nn.silu(norm()(x))
         for expansion, kernel, strides, features, repeats in self.stages:
