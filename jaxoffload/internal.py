@@ -35,6 +35,7 @@ from jaxoffload._src.report import with_twin as with_twin
 
 # XLA options, and host copies priced for the scheduler.
 from jaxoffload._src.schedule import copy_cost_profile as copy_cost_profile
+from jaxoffload._src.schedule import with_copy_costs as with_copy_costs
 from jaxoffload._src.strategies import brief as brief
 
 # Timing programs on the device, and the host link.
@@ -72,6 +73,7 @@ __all__ = [
     "summary",
     "trace_step",
     "vjp_programs",
+    "with_copy_costs",
     "with_twin",
     "without_host_placement",
     "zeros",

@@ -347,13 +347,13 @@ def test_hidden_offloads_move_only_what_the_next_blocks_compute_hides():
         )
         for b in blocks
     ]
-    link = (2.0, 2.0)  # GB/s: the next block's 1 ms forward hides 1.6 MB at 80% of it
+    link = (2.0, 2.0)  # GB/s: each later block's 1 ms forward pass hides 1.8 MB at 90% of it
     choices = block_options(sized, options, link)
     first = {brief(o.strategy): o for o in choices[0]}
     hidden = [o for o in choices[0] if o.strategy.max_bytes is not None]
     assert hidden, sorted(first)
     for o in hidden:
-        assert o.moved_bytes <= 0.8 * 2.0 * 1e6 * 1.0 * (o.strategy.window - 1)
+        assert o.moved_bytes <= 0.9 * 2.0 * 1e6 * 1.0 * (o.strategy.window - 1)
         assert o.ms == pytest.approx(3.0)  # the lean compute, and no transfer time
         assert o.kept_bytes < first["Store()"].kept_bytes
     assert first["Offload()"].ms > 3.0  # uncapped, window 1: its transfers show
@@ -379,7 +379,7 @@ def test_hidden_offloads_move_only_what_the_next_blocks_compute_hides():
 def test_hidden_offloads_that_would_move_only_crumbs_are_no_options():
     options = (Store(), Lean(), Offload())
     blocks = _blocks(n=3, kept=4_000_000, lean=2_500_000, host=2_000_000)
-    # The residual is over what the next blocks hide (1.6 MB, or 3.2 MB over two): only
+    # The residual is over what the link carries before the turn (3.6 MB after block 0): only
     # the 4 KB beside it would go.
     crumbs = [
         dataclasses.replace(

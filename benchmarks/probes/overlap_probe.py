@@ -5,7 +5,7 @@
 
 ``minimal``: a 1 GiB copy to the host (and one back) beside independent matrix products, in
 one program, each alone and together. ``resnet50``: Flax's ImageNet ResNet-50, b256, bf16,
-224², its blocks under VARIANT (lean, off10, off40, off150, full), compiled with the given
+224², its blocks under VARIANT (lean, off10, off40, off150, full, or a plan's JSON file), compiled with the given
 XLA options (``compiler_options``), timed and traced. Writes VARIANT.json (and traces) to OUT.
 """
 
@@ -167,7 +167,7 @@ VARIANTS = {
 
 def copy_profile(text):
     """Each host copy priced at its bytes over 52 GB/s (the link as measured), for fdo_profile."""
-    return copy_cost_profile(text, 52.0)
+    return copy_cost_profile(text, float(os.environ.get("LINK_GBPS", 52.0)))
 
 
 def resnet50(variant, out, options):
@@ -181,9 +181,16 @@ def resnet50(variant, out, options):
         dtype="bfloat16",
         strategy="lean",
     )
-    model = models.create(
-        "flax-resnet50", strategy=(VARIANTS[variant],) * 16, dtype=jnp.bfloat16, num_classes=1000
-    )
+    if variant.endswith(".json"):  # a plan file: one strategy per block
+        model = jaxoffload.Plan.load(variant).apply(
+            models.plannable_model("flax-resnet50", dtype=jnp.bfloat16, num_classes=1000)
+        )
+        variant = os.path.basename(variant).removesuffix(".json")
+    else:
+        model = models.create(
+            "flax-resnet50", strategy=(VARIANTS[variant],) * 16, dtype=jnp.bfloat16,
+            num_classes=1000,
+        )
     step, state, batch, _ = bench_step.training(w, model, abstract=False)
     step = jax.jit(step, donate_argnums=0)
     fdo = options.pop("fdo", None)
@@ -209,7 +216,7 @@ def resnet50(variant, out, options):
     facts, text = compiled_facts(compiled)
     tag = variant + "".join(f"-{k.replace('xla_gpu_', '')}_{v}" for k, v in options.items())
     tag += "-pgle" if os.environ.get("PGLE") else ""
-    if variant.startswith(("off40", "full")):
+    if variant.startswith(("off40", "full", "plan")):
         with gzip.open(os.path.join(out, f"hlo-{tag}.txt.gz"), "wt") as fh:
             fh.write(text)
     holder = {"state": state}

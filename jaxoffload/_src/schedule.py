@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ASYNC_IN_FLIGHT", "compiler_options", "copy_cost_profile"]
+__all__ = ["ASYNC_IN_FLIGHT", "compiler_options", "copy_cost_profile", "with_copy_costs"]
 
 # Asynchronous operations the scheduler may keep in flight: host copies among them.
 ASYNC_IN_FLIGHT = 64
@@ -60,12 +60,24 @@ def compiler_options(lowered=None, *, link_gbps: float | None = None) -> dict[st
 
         link = measure_link(2**28)
         link_gbps = min(link["d2h_gbps"], link["h2d_gbps"])
-    profile = copy_cost_profile(text, link_gbps)
-    if profile:
-        options["fdo_profile"] = profile.encode()
-        # The profile prices the copies alone: the other instructions keep the default costs.
-        options["xla_gpu_pgle_accuracy_checker"] = "PGLE_STRICTNESS_LEVEL_OFF"
-    return options
+    return with_copy_costs(options, text, link_gbps)
+
+
+def with_copy_costs(options: dict[str, Any], hlo_text: str, link_gbps: float) -> dict[str, Any]:
+    """``options``, and a profile pricing each host copy of the program ``hlo_text`` (if any).
+
+    The program compiled with ``options``; compiled again with the result, its copies are
+    scheduled by their cost. A program without host copies gets ``options`` back.
+    """
+    profile = copy_cost_profile(hlo_text, link_gbps)
+    if not profile:
+        return options
+    # The profile prices the copies alone: the other instructions keep the default costs.
+    return {
+        **options,
+        "fdo_profile": profile.encode(),
+        "xla_gpu_pgle_accuracy_checker": "PGLE_STRICTNESS_LEVEL_OFF",
+    }
 
 
 def copy_cost_profile(hlo_text: str, link_gbps: float) -> str:

@@ -96,10 +96,6 @@ class Strategy:
         """Where a residual of this size waits (``"device"`` or ``"pinned_host"``), and why."""
         return "device", type(self).__name__
 
-    def without_window(self) -> Strategy:
-        """The strategy with window 1: the same residuals and compute, transfers waited for."""
-        return self
-
     def costed(self) -> Strategy:
         """The strategy as a planner measures it: window 1, no byte cap; the same compute."""
         return self
@@ -112,8 +108,8 @@ class Strategy:
         """Which of the residuals that may move, of these sizes, do: all, unless capped."""
         return [True] * len(sizes)
 
-    def with_cap(self, window: int, max_bytes: int) -> Strategy | None:
-        """The strategy moving at most ``max_bytes``, with ``window``; ``None`` if nothing moves."""
+    def with_cap(self, window: int, max_bytes: int, fetch_window: int | None = None):
+        """The strategy moving at most ``max_bytes``, with these windows; ``None`` if nothing moves."""
         return None
 
 
@@ -361,9 +357,6 @@ class Offload(Strategy):
             return "device", f"smaller than min_bytes={self.min_bytes}"
         return "pinned_host", "offloaded"
 
-    def without_window(self) -> Offload:
-        return dataclasses.replace(self, window=1, fetch_window=None)
-
     def costed(self) -> Offload:
         return dataclasses.replace(self, window=1, fetch_window=None, max_bytes=None)
 
@@ -382,8 +375,9 @@ class Offload(Strategy):
                 moved[n], room = True, room - sizes[n]
         return moved
 
-    def with_cap(self, window: int, max_bytes: int) -> Offload | None:
-        return dataclasses.replace(self, window=window, max_bytes=max_bytes) if max_bytes else None
+    def with_cap(self, window: int, max_bytes: int, fetch_window: int | None = None):
+        fields = {"window": window, "max_bytes": max_bytes, "fetch_window": fetch_window}
+        return dataclasses.replace(self, **fields) if max_bytes else None
 
 
 _KINDS = (Store, Lean, Remat, Offload)

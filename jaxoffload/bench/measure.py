@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import json
 import os
 import statistics
 import time
@@ -27,10 +28,12 @@ from jaxoffload.bench.workload import Workload
 from jaxoffload.internal import (
     analyze,
     brief,
+    copy_cost_profile,
     measure_link,
     median_ms,
     read_spatial_gathers,
     requested_host_transfers,
+    with_copy_costs,
     with_twin,
     without_host_placement,
 )
@@ -189,15 +192,45 @@ def _traced(compiled, state, batch):
 
 
 def _compile_and_analyze(step, state, batch):
-    """The compiled step, and what its compiled program holds and moves (:func:`analyze`).
-
-    It is compiled as the README tells users to compile an offloading step, with
-    :func:`jaxoffload.compiler_options`, whatever its strategy: the options touch only
-    asynchronous work, such as host copies.
-    """
+    """The compiled step, and what its compiled program holds and moves (:func:`analyze`)."""
     traced = step.trace(state, batch)
-    compiled = traced.lower().compile(compiler_options())
+    compiled = _compiled(traced.lower())
     return compiled, analyze(traced, compiled, on_dropped="warn")
+
+
+def _compiled(lowered):
+    """A step compiled as the README tells users to compile an offloading step.
+
+    With :func:`jaxoffload.compiler_options`, whatever its strategy (the options touch only
+    asynchronous work, such as host copies); and where it has host copies, compiled again
+    with each priced at its bytes over the link (:func:`with_copy_costs`).
+    """
+    options = compiler_options()
+    compiled = lowered.compile(options)
+    text = compiled.as_text()
+    if not copy_cost_profile(text, 1.0):  # no host copy to price
+        return compiled
+    return lowered.compile(with_copy_costs(options, text, _pricing_link_gbps()))
+
+
+@functools.cache
+def _pricing_link_gbps() -> float:
+    """The link speed that prices host copies: measured once per run folder and kept there.
+
+    A child that compiles a step for the persistent cache and the child that then measures it
+    must compile the same program, prices included, or the second compiles it again.
+    """
+    folder = os.environ.get(CACHE_DIR)
+    path = os.path.join(folder, "pricing_link_gbps.json") if folder else None
+    if path and os.path.exists(path):
+        with open(path) as f:
+            return float(json.load(f))
+    link = measure_link(2**28)
+    gbps = round(min(link["d2h_gbps"], link["h2d_gbps"]), 1)
+    if path:
+        with open(path, "w") as f:
+            json.dump(gbps, f)
+    return gbps
 
 
 # jax's persistent compilation cache, by the environment variables that set it: a child that
@@ -253,7 +286,7 @@ def compile_twin(workload: Workload):
     """
     with without_host_placement():
         step, state, batch, loss_fn = train_step(workload, abstract=True)
-        return step.trace(state, batch).lower().compile(compiler_options()), loss_fn
+        return _compiled(step.trace(state, batch).lower()), loss_fn
 
 
 def _time_steps(compiled, state, batch, *, warmup: int, steps: int):

@@ -18,6 +18,7 @@ from jax.extend import core as jex_core
 from jaxoffload._src import transform
 from jaxoffload._src.jaxprs import eqn_flops, nbytes, struct_of
 from jaxoffload._src.planner.front import Option
+from jaxoffload._src.planner.hiding import copy_timeline, hidden_copies
 from jaxoffload._src.residuals import trace_vjp
 from jaxoffload._src.strategies import Store, Strategy
 from jaxoffload._src.timing import compile_all, timed_together, vjp_programs
@@ -91,33 +92,26 @@ class BlockCosts:
 def estimate_step_ms(
     blocks: Sequence[BlockCosts], choice: Sequence[Strategy], link: tuple[float, float] | None
 ) -> float:
-    """The blocks' time in a step: their compute, and the transfers it cannot hide.
+    """The blocks' time in a step: their compute, and the waits for copies it cannot hide.
 
-    A block's copies to the host overlap the forward passes of the next
-    ``w - 1`` blocks (its window ``w``), and its fetches their backward
-    passes; what sticks out is added. Each phase takes at least its
-    transfers' time on the link.
+    The copies share the link, one at a time, in the order the ``Offload`` chain starts
+    them, and the blocks wait for them where the chain makes them wait: the model of
+    :func:`~jaxoffload._src.planner.hiding.copy_timeline`.
 
     Args:
       link: ``(d2h_gbps, h2d_gbps)``; ``None`` if nothing moves.
     """
     c = [b.cost(s) for b, s in zip(blocks, choice)]
-    w = [s.window for s in choice]
-    forward = sum(x.forward_ms for x in c)
-    backward = sum(x.backward_ms for x in c)
+    forward = [x.forward_ms for x in c]
+    backward = [x.backward_ms for x in c]
     moved = [x.host_bytes for x in c]
     if not any(moved):
-        return forward + backward
+        return sum(forward) + sum(backward)
     if link is None:
         raise ValueError("a plan that moves bytes needs the link's bandwidth.")
-    out_ms = [m / (link[0] * 1e6) for m in moved]
-    back_ms = [m / (link[1] * 1e6) for m in moved]
-    exposed_out = exposed_back = 0.0
-    for i, x in enumerate(c):
-        later = c[i + 1 : i + w[i]]
-        out, back = _exposed_ms(x.host_bytes, link, later)
-        exposed_out, exposed_back = exposed_out + out, exposed_back + back
-    return max(forward + exposed_out, sum(out_ms)) + max(backward + exposed_back, sum(back_ms))
+    windows = [s.window for s in choice]
+    fetch_windows = [s.fetch_window or s.window for s in choice]
+    return sum(copy_timeline(forward, backward, moved, windows, fetch_windows, link))
 
 
 def _exposed_ms(moved: int, link: tuple[float, float], later: Sequence[BlockCost]):
@@ -333,15 +327,6 @@ def _time_programs(calls, strategies, runs) -> list[dict[Strategy, tuple[float, 
     return results
 
 
-# The share of the link's time that hidden transfers may take: the rest is slack for
-# the compute's own memory traffic and for timing noise.
-HIDDEN_SHARE = 0.8
-# What a hidden offload moves, at the least, of what its base would move uncapped: a cap
-# below every large residual moves only crumbs (a BatchNorm's statistics), and its call
-# boundary and transfers buy nothing.
-HIDDEN_LEAST_SHARE = 0.05
-
-
 def block_options(
     blocks: Sequence[BlockCosts],
     options: Sequence[Strategy],
@@ -352,22 +337,21 @@ def block_options(
     """Per block, its options with what each keeps and costs: the front's input.
 
     Each option is costed as measured, with the transfers that the compute of
-    the blocks after it cannot hide. Where anything moves, each block also
-    gets hidden offloads: ``Offload`` with window ``w`` and a byte cap of what
-    the link moves, in :data:`HIDDEN_SHARE` of the time, while the next
-    ``w - 1`` blocks compute, forward and backward, so that the move costs
-    almost nothing; on top of the lean cut, and of recomputation; where that
-    moves at least :data:`HIDDEN_LEAST_SHARE` of what the uncapped offload would. Where a
-    whole step showed that it does not, ``hidden_ms_per_byte`` is what each
-    byte such an offload moves was measured to cost. Options of one block
+    the blocks after it cannot hide. Where anything moves, each block may also
+    get a hidden offload of each offloading option (on top of the lean cut, or
+    of recomputation): the copies that the link carries while the blocks
+    compute, with the windows that place them, chosen for all the blocks at
+    once as :func:`~jaxoffload._src.planner.hiding.hidden_copies` does, so
+    that moving them costs almost nothing. Where a whole step showed that it
+    does not, ``hidden_ms_per_byte`` is what each byte such an offload moves
+    was measured to cost. Options of one block
     within their timing noise count as equally fast, but for the kinds in
     ``apart``, whose whole steps were timed apart from the plain one's.
     """
+    hidden = _hidden_offloads(blocks, options, link) if link is not None else []
     choices = []
     for i in range(len(blocks)):
-        strategies = list(dict.fromkeys(options))
-        if link is not None:
-            strategies += _hidden_offloads(blocks, i, options, link)
+        strategies = list(dict.fromkeys(options)) + [h[i] for h in hidden if h[i] is not None]
         options_i = [
             _option(blocks, i, s, link, hidden_ms_per_byte) for s in dict.fromkeys(strategies)
         ]
@@ -392,22 +376,24 @@ def _ties_as_equal(options: list[Option], margin: float, apart=frozenset()) -> l
     ]
 
 
-def _hidden_offloads(blocks, i, options, link) -> list[Strategy]:
+def _hidden_offloads(blocks, options, link) -> list[list[Strategy | None]]:
+    """Per offloading option, each block's hidden offload of it (``None`` where none hides).
+
+    The blocks around a block are costed as plain ones: their own choices are not known yet.
+    """
+    forward = [b.cost(Store()).forward_ms for b in blocks]
+    backward = [b.cost(Store()).backward_ms for b in blocks]
     hidden = []
     for base in options:
         if not base.to_host:
             continue
-        for window in (2, 3):
-            later = blocks[i + 1 : i + window]
-            if len(later) < window - 1:
-                continue
-            forward = sum(b.cost(Store()).forward_ms for b in later)
-            backward = sum(b.cost(Store()).backward_ms for b in later)
-            cap = int(HIDDEN_SHARE * min(link[0] * forward, link[1] * backward) * 1e6)
-            capped = base.with_cap(window, cap)
-            least = HIDDEN_LEAST_SHARE * blocks[i].cost(base).host_bytes
-            if capped is not None and blocks[i].cost(capped).host_bytes >= max(least, 1):
-                hidden.append(capped)
+        copies = hidden_copies(forward, backward, [b.cost(base).host_sizes for b in blocks], link)
+        hidden.append(
+            [
+                None if c is None else base.with_cap(c.window, c.moved, c.fetch_window)
+                for c in copies
+            ]
+        )
     return hidden
 
 
