@@ -5,7 +5,8 @@
 
 ``minimal``: a 1 GiB copy to the host (and one back) beside independent matrix products, in
 one program, each alone and together. ``resnet50``: Flax's ImageNet ResNet-50, b256, bf16,
-224², its blocks under VARIANT (lean, off10, off40, off150, full, or a plan's JSON file), compiled with the given
+224², its blocks under VARIANT (lean, off10, off40, off150, full, or a plan's JSON file, as in
+``benchmarks/probes/plans/``), compiled with the given
 XLA options (``compiler_options``), timed and traced. Writes VARIANT.json (and traces) to OUT.
 """
 
@@ -216,6 +217,7 @@ def resnet50(variant, out, options):
     facts, text = compiled_facts(compiled)
     tag = variant + "".join(f"-{k.replace('xla_gpu_', '')}_{v}" for k, v in options.items())
     tag += "-pgle" if os.environ.get("PGLE") else ""
+    tag += os.environ.get("RUN", "")  # repeats of one variant, each in a process of its own
     if variant.startswith(("off40", "full", "plan")):
         with gzip.open(os.path.join(out, f"hlo-{tag}.txt.gz"), "wt") as fh:
             fh.write(text)
