@@ -15,11 +15,12 @@ import pytest
 from helpers import bench_record, stand_in_children
 
 import jaxoffload
-from jaxoffload.bench import cli
+from jaxoffload import Lean, Offload, Plan
+from jaxoffload.bench import cli, planning
 from jaxoffload.bench.child import Children, OutOfMemory
 from jaxoffload.bench.command import memory_cap_env
 from jaxoffload.bench.console import Progress, gradient_flags, records_table, say_notes
-from jaxoffload.bench.measure import CACHE_DIR, requested_host_bytes
+from jaxoffload.bench.measure import CACHE_DIR, plan_fields, requested_host_bytes
 from jaxoffload.bench.options import BenchError
 from jaxoffload.bench.planning import budget_bytes
 from jaxoffload.bench.plots import plot_records
@@ -27,7 +28,7 @@ from jaxoffload.bench.record import Record
 from jaxoffload.bench.run import add_transfer_bounds, measure_all
 from jaxoffload.bench.step import train_step
 from jaxoffload.bench.workload import Workload
-from jaxoffload.internal import measure_link
+from jaxoffload.internal import brief, hidden_copies, measure_link
 
 REQUIRED = {
     "model", "batch", "image_size", "dtype", "strategy", "framework", "device", "jax_version",
@@ -57,7 +58,10 @@ REQUIRED = {
         (["--window", "two"], "expected a window or comma-separated windows, got 'two'"),
         (["--model", "resnet18", "--window", "1,2"], "window has 2 entries, but resnet18 has 4"),
         (["--model", "vgg11", "--window", "1,2,2,2"], "vgg11 takes one window, not one per stage"),
-        (["--strategies", "none,offload-hidden"], "needs a reference model"),
+        (["--model", "flax-nnx-resnet18", "--strategies", "none,offload-hidden"],
+         "flax-nnx-resnet18 is an NNX model: not supported yet"),
+        (["--model", "resnet18", "--strategies", "offload-hidden", "--block-costs", "traced"],
+         "--block-costs traced is for the plain-Flax linen models"),
         (["--strategies", "none,jax-offload"], "names none"),
         (["--strategies", "grad-accum", "--batch", "100", "--micro-batch", "24"],
          "--batch 100 is not a multiple of --micro-batch 24: use 96 or 120"),
@@ -441,6 +445,73 @@ def test_planned_strategy_failures_and_empty_plans_are_reported(tmp_path, capsys
         record = json.loads((tmp_path / failing / "records.json").read_text())[-1]
         assert record["out_of_memory"], failing
         assert record["offloaded_blocks"] == (0 if failing == "measure" else None), failing
+
+
+def test_offload_hidden_on_a_plain_flax_model_runs_the_link_timeline_s_schedule(monkeypatch):
+    """Its plan is hidden_copies' for the plannable blocks at the twin's link, applied as one
+    capped Offload per block; its record carries the plan, as a plan's record does."""
+    given = []  # what the planner asked hidden_copies, and what it answered
+
+    def recorded(forward, backward, sizes, link, **options):
+        copies = hidden_copies(forward, backward, sizes, link, **options)
+        given.append((forward, backward, sizes, link, copies))
+        return copies
+
+    monkeypatch.setattr(planning, "hidden_copies", recorded)
+
+    def fake_measure(workload, *, steps, reference, env, **options):
+        link = {"d2h_gbps": 2.0, "h2d_gbps": 3.0} if workload.strategy == "lean" else {}
+        return bench_record(
+            workload, step_time_ms=90.0, forward_ms=30.0, **link, **plan_fields(workload)
+        )
+
+    children = stand_in_children(
+        measure=fake_measure,
+        plan_hidden=lambda w, *, env, **budget: planning.hidden_offload_workload(w, **budget),
+    )
+    fields = {"model": "flax-resnet18", "batch": 8, "image_size": 32, "dtype": "float32"}
+    hidden = Workload(**fields, strategy="offload-hidden", block_costs="traced")
+    workloads = [Workload(**fields, strategy="none"), Workload(**fields, strategy="lean"), hidden]
+    record = measure_all(workloads, steps=1, children=children)[-1]
+
+    ((forward, backward, sizes, link, copies),) = given
+    assert link == (2.0, 3.0) and len(forward) == len(backward) == len(sizes) == 8
+    plan = Plan.from_dict(record.planned)
+    assert [path for path, _ in plan.blocks] == [f"ResNetBlock_{i}" for i in range(8)]
+    expected = [
+        Lean()
+        if c is None
+        else Offload(window=c.window, max_bytes=c.moved, fetch_window=c.fetch_window)
+        for c in copies
+    ]
+    assert list(plan.strategies) == expected and plan.outside == Lean()
+    # The last block has no compute after it to hide its copies; the first blocks do.
+    assert expected[-1] == Lean() and expected[0].to_host
+    assert record.strategy == "offload-hidden" and record.block_costs == "traced"
+    assert record.plan_choices == [brief(s) for s in expected] and record.plan_outside == "Lean()"
+    # The caps move what the schedule moves: the planned step asks for exactly those bytes.
+    moved = sum(c.moved for c in copies if c is not None)
+    assert record.plan_moved_bytes == moved > 0
+    assert requested_host_bytes(dataclasses.replace(hidden, planned=record.planned)) == moved
+    # Every copy runs while blocks compute: the blocks' time is their compute alone.
+    assert record.plan_estimated_step_ms == pytest.approx(sum(forward) + sum(backward))
+
+
+def test_offload_hidden_s_choices_are_said_and_so_is_a_plan_that_moves_nothing():
+    from rich.console import Console
+
+    console = Console(width=200, record=True, file=open(os.devnull, "w"))
+    moving = Record(
+        strategy="offload-hidden", offloaded_blocks=1, plan_outside="Lean()",
+        plan_choices=["Offload(window=2, max_bytes=4096)", "Lean()"], plan_moved_bytes=2**30,
+    )  # fmt: skip
+    still = dataclasses.replace(moving, offloaded_blocks=0, plan_choices=["Lean()"] * 2)
+    say_notes([moving], console)
+    said = console.export_text()
+    assert "offload-hidden: Offload(window=2, max_bytes=4096) x1, Lean() x1; outside the " in said
+    assert "its schedule moves 1,024.0 MiB each way" in said and "offloads nothing" not in said
+    say_notes([still], console)
+    assert "so it ran as Lean() on every block" in console.export_text()
 
 
 def test_budgets_parse_and_make_plan_workloads():

@@ -45,8 +45,9 @@ TO_HOST = ("offload", "offload-inputs")
 # Strategies whose per-block values a planner picks (see
 # jaxoffload.bench.planning.hidden_offload_workload).
 PLANNED_STRATEGIES = {
-    "offload-hidden": "Offload() only the blocks whose transfers the compute can hide "
-    "(jaxoffload.bench.hidden), the others Lean()",
+    "offload-hidden": "each block moves what the link carries while blocks compute, with its "
+    "own windows (jaxoffload.bench.planning.hidden_plan), the others Lean(); a reference "
+    "model's blocks whose transfers hide move all, at one window (jaxoffload.bench.hidden)",
     "plan": "the jaxoffload.plan of a budget (bench --budget)",
 }
 
@@ -181,6 +182,8 @@ def check_workload(
         _check_budget_plan(model, budget, block_costs)
     else:
         _check_block_strategies(model, strategy, blocks, window)
+    if strategy == "offload-hidden":
+        _check_hidden(model, block_costs)
 
 
 def _check_names_and_sizes(model, batch, image_size, dtype, strategy) -> None:
@@ -248,14 +251,30 @@ def _check_budget_plan(model, budget, block_costs) -> None:
         raise ValueError(f"block_costs is one of {BLOCK_COSTS}, got {block_costs!r}.")
 
 
+def _check_hidden(model, block_costs) -> None:
+    """``offload-hidden`` plans a linen model's blocks: a plain one's from their costs, timed
+    or traced; a reference one's from their forward passes, timed."""
+    if is_nnx(model):
+        raise ValueError(
+            f"'offload-hidden' plans the blocks of a linen model, plain-Flax or reference; "
+            f"{model} is an NNX model: not supported yet."
+        )
+    if block_costs not in BLOCK_COSTS:
+        raise ValueError(f"block_costs is one of {BLOCK_COSTS}, got {block_costs!r}.")
+    if not is_plain(model) and block_costs != "timed":
+        raise ValueError(
+            f"'offload-hidden' times a reference model's blocks: --block-costs {block_costs} "
+            f"is for the plain-Flax linen models, and {model} is a reference model."
+        )
+
+
 def _check_block_strategies(model, strategy, blocks, window) -> None:
     """The model takes the strategy, its blocks and its windows."""
     plain = is_plain(model)
-    if plain and (strategy in PLANNED_STRATEGIES or blocks is not None):
+    if plain and blocks is not None:
         raise ValueError(
             f"{model} wraps one block class, so all its blocks take one strategy: "
-            f"{strategy!r}{' with blocks' if blocks is not None else ''} needs a "
-            "reference model."
+            f"{strategy!r} with blocks needs a reference model."
         )
     if plain and strategy == "jax-offload":
         raise ValueError(

@@ -68,8 +68,8 @@ class Children:
     def plan_hidden(
         self, workload: Workload, *, env: dict[str, str] | None = None, **budget: float
     ) -> Workload:
-        """The workload with the ``plan`` and ``window`` of
-        :func:`jaxoffload.bench.planning.hidden_offload_workload`.
+        """The workload with the plan of :func:`jaxoffload.bench.planning.hidden_offload_workload`:
+        ``planned`` for a plain-Flax linen model, ``plan`` and ``window`` for a reference one.
 
         Planning times each block on the device; in a process of its own, that does not
         count in the runtime peak of the process that then measures the planned step.
@@ -81,7 +81,7 @@ class Children:
             :func:`~jaxoffload.bench.planning.hidden_offload_workload` takes them.
         """
         planned = _run(["plan-hidden", _json(workload), json.dumps(budget)], env)
-        return dataclasses.replace(workload, plan=tuple(planned["plan"]), window=planned["window"])
+        return dataclasses.replace(workload, **planned)
 
     def plan_budgets(
         self, workload: Workload, budgets_bytes: Sequence[int], *, env: dict[str, str] | None = None
@@ -179,7 +179,7 @@ def main(argv: Sequence[str]) -> None:
         result = measure.measure(Workload(**values[0]), **values[1]).to_json()
     elif command == "plan-hidden":
         planned = planning.hidden_offload_workload(Workload(**values[0]), **values[1])
-        result = {"plan": planned.plan, "window": planned.window}
+        result = {"plan": planned.plan, "window": planned.window, "planned": planned.planned}
     elif command == "plan-budgets":
         result = planning.plan_budgets(Workload(**values[0]), values[1])
     elif command == "largest":

@@ -142,9 +142,10 @@ def _add_workload_arguments(bench: argparse.ArgumentParser) -> None:
         "--block-costs",
         choices=BLOCK_COSTS,
         default="timed",
-        help="how --budget's planner costs the blocks: each distinct block program compiled "
-        "and timed alone (timed), or from its traced FLOPs at the plain step's ms per FLOP "
-        "(traced, which compiles no block program)",
+        help="how --budget's planner, and offload-hidden's on a plain-Flax model, cost the "
+        "blocks: each distinct block program compiled and timed alone (timed), or from its "
+        "traced FLOPs at the plain step's ms per FLOP (traced, which compiles no block "
+        "program; offload-hidden takes the 'lean' step's)",
     )
 
 

@@ -222,9 +222,10 @@ def say_notes(records: list[Record], console: Any) -> None:
                 f"all), from: {'; '.join(sources)}."
             )
         if r.strategy == "offload-hidden" and r.offloaded_blocks == 0:
+            ran = repr(r.plan[0]) if r.plan else "Lean() on every block"
             console.print(
                 f"[yellow]note:[/] {r.strategy!r} offloads nothing here: no block's transfers "
-                f"fit behind the compute around it, so it ran as {r.plan[0]!r}."
+                f"fit behind the compute around it, so it ran as {ran}."
             )
     for r in records:
         if r.grad_rel_err_note:
@@ -252,14 +253,25 @@ def say_notes(records: list[Record], console: Any) -> None:
             + " (marked !)."
         )
     for r in records:
-        if r.strategy == "plan" and r.plan_choices is not None:
+        if r.plan_choices is not None:
             choices = ", ".join(
                 f"{c} x{r.plan_choices.count(c)}" for c in dict.fromkeys(r.plan_choices)
             )
             console.print(
                 f"{r.name}: {choices}; outside the blocks {r.plan_outside}"
-                + _against_envelope(r, records)
+                + (_against_envelope(r, records) if r.strategy == "plan" else _moved(r))
             )
+
+
+def _moved(record: Record) -> str:
+    """What an ``offload-hidden`` plan's schedule moves, against what its compiled step moves."""
+    if record.plan_moved_bytes is None:
+        return ""
+    # In MiB: a small model's copies are a fraction of a GiB's thousandth.
+    said = f"; its schedule moves {record.plan_moved_bytes / 2**20:,.1f} MiB each way"
+    if record.device_to_host_bytes:  # nothing moves on a CPU
+        said += f", its compiled step {record.device_to_host_bytes / 2**20:,.1f} MiB to the host"
+    return said
 
 
 def _against_envelope(plan: Record, records: list[Record]) -> str:

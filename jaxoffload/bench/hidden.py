@@ -1,7 +1,10 @@
 """The reference models' offload-only planner: which blocks' transfers the compute can hide.
 
-``bench --strategies offload-hidden`` uses it. :func:`jaxoffload.plan` is the
-library's planner, for every strategy and any model.
+``bench --strategies offload-hidden`` uses it on the reference models, whose blocks each
+move all or nothing, at one window. On the plain-Flax models it plans with the library's
+link timeline instead (:func:`jaxoffload.bench.planning.hidden_plan`), which caps what each
+block moves and gives each its windows. :func:`jaxoffload.plan` is the library's planner,
+for every strategy and any model.
 """
 
 from __future__ import annotations

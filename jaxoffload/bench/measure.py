@@ -19,7 +19,7 @@ import flax
 import jax
 
 import jaxoffload
-from jaxoffload import Plan, compiler_options, measure_overlap
+from jaxoffload import compiler_options, measure_overlap
 from jaxoffload.bench.catalog import PLANNED_STRATEGIES
 from jaxoffload.bench.gradients import accumulation_check, compare_gradients
 from jaxoffload.bench.record import Record
@@ -45,6 +45,7 @@ __all__ = [
     "compile_twin",
     "device_fields",
     "measure",
+    "plan_fields",
     "probe",
     "requested_host_bytes",
     "spatial_fields",
@@ -101,7 +102,8 @@ def measure(
         runtime peak is read: the compute's and each copy direction's busy time, their
         overlap and a timeline (:func:`jaxoffload.measure_overlap`).
 
-    A planned strategy's workload must carry its plan (:meth:`jaxoffload.bench.child.Children.plan_hidden`).
+    A planned strategy's workload must carry its plan
+    (:meth:`jaxoffload.bench.child.Children.plan_hidden`, ``plan_budgets``).
     With ``num_devices`` or ``spatial`` > 1 the memory figures are per device: the
     compiled program's are one device's, and the runtime peak is the largest
     device's; with ``spatial`` > 1, ``spatial_gathers`` lists the all-gathers that
@@ -354,7 +356,7 @@ def _workload_fields(workload: Workload) -> dict[str, Any]:
         "strategy": workload.strategy,
         "window": workload.window,
         "plan": workload.plan,
-        **_plan_fields(workload),
+        **plan_fields(workload),
         "offloaded_blocks": workload.offloaded_blocks,
         "num_devices": workload.num_devices,
         **spatial_fields(workload),
@@ -420,21 +422,31 @@ def _step_fields(workload: Workload, times: list[float], loss) -> dict[str, Any]
     }
 
 
-def _plan_fields(workload: Workload) -> dict[str, Any]:
-    """A planned workload's budget and per-block choices, for its record."""
-    if workload.strategy != "plan":
+def plan_fields(workload: Workload) -> dict[str, Any]:
+    """The fields of a record that say the plan its workload ran (:attr:`Workload.runs_plan`):
+    its per-block choices and the plan itself; for ``"plan"`` its budget and the planner's
+    figures, for ``"offload-hidden"`` the bytes that its schedule moves; none for others."""
+    if not workload.runs_plan:
         return {}
-    planned = Plan.from_dict(workload.planned)
+    planned = workload.block_plan
+    common = {
+        "block_costs": workload.block_costs,
+        "plan_choices": [brief(s) for s in planned.strategies],
+        "plan_outside": brief(planned.outside),
+        "plan_estimated_step_ms": planned.estimated_step_ms,
+        "planned": workload.planned,  # the plan itself: it re-applies without planning
+    }
+    if workload.strategy != "plan":
+        # Each block's max_bytes is what hidden_copies has it move, each way.
+        moved = sum(s.max_bytes or 0 for s in planned.strategies if s.to_host)
+        return {**common, "plan_moved_bytes": moved}
     return {
         "budget": workload.budget,
         "budget_bytes": planned.budget_bytes,
-        "plan_choices": [brief(s) for s in planned.strategies],
-        "plan_outside": brief(planned.outside),
+        **common,
         "plan_compiled_bytes": planned.compiled_bytes,
         "plan_estimated_bytes": planned.estimated_bytes,
-        "plan_estimated_step_ms": planned.estimated_step_ms,
         "plan_measured_step_ms": planned.measured_step_ms,
-        "planned": workload.planned,  # the plan itself: it re-applies without planning
     }
 
 

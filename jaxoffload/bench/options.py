@@ -150,7 +150,14 @@ def workload_fields(args: argparse.Namespace, strategies: list[str]) -> list[dic
     }  # fmt: skip
     micro_batch = {s: args.micro_batch if s in ACCUMULATED_STRATEGIES else None for s in strategies}
     return [
-        {**common, "strategy": s, "window": args.window, "micro_batch": micro_batch[s]}
+        {
+            **common,
+            "strategy": s,
+            "window": args.window,
+            "micro_batch": micro_batch[s],
+            # offload-hidden's planner costs the blocks as --budget's does.
+            **({"block_costs": args.block_costs} if s == "offload-hidden" else {}),
+        }
         for s in strategies
     ] + [
         {**common, "strategy": "plan", "budget": b, "block_costs": args.block_costs}

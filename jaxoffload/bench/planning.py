@@ -1,4 +1,4 @@
-"""Planning workloads: ``jaxoffload.plan`` at a run's budgets, and ``offload-hidden``'s plan."""
+"""Planning workloads: ``jaxoffload.plan`` at a run's budgets, and ``offload-hidden``'s plans."""
 
 from __future__ import annotations
 
@@ -13,14 +13,26 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.extend import core as jex_core
 
-from jaxoffload import NoPlanFits, OffloadedCall, Plan, offloaded_calls
+from jaxoffload import Lean, NoPlanFits, Offload, OffloadedCall, Plan, offloaded_calls
 from jaxoffload.bench import models
 from jaxoffload.bench.catalog import COMPUTE_TWIN
 from jaxoffload.bench.hidden import plan_hidden_offload
 from jaxoffload.bench.record import Record
 from jaxoffload.bench.step import linen_model, nnx_training, train_step, training
 from jaxoffload.bench.workload import Workload
-from jaxoffload.internal import Planner, median_ms, zeros
+from jaxoffload.internal import (
+    Planner,
+    copy_timeline,
+    cost_blocks,
+    discover,
+    hidden_copies,
+    median_ms,
+    step_flops,
+    trace_blocks,
+    trace_step,
+    traced_blocks,
+    zeros,
+)
 
 __all__ = [
     "HIDDEN_RECOMPUTE_SHARE",
@@ -28,9 +40,11 @@ __all__ = [
     "compute_ms",
     "hidden_budget",
     "hidden_offload_workload",
+    "hidden_plan",
     "plan_budgets",
     "planner_of",
     "planning_inputs",
+    "reference_hidden_workload",
     "time_offloaded_calls",
 ]
 
@@ -96,10 +110,7 @@ def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[
     inputs = planning_inputs(workload)
     # Planning is what jaxoffload.plan does, from the model and arguments that a user has.
     start = time.perf_counter()
-
-    def say(line: str) -> None:  # the seconds since planning began, to see where time goes
-        print(f"[plan] {time.perf_counter() - start:6.1f} s  {line}", file=sys.stderr, flush=True)
-
+    say = _progress(start)
     shared = planner_of(workload, say, inputs)
     results = []
     found = shared.plans_for([int(b) for b in budgets_bytes], max_rounds=3)
@@ -119,6 +130,16 @@ def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[
     # What was compiled, once, with the first budget's result: for fitting byte models offline.
     results[0]["planner_points"] = shared.compiled_points()
     return results
+
+
+def _progress(start: float) -> Callable[[str], None]:
+    """``say(line)``: a ``[plan]`` line on stderr, which the parent passes on as it comes,
+    with the seconds since ``start``, to see where planning's time goes."""
+
+    def say(line: str) -> None:
+        print(f"[plan] {time.perf_counter() - start:6.1f} s  {line}", file=sys.stderr, flush=True)
+
+    return say
 
 
 def budget_bytes(budgets: Sequence[float], records: Sequence[Record]) -> list[int]:
@@ -145,7 +166,125 @@ def hidden_offload_workload(
     h2d_gbps: float,
     recompute_share: float = HIDDEN_RECOMPUTE_SHARE,
 ) -> Workload:
-    """The workload with the plan of :func:`jaxoffload.bench.hidden.plan_hidden_offload`.
+    """The workload with ``offload-hidden``'s plan, made from its twin's step and link.
+
+    A plain-Flax linen model gets ``planned``, the :class:`jaxoffload.Plan` of
+    :func:`hidden_plan`: the library's link timeline, block by block. A reference model
+    gets ``plan`` and ``window``, one strategy name per block and one window, from
+    :func:`reference_hidden_workload`.
+
+    Args:
+      workload: an ``offload-hidden`` workload.
+      fwd_ms, bwd_ms: the twin's forward pass and the rest of its step.
+      d2h_gbps, h2d_gbps: the link, as the twin's process measured it.
+      recompute_share: for a reference model, the share of the step that recomputation may
+        add (see :func:`reference_hidden_workload`).
+    """
+    if models.is_plain(workload.model):
+        plan = hidden_plan(workload, (d2h_gbps, h2d_gbps), step_ms=fwd_ms + bwd_ms)
+        return dataclasses.replace(workload, planned=plan.to_dict())
+    return reference_hidden_workload(
+        workload,
+        fwd_ms=fwd_ms,
+        bwd_ms=bwd_ms,
+        d2h_gbps=d2h_gbps,
+        h2d_gbps=h2d_gbps,
+        recompute_share=recompute_share,
+    )
+
+
+def hidden_plan(
+    workload: Workload,
+    link: tuple[float, float],
+    *,
+    step_ms: float | None = None,
+    runs: int = 5,
+) -> Plan:
+    """``offload-hidden``'s plan of a plain-Flax linen model: the copies that blocks' compute hides.
+
+    Per plannable block, in call order (the model of :func:`planning_inputs`): the
+    residuals it moves under ``Offload()``, read from its trace, and its compute as a
+    ``Lean()`` block, which every block computes in the plan, moving or not. The times are
+    each distinct block program's, timed alone on the device as :func:`jaxoffload.plan`
+    times them (``workload.block_costs`` ``"timed"``), or its FLOPs at ``step_ms`` over the
+    plain step's FLOPs (``"traced"``, which compiles nothing). From these and the link,
+    :func:`~jaxoffload._src.planner.hiding.hidden_copies` chooses what each block moves and
+    its windows, so that the copies take turns on the link while blocks compute: a block
+    that gets copies takes ``Offload(window=..., max_bytes=..., fetch_window=...)``, which
+    moves exactly those residuals; the others, and the code outside the blocks, ``Lean()``.
+
+    The plan's ``estimated_step_ms`` is the blocks' time with its copies
+    (:func:`~jaxoffload._src.planner.hiding.copy_timeline`), and its notes say, per block,
+    what it computes, moves, and when the schedule has its copies run.
+
+    Args:
+      workload: an ``offload-hidden`` workload of a plain-Flax linen model.
+      link: ``(d2h_gbps, h2d_gbps)``, the link's measured speed each way.
+      step_ms: the twin's step, which ``"traced"`` block costs spread over the FLOPs.
+      runs: timed runs of each block program.
+    """
+    say = _progress(time.perf_counter())
+    model, step, args, blocks = planning_inputs(workload)
+    say("tracing the step to find the plannable blocks")
+    paths, calls = discover(model, step, args, blocks)
+    if not paths or len(calls) != len(paths):
+        raise RuntimeError(
+            f"{workload.model}: the step calls {len(paths)} plannable blocks and differentiates "
+            f"{len(calls)} wrapped calls; offload-hidden needs one call per block."
+        )
+    traces = trace_blocks(calls, (Lean(), Offload()))
+    if workload.block_costs == "traced":
+        # The plain step's FLOPs against the lean twin's time: a lean step recomputes
+        # elementwise work, which FLOPs do not count.
+        flops = step_flops(trace_step(model, step, args, None, (0,)).jaxpr.jaxpr)
+        if step_ms is None or not flops > 0:
+            raise ValueError("'traced' block costs need the step's time and its FLOPs.")
+        costs = traced_blocks(paths, calls, traces, ms_per_flop=step_ms / flops)
+    else:
+        costs = cost_blocks(paths, calls, traces, runs=runs, say=say)
+    forward = [b.cost(Lean()).forward_ms for b in costs]
+    backward = [b.cost(Lean()).backward_ms for b in costs]
+    sizes = [b.cost(Offload()).host_sizes for b in costs]
+    copies = hidden_copies(forward, backward, sizes, link)
+    choices = [
+        Lean() if c is None else Offload().with_cap(c.window, c.moved, c.fetch_window)
+        for c in copies
+    ]
+    moved = [0 if c is None else c.moved for c in copies]
+    windows = [s.window for s in choices]
+    fetch_windows = [s.fetch_window or s.window for s in choices]
+    estimated = sum(copy_timeline(forward, backward, moved, windows, fetch_windows, link))
+    notes = [_hidden_note(c, f, b, sum(s)) for c, f, b, s in zip(copies, forward, backward, sizes)]
+    plan = Plan(tuple(zip(paths, choices)), Lean(), estimated_step_ms=estimated, notes=tuple(notes))
+    say(f"{sum(moved) / 1e6:.1f} MB move each way, on {sum(map(bool, moved))} blocks")
+    print(plan, file=sys.stderr)
+    return plan
+
+
+def _hidden_note(copies, forward_ms: float, backward_ms: float, movable: int) -> str:
+    """What one block computes, and what of its residuals moves when, as a plan's note."""
+    compute = f"Lean() compute {forward_ms:.2f} + {backward_ms:.2f} ms"
+    if copies is None:
+        return f"{compute}; none of its {movable / 1e6:.2f} MB of residuals hides"
+    (out, out_end), (back, back_end) = copies.to_host_ms, copies.fetch_ms
+    return (
+        f"{compute}; moves {copies.moved / 1e6:.2f} of {movable / 1e6:.2f} MB: to the host at "
+        f"{out:.2f}-{out_end:.2f} ms of the forward pass, back at {back:.2f}-{back_end:.2f} ms "
+        "of the backward pass"
+    )
+
+
+def reference_hidden_workload(
+    workload: Workload,
+    *,
+    fwd_ms: float,
+    bwd_ms: float,
+    d2h_gbps: float,
+    h2d_gbps: float,
+    recompute_share: float = HIDDEN_RECOMPUTE_SHARE,
+) -> Workload:
+    """A reference model's workload with the plan of
+    :func:`jaxoffload.bench.hidden.plan_hidden_offload`: ``plan`` and one ``window``.
 
     The plan frees the most device memory whose transfers hide behind
     compute and whose recomputation adds at most ``recompute_share`` of the

@@ -112,6 +112,8 @@ class Record(_Carrying):
     plan_estimated_bytes: int | None = None
     plan_estimated_step_ms: float | None = None
     plan_measured_step_ms: float | None = None
+    # offload-hidden's schedule: the bytes its blocks move each way (their max_bytes).
+    plan_moved_bytes: int | None = None
     planned: dict[str, Any] | None = None
     offloaded_blocks: int | None = None
     num_devices: int | None = None

@@ -53,9 +53,9 @@ def train_step(workload: Workload, *, abstract: bool = False):
 
 
 def linen_model(workload: Workload, *, plannable: bool = False) -> flax.linen.Module:
-    """The workload's plain-Flax linen model: under its strategy or its plan, or plannable."""
+    """The workload's linen model: under its strategy or its plan, or plannable (plain-Flax)."""
     dtype = jnp.dtype(workload.dtype)
-    if not (plannable or workload.strategy == "plan"):
+    if not (plannable or workload.runs_plan):
         return models.create(
             workload.model,
             strategy=workload.block_strategies,
@@ -65,9 +65,7 @@ def linen_model(workload: Workload, *, plannable: bool = False) -> flax.linen.Mo
     model = models.plannable_model(workload.model, dtype=dtype, num_classes=workload.num_classes)
     if plannable:
         return model
-    if workload.planned is None:
-        raise ValueError("'plan' needs its plan: see Children.plan_budgets.")
-    return Plan.from_dict(workload.planned).apply(model)
+    return workload.block_plan.apply(model)
 
 
 def training(workload: Workload, model, *, abstract: bool | None):

@@ -62,14 +62,17 @@ class Workload:
       window: the ``Offload`` window of offloading blocks, or one per stage of
         a reference ResNet.
       plan: one strategy name per block, overriding ``strategy`` and
-        ``blocks``; set by the planner of ``"offload-hidden"``.
+        ``blocks``; set by the planner of ``"offload-hidden"`` on a reference
+        model.
       budget: for the ``"plan"`` strategy, the budget as a share of the
         ``"none"`` run's runtime peak.
-      block_costs: for ``"plan"``, how the planner costs the blocks:
-        ``"timed"`` or ``"traced"`` (see :func:`jaxoffload.plan`).
-      planned: for ``"plan"``, the :class:`jaxoffload.Plan` as
-        :meth:`~jaxoffload.Plan.to_dict` writes it; set by
-        :meth:`jaxoffload.bench.child.Children.plan_budgets`.
+      block_costs: for ``"plan"``, and ``"offload-hidden"`` on a plain-Flax model,
+        how the planner costs the blocks: ``"timed"`` or ``"traced"`` (see
+        :func:`jaxoffload.plan`).
+      planned: where the blocks take a :class:`jaxoffload.Plan` (:attr:`runs_plan`), the
+        plan as :meth:`~jaxoffload.Plan.to_dict` writes it; set by
+        :meth:`jaxoffload.bench.child.Children.plan_budgets` for ``"plan"``, and by
+        :meth:`~jaxoffload.bench.child.Children.plan_hidden` for ``"offload-hidden"``.
       micro_batch: for ``"grad-accum"`` and ``"grad-accum-lean"``
         (:data:`ACCUMULATED_STRATEGIES`), the images of each micro-batch, over
         all the devices; ``batch`` must be a multiple of it.
@@ -135,13 +138,34 @@ class Workload:
         return jax.make_mesh((self.num_devices, self.spatial), ("data", "space"), axis_types=auto)
 
     @property
+    def runs_plan(self) -> bool:
+        """Whether the blocks take a :class:`jaxoffload.Plan` (``planned``), applied to the
+        plain-Flax model (a linen one made plannable): ``"plan"``'s, and
+        ``"offload-hidden"``'s on a plain-Flax linen model, whose blocks each take their own
+        ``Offload`` cap."""
+        linen = models.is_plain(self.model) and not models.is_nnx(self.model)
+        return self.strategy == "plan" or (self.strategy == "offload-hidden" and linen)
+
+    @property
+    def block_plan(self) -> Plan:
+        """The :class:`jaxoffload.Plan` that the blocks take (:attr:`runs_plan`), from ``planned``.
+
+        Raises:
+          ValueError: if it is not planned yet, naming what plans it.
+        """
+        if not self.runs_plan:
+            raise ValueError(f"{self.strategy!r} on {self.model} takes no jaxoffload.Plan.")
+        if self.planned is None:
+            see = "plan_budgets" if self.strategy == "plan" else "plan_hidden"
+            raise ValueError(f"{self.strategy!r} needs its plan: see Children.{see}.")
+        return Plan.from_dict(self.planned)
+
+    @property
     def block_strategies(self) -> tuple[Strategy, ...]:
         """One strategy value per block, with the windows applied to the offloading ones."""
         n = models.num_blocks(self.model)
-        if self.strategy == "plan":
-            if self.planned is None:
-                raise ValueError("'plan' needs its plan: see Children.plan_budgets.")
-            return Plan.from_dict(self.planned).strategies
+        if self.runs_plan:
+            return self.block_plan.strategies
         if self.plan is not None:
             names = self.plan
         elif self.strategy in PLANNED_STRATEGIES:
