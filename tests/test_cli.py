@@ -297,7 +297,9 @@ def test_planning_compiles_into_a_cold_cache_of_its_own_that_its_plans_load_from
     seen = []
     planned = jaxoffload.Plan((("Block_0", jaxoffload.Lean()),)).to_dict()
     children = stand_in_children(
-        plan_budgets=lambda w, budgets, env: seen.append(("plan", env)) or [{"planned": planned}],
+        plan_budgets=lambda w, budgets, held, env: (
+            seen.append(("plan", env)) or [{"planned": planned}]
+        ),
         compile=lambda w, env: seen.append(("compile", env)) or {},
         measure=lambda w, **k: Record.from_json({
             "strategy": w.strategy, "step_time_ms": 1.0, "compiled_temp_bytes": 8,
@@ -527,12 +529,13 @@ def test_budgets_parse_and_make_plan_workloads():
         _ = Workload("flax-resnet18", 2, 32, "float32", "plan", budget=0.5).block_strategies
 
 
-def test_plan_budgets_are_shares_of_the_none_peak_less_the_allocator_s_excess():
+def test_plan_budgets_are_shares_of_the_none_peak_with_what_its_process_held_beside_the_step():
     none = Record(strategy="none", step_time_ms=1.0, compiled_temp_bytes=800,
                   compiled_argument_bytes=100, peak_bytes_in_use=1000)  # fmt: skip
-    # Half of the 1000-byte peak, less the 100 bytes the allocator held beyond the program's.
-    assert budget_bytes([0.5, 1.0], [none]) == [400, 900]
-    assert budget_bytes([0.5], [dataclasses.replace(none, peak_bytes_in_use=None)]) == [450]
+    # Half of the 1000-byte peak; the planner is told of the 100 bytes that the run held
+    # beyond the program's, and fits each compiled step within its budget less them.
+    assert budget_bytes([0.5, 1.0], [none]) == ([500, 1000], 100)
+    assert budget_bytes([0.5], [dataclasses.replace(none, peak_bytes_in_use=None)]) == ([450], 0)
 
 
 def test_gradient_errors_are_flagged_against_the_same_arithmetic_control():

@@ -485,6 +485,12 @@ def _args_at(batch):
      ({"budget": float("nan")}, ValueError, r"budget must be positive.*got nan"),
      ({"budget": 2.5}, ValueError, r"a share of the plain step's memory, in \(0, 1\].*got 2\.5"),
      ({"budget": np.bool_(True)}, TypeError, r"got np\.True_ \(a bool\)"),
+     ({"budget": 2**20, "held_bytes": 2**30}, ValueError,
+      r"budget=1048576 bytes is less than the step's arguments and the 1\.00 GiB held on the "
+      r"device besides them \(held_bytes\), 1\.00 GiB \(.* bytes\), so nothing can fit it\. Give"),
+     ({"held_bytes": -1}, ValueError,
+      r"held_bytes must be a non-negative int \(bytes\), or None, got -1; write held_bytes=0"),
+     ({"held_bytes": "3"}, TypeError, r"held_bytes must be .*got '3'; write held_bytes=3, without"),
      ({"runs": 0}, ValueError, r"runs must be an int of at least 1, got 0; write runs=1 or more"),
      ({"runs": 2.0}, TypeError, r"runs must be an int of at least 1, got 2\.0; write runs=2\."),
      ({"max_rounds": 0}, ValueError, r"max_rounds must be an int of at least 1, got 0"),

@@ -328,6 +328,71 @@ def test_a_list_of_budgets_loses_the_ones_that_fit_to_none_that_does_not():
     assert isinstance(fits, Plan) and fits.compiled_bytes <= fits.budget_bytes
     assert isinstance(too_small, jaxoffload.NoPlanFits)
     assert "the least compiled was" in str(too_small) and "On CPU" in str(too_small)
+    # Where the device reports no memory in use (a CPU), a budget is of the compiled step alone.
+    if jax.devices()[0].memory_stats() is None:
+        assert fits.held_bytes == 0 and "for the compiled step alone" in str(fits)
+
+
+def _plain_compiled_bytes():
+    """The plain step's compiled bytes (arguments and temporaries), compiled here."""
+    plain = Plan(tuple((p, Store()) for p in PATHS))
+    compiled = jax.jit(functools.partial(step, plain.apply(PLANNABLE))).lower(*ARGS).compile()
+    memory = compiled.memory_analysis()
+    return memory.argument_size_in_bytes + memory.temp_size_in_bytes
+
+
+def test_the_budget_s_share_of_the_runtime_peak_counts_what_the_process_holds_beside_the_step():
+    """A script that keeps an undonated copy of its initial state holds it beside the step,
+    so its runtime peak is the compiled step and what it holds: a share is of both, and
+    bytes are the device's, what is held among them. A CPU reports no bytes in use, so
+    the held bytes are a stand-in, given as a user whose training runs elsewhere would."""
+    plain = _plain_compiled_bytes()
+    held = plain // 2
+    lines = []
+    share, room, short = jaxoffload.plan(
+        PLANNABLE, step, *ARGS, budget=[1.0, plain + held, plain], held_bytes=held, runs=1,
+        block_costs="traced", progress=lines.append,
+    )  # fmt: skip
+    # The share is of the plain step as the process would see it, not of its compiled bytes.
+    assert isinstance(share, Plan) and share.budget_bytes == plain + held
+    assert isinstance(room, Plan) and room.budget_bytes == plain + held
+    for fits in (share, room):
+        assert fits.held_bytes == held
+        assert fits.compiled_bytes + fits.held_bytes <= fits.budget_bytes
+        assert f"for the compiled step and {held / 2**20:.1f} MiB held besides it" in str(fits)
+        assert Plan.from_json(fits.to_json()).held_bytes == held
+    # The plain step's compiled bytes fit the plain step alone, not beside what is held.
+    assert isinstance(short, jaxoffload.NoPlanFits) and short.plain_bytes == plain
+    assert f"less {held / 2**20:.1f} MiB held besides the step" in str(short)
+    said = [line for line in lines if line.startswith("budget ")]
+    assert said[0].startswith(
+        f"budget 1.0 of the plain step's peak as the process sees it, "
+        f"{(plain + held) / 2**20:.1f} MiB = compiled {plain / 2**20:.1f} MiB + held "
+        f"{held / 2**20:.1f} MiB besides the step's arguments"
+    )
+    assert said[2].endswith(f"the compiled step within {(plain - held) / 2**20:.1f} MiB + held "
+                            f"{held / 2**20:.1f} MiB besides the step's arguments")  # fmt: skip
+
+
+def test_what_the_process_holds_is_its_bytes_in_use_less_the_step_s_own_arrays():
+    """The step's arguments are counted in its compiled bytes: not again among what is held."""
+    from flax import nnx
+
+    from jaxoffload._src.planner.budget import held_bytes
+
+    own = sum(x.nbytes for x in jax.tree.leaves(ARGS))
+    in_use = lambda device: own + 1000  # noqa: E731 (a device's count, standing in)
+    assert held_bytes(PLANNABLE, ARGS, in_use) == 1000
+    assert held_bytes(PLANNABLE, (*ARGS, ARGS[2]), in_use) == 1000  # one array, held once
+    # Arguments given abstractly hold nothing yet: all that is in use is held.
+    assert held_bytes(PLANNABLE, jax.eval_shape(lambda: ARGS), in_use) == own + 1000
+    assert held_bytes(PLANNABLE, ARGS, lambda device: None) is None  # nothing reported
+    # An NNX model's and its optimizer's variables are the step's arrays too.
+    model = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    arrays = jax.tree.leaves((nnx.state(model), nnx.state(optimizer), X))
+    used = sum(x.nbytes for x in {id(x): x for x in arrays}.values()) + 24
+    assert held_bytes(model, (optimizer, X), lambda device: used) == 24
 
 
 def test_hidden_offloads_move_only_what_the_next_blocks_compute_hides():

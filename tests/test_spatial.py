@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxoffload
 from jaxoffload._src import planner, report, timing
-from jaxoffload._src.planner import search
+from jaxoffload._src.planner.budget import devices_of
 from jaxoffload.bench.models import plain_model
 from jaxoffload.bench.models.flax_unet import DoubleConv, UNet
 
@@ -151,8 +151,8 @@ def test_the_link_is_measured_per_device_with_every_device_copying_at_once(probl
     mesh = _mesh(4)
     sharded = _spatial(problem[0], mesh)
     # The planner's link is that of the devices its step's arguments are placed on.
-    assert search._devices_of(sharded) == list(mesh.devices.flat)
-    link = timing.measure_link(2**20, runs=1, devices=search._devices_of(sharded))
+    assert devices_of(sharded) == list(mesh.devices.flat)
+    link = timing.measure_link(2**20, runs=1, devices=devices_of(sharded))
     assert link["link_devices"] == 4 and link["d2h_gbps"] > 0 and link["h2d_gbps"] > 0
 
 

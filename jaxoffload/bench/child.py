@@ -84,11 +84,17 @@ class Children:
         return dataclasses.replace(workload, **planned)
 
     def plan_budgets(
-        self, workload: Workload, budgets_bytes: Sequence[int], *, env: dict[str, str] | None = None
+        self,
+        workload: Workload,
+        budgets_bytes: Sequence[int],
+        held_bytes: int = 0,
+        *,
+        env: dict[str, str] | None = None,
     ) -> list[dict[str, Any]]:
         """:func:`jaxoffload.bench.planning.plan_budgets`, whose timing runs then count in
         no measured peak."""
-        return _run(["plan-budgets", _json(workload), json.dumps(list(budgets_bytes))], env)
+        budgets = json.dumps([list(budgets_bytes), held_bytes])
+        return _run(["plan-budgets", _json(workload), budgets], env)
 
     def largest(
         self,
@@ -181,7 +187,7 @@ def main(argv: Sequence[str]) -> None:
         planned = planning.hidden_offload_workload(Workload(**values[0]), **values[1])
         result = {"plan": planned.plan, "window": planned.window, "planned": planned.planned}
     elif command == "plan-budgets":
-        result = planning.plan_budgets(Workload(**values[0]), values[1])
+        result = planning.plan_budgets(Workload(**values[0]), *values[1])
     elif command == "largest":
         result = fit.largest(Workload(**values[0]), **values[1]).to_json()
     else:

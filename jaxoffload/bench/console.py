@@ -277,8 +277,10 @@ def _moved(record: Record) -> str:
 def _against_envelope(plan: Record, records: list[Record]) -> str:
     """A measured plan's step over the uniform envelope at its budget, and its peak against it.
 
-    The budget is the planner's, ``budget_bytes``. Both figures read runtime peaks, the
-    plan's and the uniform strategies': without them (CPU), nothing is said.
+    The budget is the plan's ``budget_bytes``: its share of ``none``'s runtime peak, which
+    the planner fitted the compiled step to beside what ``none``'s process held beyond its
+    own (:func:`~jaxoffload.bench.planning.budget_bytes`). Both figures read runtime peaks,
+    the plan's and the uniform strategies': without them (CPU), nothing is said.
     """
     peak = plan.peak_bytes_in_use
     if not peak or plan.step_time_ms is None:

@@ -78,10 +78,13 @@ def planning_inputs(workload: Workload) -> tuple[Any, Callable[..., Any], tuple,
     return model, step, (state, batch), None
 
 
-def planner_of(workload: Workload, say: Callable[[str], None], inputs=None) -> Planner:
+def planner_of(
+    workload: Workload, say: Callable[[str], None], inputs=None, held_bytes: int | None = None
+) -> Planner:
     """The :class:`~jaxoffload._src.planner.search.Planner` of the workload's plain-Flax
     model and training step (``inputs``, by default :func:`planning_inputs`), as ``bench
-    --budget`` plans it: the state donated, ``workload.block_costs``."""
+    --budget`` plans it: the state donated, ``workload.block_costs``, and ``held_bytes``
+    counted in every budget beside the compiled step."""
     model, step, args, blocks = planning_inputs(workload) if inputs is None else inputs
     return Planner(
         model,
@@ -93,11 +96,16 @@ def planner_of(workload: Workload, say: Callable[[str], None], inputs=None) -> P
         say=say,
         donate_argnums=(0,),
         block_costs=workload.block_costs,
+        held_bytes=held_bytes,
     )
 
 
-def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[str, Any]]:
-    """:func:`jaxoffload.plan` of the workload's plain-Flax model at each budget, in bytes.
+def plan_budgets(
+    workload: Workload, budgets_bytes: Sequence[int], held_bytes: int = 0
+) -> list[dict[str, Any]]:
+    """:func:`jaxoffload.plan` of the workload's plain-Flax model at each budget, in bytes,
+    of which the process that runs the plan holds ``held_bytes`` besides the step
+    (``jaxoffload.plan(..., held_bytes=)``; :func:`budget_bytes`).
 
     Returns:
       One ``{"planned": Plan.to_dict()}`` per budget, or ``{"no_plan": message}``
@@ -111,7 +119,7 @@ def plan_budgets(workload: Workload, budgets_bytes: Sequence[int]) -> list[dict[
     # Planning is what jaxoffload.plan does, from the model and arguments that a user has.
     start = time.perf_counter()
     say = _progress(start)
-    shared = planner_of(workload, say, inputs)
+    shared = planner_of(workload, say, inputs, held_bytes)
     results = []
     found = shared.plans_for([int(b) for b in budgets_bytes], max_rounds=3)
     # The budgets are planned together: each one's planning time is theirs together.
@@ -142,19 +150,21 @@ def _progress(start: float) -> Callable[[str], None]:
     return say
 
 
-def budget_bytes(budgets: Sequence[float], records: Sequence[Record]) -> list[int]:
-    """Each budget share in the planner's bytes (compiled arguments and temporaries).
+def budget_bytes(budgets: Sequence[float], records: Sequence[Record]) -> tuple[list[int], int]:
+    """Each budget share of the ``"none"`` run's runtime peak, in bytes, and what that run
+    held beyond its compiled bytes (its allocator's, its process's).
 
-    A share is of the ``"none"`` run's runtime peak, less what that run's
-    allocator held beyond its compiled bytes, so that the plan's runtime
-    peak, not only its compiled bytes, fits.
+    The planner plans in a process of its own, which holds nothing of the measuring
+    one's, so it is given what that holds (:func:`plan_budgets`): each plan's compiled
+    step then fits its budget less it, and a plan's runtime peak reads against its
+    budget, the share of ``none``'s runtime peak that the run was asked for.
     """
     none = next((r for r in records if r.strategy == "none" and r.step_time_ms is not None), None)
     if none is None:
         raise RuntimeError("'plan' budgets are shares of the 'none' run's peak: it failed.")
     compiled = none.compiled_temp_bytes + none.compiled_argument_bytes
     peak = none.peak_bytes_in_use or compiled  # no runtime peak on some backends
-    return [int(b * peak - max(0, peak - compiled)) for b in budgets]
+    return [int(b * peak) for b in budgets], max(0, peak - compiled)
 
 
 def hidden_offload_workload(

@@ -211,8 +211,8 @@ class _BudgetPlans:
     def apply(self, workload: Workload, records: list[Record]) -> Workload:
         """``workload`` with its budget's plan; raises ``RuntimeError`` if none fits."""
         if not self.results:
-            budgets_bytes = budget_bytes(self.budgets, records)
-            results = self.children.plan_budgets(workload, budgets_bytes, env=self.env)
+            budgets_bytes, held = budget_bytes(self.budgets, records)
+            results = self.children.plan_budgets(workload, budgets_bytes, held, env=self.env)
             self.results.update(zip(self.budgets, results))
         result = self.results[workload.budget]
         if "no_plan" in result:

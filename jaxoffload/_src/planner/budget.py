@@ -1,4 +1,4 @@
-"""Budgets as users write them: bytes or a share, one budget or several, and what to write instead.
+"""Budgets as users write them and read them: bytes or a share, what they are measured against.
 
 :func:`jaxoffload.plan` and :func:`jaxoffload.largest_size` read budgets the same
 way: an int (or a whole number above 1, such as ``16e9``) is device bytes, a
@@ -6,12 +6,20 @@ float in (0, 1] is a share (of the plain step's memory for a plan, of the
 device's for a size search). Both refuse a budget below the step's own
 arguments before anything compiles: no plan can fit it, and ``budget=50`` was
 meant as a share.
+
+A plan's budget is what the device holds as the user's process sees it: the
+compiled step (its arguments and temporaries) and what the process holds on
+the device besides the step's arguments (:func:`held_bytes`: an undonated copy
+of the initial state, an evaluation batch). So ``budget=16 * 2**30`` means the
+device's 16 GiB, and ``budget=0.35`` is 0.35 of the plain step's peak as the
+process would see it at runtime, not of its compiled bytes alone
+(:func:`plan_budget`, :func:`measured_against`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -20,7 +28,17 @@ from flax import nnx
 from jaxoffload._src import checks
 from jaxoffload._src.jaxprs import format_bytes, nbytes
 
-__all__ = ["argument_bytes", "check_budget", "check_budgets", "check_room", "device_budget"]
+__all__ = [
+    "argument_bytes",
+    "check_budget",
+    "check_budgets",
+    "check_room",
+    "device_budget",
+    "devices_of",
+    "held_bytes",
+    "measured_against",
+    "plan_budget",
+]
 
 
 def check_budgets(budget: Any, of: str) -> tuple[list[int | float], bool]:
@@ -99,13 +117,14 @@ def argument_bytes(args: Sequence[Any]) -> int:
     return sum(nbytes(leaf, per_device=True) for leaf in leaves)
 
 
-def check_room(budgets: Sequence[int | float], args: Sequence[Any], of: str) -> None:
-    """Raises if a budget in bytes is below the step's own arguments: no plan fits it.
+def check_room(budgets: Sequence[int | float], args: Sequence[Any], of: str, held: int = 0) -> None:
+    """Raises if a budget in bytes is below the step's own arguments and ``held`` (what the
+    process holds besides them, :func:`held_bytes`): no plan fits it.
 
     Such a budget was most likely meant as a share (``budget=50`` for 50%, or
     ``budget=1`` for all of it), so the error suggests one.
     """
-    least = argument_bytes(args)
+    least = argument_bytes(args) + held
     for budget in budgets:
         if isinstance(budget, int) and budget < least:
             if budget == 1:
@@ -114,10 +133,100 @@ def check_room(budgets: Sequence[int | float], args: Sequence[Any], of: str) -> 
                 meant = f"; a share of {of} is a float: did you mean budget={budget / 100!r}?"
             else:
                 meant = ". Give bytes as an int (budget=8 * 2**30 for 8 GiB)."
+            what = (
+                "the step's arguments alone"
+                if not held
+                else f"the step's arguments and the {format_bytes(held)} held on the device "
+                "besides them (held_bytes)"
+            )
             raise ValueError(
-                f"budget={budget} bytes is less than the step's arguments alone, "
+                f"budget={budget} bytes is less than {what}, "
                 f"{format_bytes(least)} ({least:,} bytes), so nothing can fit it{meant}"
             )
+
+
+def devices_of(args: Any) -> list[Any]:
+    """The devices that the step's arguments are placed on (the default device where none
+    is): they share the host link at once, and a budget is each one's."""
+    found = {}
+    for leaf in jax.tree.leaves(args):
+        for device in getattr(getattr(leaf, "sharding", None), "device_set", ()):
+            found[device.id] = device
+    return [found[i] for i in sorted(found)] or jax.devices()[:1]
+
+
+def held_bytes(
+    model: Any, args: Sequence[Any], in_use: Callable[[Any], int | None] | None = None
+) -> int | None:
+    """What this process holds on the step's devices besides the step's own arrays: the most,
+    over those devices, of ``in_use(device)`` (by default ``memory_stats()["bytes_in_use"]``)
+    less the bytes there of the arrays among ``model`` (an NNX Module's variables) and ``args``.
+
+    Those arrays are the compiled step's arguments, counted in its compiled bytes, so
+    they are not counted twice; what is left (an undonated copy of the initial state,
+    an evaluation batch, arrays that nothing frees yet) stays on the device while the
+    step runs, beside it. ``None`` where a device reports no bytes in use, as a CPU
+    does. Arguments given as :class:`jax.ShapeDtypeStruct` hold nothing yet: whatever
+    the process holds counts, the arrays that the training loop will pass included.
+    ``in_use`` stands in for the device's count where a test has none to read.
+    """
+    in_use = in_use or _bytes_in_use
+    arrays = {}
+    for a in [model, *args]:
+        for leaf in jax.tree.leaves(nnx.state(a) if nnx.graph.is_graph_node(a) else a):
+            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+                arrays[id(leaf)] = leaf  # an array passed twice is held once
+    held = []
+    for device in devices_of(args):
+        used = in_use(device)
+        if used is None:
+            return None
+        own = sum(
+            shard.data.nbytes
+            for a in arrays.values()
+            for shard in a.addressable_shards
+            if shard.device == device
+        )
+        held.append(max(0, int(used) - own))
+    return max(held)
+
+
+def _bytes_in_use(device) -> int | None:
+    return (device.memory_stats() or {}).get("bytes_in_use")
+
+
+def plan_budget(budget: int | float, plain_bytes: int | None, held: int | None) -> int:
+    """A plan's budget in device bytes: as given, or its share of the plain step's peak as
+    the process sees it, the compiled step's ``plain_bytes`` and ``held`` (``None``: not
+    known, the compiled step alone). The compiled step must fit it less ``held``."""
+    if isinstance(budget, int):
+        return budget
+    return int(budget * (plain_bytes + (held or 0)))
+
+
+def measured_against(
+    budget: int | float, device_bytes: int, plain_bytes: int | None, held: int | None
+) -> str:
+    """What a budget is measured against, as the planner says it: ``"0.35 of the plain
+    step's peak as the process sees it, 10.98 GiB = compiled 10.73 GiB + held 0.25 GiB
+    besides the step's arguments: 3.84 GiB, the compiled step within 3.59 GiB"``."""
+    if held is None:  # not known (a CPU reports none) or not asked for: the step alone
+        if isinstance(budget, int):
+            return f"{format_bytes(device_bytes)} for the compiled step alone"
+        # A share as written (0.35, 1.0), and what it is a share of.
+        return (
+            f"{budget} of the plain step's compiled {format_bytes(plain_bytes)}, the compiled "
+            f"step alone: {format_bytes(device_bytes)}"
+        )
+    held_text = f"held {format_bytes(held)} besides the step's arguments"
+    step = f"the compiled step within {format_bytes(device_bytes - held)}"
+    if isinstance(budget, int):
+        return f"{format_bytes(device_bytes)} of the device = {step} + {held_text}"
+    return (
+        f"{budget} of the plain step's peak as the process sees it, "
+        f"{format_bytes(plain_bytes + held)} = compiled {format_bytes(plain_bytes)} + "
+        f"{held_text}: {format_bytes(device_bytes)}, {step}"
+    )
 
 
 # Units that a budget written as a string may end with, as Python writes them.

@@ -18,6 +18,8 @@ from flax import nnx
 from jaxoffload._src import checks
 from jaxoffload._src import nnx as offload_nnx
 from jaxoffload._src.errors import NoPlanFits
+from jaxoffload._src.jaxprs import format_bytes
+from jaxoffload._src.planner import budget as budget_lib
 from jaxoffload._src.planner.arguments import check_planning
 from jaxoffload._src.planner.budget import check_budgets, check_room
 from jaxoffload._src.planner.messages import progress_printer
@@ -42,6 +44,7 @@ def plan(
     per_round: int = 4,
     block_costs: str = "timed",
     progress: bool | Callable[[str], None] = True,
+    held_bytes: int | None = None,
 ) -> Plan | list[Plan | NoPlanFits]:
     """A strategy per plannable block that fits ``budget`` at the least step time.
 
@@ -71,8 +74,16 @@ def plan(
         :class:`jax.ShapeDtypeStruct`\\ s (a training state, a batch), or
         NNX Modules such as an ``nnx.Optimizer``.
       budget: device bytes (an int, or a whole number such as ``16e9``), or a
-        share of the plain model's (a float in (0, 1]). Device bytes are the compiled step's arguments and
-        temporaries. A sequence of budgets gives a list of plans, and
+        share of the plain step's peak (a float in (0, 1]), as this process
+        sees the device: the compiled step (its arguments and temporaries)
+        and ``held_bytes``, what the process holds besides the step's
+        arguments. So ``16 * 2**30`` is the device's 16 GiB, of which the
+        compiled step gets what the process does not hold already, and
+        ``0.35`` is 0.35 of the plain step's compiled bytes and
+        ``held_bytes`` together; the progress lines and the plan's
+        ``budget_bytes`` and ``held_bytes`` say which bytes. Where the device
+        reports no memory in use (a CPU), the budget is of the compiled step
+        alone. A sequence of budgets gives a list of plans, and
         measures the costs once. The budget is per device: with arguments
         sharded over a mesh (a batch over ``data``), the compiled bytes are
         one device's (``memory_analysis`` of a sharded program), and under
@@ -93,6 +104,14 @@ def plan(
         FLOPs at the plain step's measured ms per FLOP, which compiles no
         block program (faster to plan; the fit to whole steps corrects both).
       progress: print progress to stderr, or a function that takes each line.
+      held_bytes: what the training process holds on the device besides the
+        step's arguments, counted in every budget. ``None`` reads this
+        process's: each device's ``memory_stats()["bytes_in_use"]`` less the
+        arrays among ``args`` (and an NNX model's variables), which the
+        compiled step counts already (:func:`~jaxoffload._src.planner.budget.held_bytes`);
+        give the arguments as the arrays that training passes, or give
+        ``held_bytes`` where training runs in another process. 0 counts the
+        compiled step alone.
 
     Returns:
       A :class:`Plan` whose compiled step fits ``budget``. For a sequence of
@@ -129,10 +148,22 @@ def plan(
         donate_argnums=donate_argnums, block_costs=block_costs, progress=progress,
     )  # fmt: skip
     budgets, many = check_budgets(budget, "the plain step's memory")
-    check_room(budgets, args, "the plain step's memory")
     max_rounds = checks.integer("max_rounds", max_rounds, minimum=1, example=3)
     per_round = checks.integer("per_round", per_round, minimum=1, example=4)
+    held_bytes = checks.integer("held_bytes", held_bytes, minimum=0, none=True, meaning="bytes")
+    given = held_bytes is not None
+    # Read before planning allocates anything of its own: what the training loop holds.
+    held = held_bytes if given else budget_lib.held_bytes(model, args)
+    check_room(budgets, args, "the plain step's memory", held or 0)
     say = progress_printer(progress)
+    if held is None:
+        say(
+            f"this {jax.default_backend()} device reports no memory in use: each budget is of "
+            "the compiled step alone"
+        )
+    else:
+        how = "as given" if given else "bytes in use less the step's arguments"
+        say(f"held besides the step's arguments, in every budget: {format_bytes(held)} ({how})")
     # Batch-sharded arguments over an Explicit mesh: the blocks' traced types carry their
     # sharding, so the blocks are timed and sized per device under that mesh.
     mesh = explicit_mesh(args)
@@ -150,6 +181,7 @@ def plan(
             say=say,
             donate_argnums=donate_argnums,
             block_costs=block_costs,
+            held_bytes=held,
         )
         if not many:
             return planner.plan_for(budgets[0], max_rounds=max_rounds, per_round=per_round)

@@ -30,6 +30,7 @@ _FIGURES = (
     "estimated_step_ms",
     "measured_step_ms",
     "notes",
+    "held_bytes",
 )
 _FIELDS = ("blocks", "outside", *_FIGURES)
 
@@ -49,7 +50,10 @@ class Plan:
         linen, ``"blocks/3"`` in NNX.
       outside: the strategy of the code outside the blocks (a stem, a
         classifier), applied as wrapped Modules nest.
-      budget_bytes: the budget the plan was made for, if any.
+      budget_bytes: the budget the plan was made for, if any, in device bytes: what the
+        compiled step and ``held_bytes`` fit together. A share given to :func:`plan` is
+        of the plain step's peak as the planning process saw it, its compiled bytes and
+        ``held_bytes``.
       estimated_bytes: the planner's model of the step's device bytes, fitted to the
         other plans it compiled.
       compiled_bytes: the compiled step's device bytes (arguments and
@@ -58,6 +62,11 @@ class Plan:
         measured compute, and the transfers that it cannot hide.
       measured_step_ms: the compiled plan's step, as the planner timed it.
       notes: per block, what the planner measured for its choice.
+      held_bytes: what the planning process held on the device besides the step's
+        arguments (an undonated copy of the initial state, say), counted in the budget
+        beside the compiled step: ``compiled_bytes + held_bytes <= budget_bytes``. 0
+        where the device reports no memory in use, as a CPU does: then the budget is of
+        the compiled step alone. ``None`` for a plan that the planner did not make.
 
     Example:
       >>> import jaxoffload
@@ -76,6 +85,7 @@ class Plan:
     estimated_step_ms: float | None = dataclasses.field(default=None, compare=False)
     measured_step_ms: float | None = dataclasses.field(default=None, compare=False)
     notes: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+    held_bytes: int | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         def pair(b):
@@ -96,7 +106,7 @@ class Plan:
             raise ValueError(f"a plan gives each block one strategy; {seen} appear twice.")
         object.__setattr__(self, "blocks", blocks)
         object.__setattr__(self, "outside", check_strategy(self.outside))
-        for name in ("budget_bytes", "estimated_bytes", "compiled_bytes"):
+        for name in ("budget_bytes", "estimated_bytes", "compiled_bytes", "held_bytes"):
             value = checks.integer(name, getattr(self, name), minimum=0, none=True)
             object.__setattr__(self, name, value)
         for name in ("estimated_step_ms", "measured_step_ms"):
@@ -169,6 +179,7 @@ class Plan:
             "estimated_step_ms": self.estimated_step_ms,
             "measured_step_ms": self.measured_step_ms,
             "notes": list(self.notes),
+            "held_bytes": self.held_bytes,
         }
 
     @classmethod
@@ -262,6 +273,13 @@ class Plan:
             )
             if value is not None
         ]
+        if self.budget_bytes is not None and self.held_bytes is not None:
+            # What the budget counts, so that it reads against what the device shows.
+            figures[0] += (
+                f" for the compiled step and {format_bytes(self.held_bytes)} held besides it"
+                if self.held_bytes
+                else " for the compiled step alone"
+            )
         if self.estimated_step_ms is not None:
             figures.append(f"estimated step {self.estimated_step_ms:.1f} ms")
         if self.measured_step_ms is not None:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from jaxoffload._src.errors import NoPlanFits
 from jaxoffload._src.jaxprs import format_bytes
+from jaxoffload._src.planner.budget import measured_against, plan_budget
 from jaxoffload._src.planner.fitted import MEASURED_NOISE, STEADY
 from jaxoffload._src.planner.messages import summary, where_it_stops
 from jaxoffload._src.planner.peak import PeakModel
@@ -55,9 +56,20 @@ def plans_for(
     when no candidate is left between them that the model says is faster by
     more than the timing noise. The budgets' rounds compile together, and the
     plan returned is the fastest of the compiled ones that fit, as timed.
+
+    Each budget is device bytes that the compiled step fits beside what the process
+    holds besides its arguments, ``planner.held_bytes``; a share is of the plain
+    step's peak as the process sees it (:func:`~jaxoffload._src.planner.budget.plan_budget`).
     """
-    targets = [int(b * planner.plain_bytes()) if isinstance(b, float) else int(b) for b in budgets]
-    planner.say("planning for " + ", ".join(format_bytes(t) for t in targets))
+    held = planner.held_bytes
+    # The plain step compiles only for a share: at sizes far past the device's memory, a
+    # size search plans for bytes without it.
+    plain = planner.plain_bytes() if any(isinstance(b, float) for b in budgets) else None
+    devices = [plan_budget(b, plain, held) for b in budgets]
+    for b, device in zip(budgets, devices):
+        planner.say("budget " + measured_against(b, device, plain, held))
+    # What each compiled step must fit: its budget, less what the process holds beside it.
+    targets = [device - (held or 0) for device in devices]
     # The front's plans, and the checks compiled already: compiled bytes need not follow
     # the front, and a uniform plan may compile smaller than the front's leanest.
     front = {planner.candidate(point) for point in planner.front} | set(planner.checks)
@@ -107,8 +119,8 @@ def plans_for(
     return [
         best[t]
         if isinstance(best[t], NoPlanFits)
-        else planner.chosen(_fastest(planner, best[t], to_time[t], timed), t)
-        for t in targets
+        else planner.chosen(_fastest(planner, best[t], to_time[t], timed), device)
+        for t, device in zip(targets, devices)
     ]
 
 
@@ -247,8 +259,11 @@ def _best_fit(planner, candidates, budget_bytes: int) -> Plan | NoPlanFits:
         return candidates[fit]
     plain_bytes = planner.plain_bytes()
     least = min(planner.compiled.values())
+    held = planner.held_bytes
+    besides = f" (its budget less {format_bytes(held)} held besides the step)" if held else ""
     error = NoPlanFits(
-        f"no plan of {[brief(s) for s in planner.options]} fits {format_bytes(budget_bytes)}: "
+        f"no plan of {[brief(s) for s in planner.options]} fits {format_bytes(budget_bytes)}"
+        f"{besides}: "
         f"the least compiled was {format_bytes(least)}, {least / plain_bytes:.0%} of the "
         f"plain step's {format_bytes(plain_bytes)}."
         + where_it_stops(planner.link, least / plain_bytes),

@@ -24,6 +24,7 @@ from jaxoffload._src.errors import NoPlanFits
 from jaxoffload._src.jaxprs import format_bytes
 from jaxoffload._src.planner import rounds
 from jaxoffload._src.planner.arguments import BLOCK_COSTS
+from jaxoffload._src.planner.budget import devices_of
 from jaxoffload._src.planner.costs import (
     TIE,
     block_options,
@@ -79,15 +80,6 @@ def default_options() -> tuple[Strategy, ...]:
 TIMED_RUNS = 11
 
 
-def _devices_of(args) -> list[Any]:
-    """The devices that the step's arguments are placed on, which share the host link at once."""
-    found = {}
-    for leaf in jax.tree.leaves(args):
-        for device in getattr(getattr(leaf, "sharding", None), "device_set", ()):
-            found[device.id] = device
-    return [found[i] for i in sorted(found)] or jax.devices()[:1]
-
-
 class Planner:
     """What planning measures once per model and step, and the plans it makes from it.
 
@@ -98,6 +90,8 @@ class Planner:
     choice. The front proposes, the compiler says what fits, and the clock
     which of those is fastest.
     """
+
+    held_bytes: int | None = None  # a class default too: stand-in planners skip __init__
 
     def __init__(
         self,
@@ -113,6 +107,7 @@ class Planner:
         measured: Planner | None = None,
         run_limit: int | None = None,
         block_costs: str = "timed",
+        held_bytes: int | None = None,
     ):
         """``measured``: a Planner of the same model and step at another size, whose block
         costs are rescaled to this one's (:func:`~jaxoffload._src.planner.costs.rescaled`)
@@ -120,11 +115,13 @@ class Planner:
         is run here to be timed; by default, 90% of the device's memory. ``block_costs``:
         ``"timed"``, each distinct block program compiled and timed alone, or ``"traced"``,
         its times from its FLOPs at the plain step's ms per FLOP, which compiles nothing
-        more (:func:`~jaxoffload._src.planner.costs.traced_blocks`)."""
+        more (:func:`~jaxoffload._src.planner.costs.traced_blocks`). ``held_bytes``: what
+        the process holds on the device besides the step's arguments, which every budget
+        counts beside the compiled step (``None``: the compiled step alone)."""
         if block_costs not in BLOCK_COSTS:
             raise ValueError(f"block_costs is one of {BLOCK_COSTS}, got {block_costs!r}.")
         self.model, self.step, self.args, self.say = model, step, args, say
-        self.donate_argnums = donate_argnums
+        self.donate_argnums, self.held_bytes = donate_argnums, held_bytes
         if run_limit is None:
             limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
             run_limit = int(0.9 * limit) if limit else None
@@ -151,7 +148,7 @@ class Planner:
         else:
             self.link = None
             if any(s.to_host for s in options):
-                devices = _devices_of(args)
+                devices = devices_of(args)
                 link = timing.measure_link(devices=devices)
                 self.link = (link["d2h_gbps"], link["h2d_gbps"])
                 each = f" each, {len(devices)} devices at once" if len(devices) > 1 else ""
@@ -440,7 +437,9 @@ class Planner:
         return self.step_ms(self.anchor) + self.ms(candidate) - self.ms(self.anchor)
 
     def plan_for(self, budget, *, max_rounds: int = 3, per_round: int = 4) -> Plan:
-        """The fastest plan whose compiled step fits ``budget`` (bytes or a share of the plain step's).
+        """The fastest plan whose compiled step fits ``budget`` beside :attr:`held_bytes`
+        (:func:`~jaxoffload._src.planner.budget.plan_budget`: bytes, or a share of the plain
+        step's peak as the process sees it).
 
         Raises :class:`NoPlanFits` if none does; :meth:`plans_for` says how it searches.
         """
@@ -477,6 +476,8 @@ class Planner:
         return self.measured_ms.get(candidate) or self.estimated_ms(candidate)
 
     def chosen(self, best: Plan, budget_bytes: int) -> Plan:
+        """``best`` with its figures: ``budget_bytes`` (device bytes, which its compiled step
+        and :attr:`held_bytes` fit together), and what was measured and estimated of it."""
         measured = self.step_ms(best)
         # What the model says of it from every other plan compiled: a prediction, as a plan
         # compiled in the first batch had none made before.
@@ -489,6 +490,7 @@ class Planner:
         return dataclasses.replace(
             best,
             budget_bytes=budget_bytes,
+            held_bytes=self.held_bytes or 0,
             estimated_bytes=estimated,
             compiled_bytes=self.compiled[best],
             estimated_step_ms=self.estimated_ms(best),
