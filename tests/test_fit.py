@@ -8,9 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxoffload
-from jaxoffload._src.planner import fit
-from jaxoffload._src.planner.fit import largest_fitting
-from tests.test_plan import PLANNABLE, VARIABLES, Net, step
+from jaxoffload import Lean, Remat
+from jaxoffload._src.planner.bracket import largest_fitting
+from jaxoffload._src.planner.steps import SizeSteps, leanest_within
+from tests.test_plan import PLANNABLE, VARIABLES, Block, Net, step
 
 
 class Counted:
@@ -94,9 +95,25 @@ def test_the_time_limit_stops_the_search_with_the_largest_known_fit():
     calls = []
     size, stopped = largest_fitting(
         lambda b: calls.append(b) or 100 * b, 10**6, start=8, limit=4096,
-        out_of_time=lambda: len(calls) >= 2,
+        out_of_time=lambda size: len(calls) >= 2,
     )  # fmt: skip
     assert size == 64 and "time limit" in stopped  # 8 fits, and 8 times it
+
+
+def test_a_search_stopped_by_its_time_limit_compiles_nothing_more_and_gives_its_bracket():
+    """The time left is asked before each compile, with its size: one it refuses never starts."""
+    bytes_at, asked = Counted(lambda side: side * side), []
+
+    def out_of_time(size):
+        asked.append(size)
+        return len(bytes_at.calls) >= 3
+
+    size, stopped = largest_fitting(bytes_at, 10_000, start=8, limit=4096, out_of_time=out_of_time)
+    assert bytes_at.calls == [8, 64, 146] and asked[-1] not in bytes_at.calls
+    assert size == 64
+    assert (
+        stopped == f"stopped at the time limit, before checking {asked[-1]}: 64 fits, 146 does not"
+    )
 
 
 def args_at(batch):
@@ -105,7 +122,7 @@ def args_at(batch):
 
 
 def bytes_of(batch):
-    probe = fit._Steps(Net(), step, args_at, 1, False, {"donate_argnums": ()})
+    probe = SizeSteps(Net(), step, args_at, 1, False, {"donate_argnums": ()})
     return probe.compiled_bytes(batch)
 
 
@@ -119,6 +136,7 @@ def test_the_largest_batch_of_a_model_fits_and_the_next_does_not():
     assert found.compiled_bytes == probes[found.size]
     over = [s for s, b in probes.items() if b > BUDGET]
     assert min(over) <= found.size * 1.02 + 1
+    assert (found.fits_at, found.over_at) == (found.size, min(s for s in over if s > found.size))
     assert found.step_ms > 0 and found.per_second > 0
     # A CPU reports no runtime peak: the size is checked by its compiled bytes alone.
     assert not found.confirmed and found.peak_bytes is None
@@ -129,16 +147,16 @@ def test_the_largest_batch_of_a_model_fits_and_the_next_does_not():
 
 
 def test_a_size_whose_step_runs_out_of_memory_steps_down(monkeypatch):
-    confirm = fit._Steps.confirm
+    confirm = SizeSteps.confirm
     failed = []
 
-    def out_of_memory_once(self, size):
+    def out_of_memory_once(self, size, left_s):
         if not failed:
             failed.append(size)
             return None
-        return confirm(self, size)
+        return confirm(self, size, left_s)
 
-    monkeypatch.setattr(fit._Steps, "confirm", out_of_memory_once)
+    monkeypatch.setattr(SizeSteps, "confirm", out_of_memory_once)
     found = jaxoffload.largest_size(Net(), step, args_at, budget=BUDGET, start=4, progress=False)
     assert found.size < failed[0] and "no runtime peak was read" in found.stopped
 
@@ -155,7 +173,7 @@ def test_with_a_plan_the_size_is_the_largest_that_some_plan_fits():
 
 
 def _plannable_steps(min_speed=None, say=lambda _: None):
-    return fit._Steps(PLANNABLE, step, args_at, BUDGET, True, {
+    return SizeSteps(PLANNABLE, step, args_at, BUDGET, True, {
         "blocks": None, "options": None, "runs": 1, "donate_argnums": (), "say": say
     }, min_speed)  # fmt: skip
 
@@ -163,19 +181,18 @@ def _plannable_steps(min_speed=None, say=lambda _: None):
 def test_the_leanest_plan_within_a_time_is_the_first_on_the_front_that_the_model_puts_there():
     steps = _plannable_steps()
     steps.compiled_bytes(8)
-    planner = steps._planner(8)
-    estimates = [planner.estimated_ms(planner.candidate(p)) for p in planner.front]
-    assert planner.leanest_within(math.inf) == planner.candidate(planner.front[0])
-    assert planner.leanest_within(min(estimates) / 2) == planner.plain  # none is that fast
-    between = sorted(estimates)[len(estimates) // 2]
-    chosen = planner.leanest_within(between)
-    first = next(i for i, e in enumerate(estimates) if e <= between)
-    assert chosen == planner.candidate(planner.front[first]) and chosen in planner.compiled
+    planner = steps.planner_at(8)
+    added = [planner.ms(planner.candidate(p)) - planner.ms(planner.plain) for p in planner.front]
+    assert leanest_within(planner, math.inf) == planner.candidate(planner.front[0])
+    assert leanest_within(planner, min(added) - 1.0) is None  # none is that fast
+    between = sorted(added)[len(added) // 2]
+    first = next(i for i, e in enumerate(added) if e <= between)
+    assert leanest_within(planner, between) == planner.candidate(planner.front[first])
 
 
 def test_with_a_speed_floor_a_plan_slower_than_it_is_refused(monkeypatch):
     lines = []
-    monkeypatch.setattr(fit._Steps, "_slowest_ms", lambda self, size: 0.0)  # nothing is fast
+    monkeypatch.setattr(SizeSteps, "slowest_ms", lambda self, size: 0.0)  # nothing is fast
     steps = _plannable_steps(min_speed=0.5, say=lines.append)
     steps.compiled_bytes(8)
     assert steps.confirm(8) is None
@@ -209,20 +226,73 @@ def test_bad_arguments_are_refused(kwargs, error):
 
 def test_at_a_size_far_past_the_budget_the_plain_step_is_compiled_only_when_needed():
     """A size search probes sizes whose plain step cannot fit: it compiles their leanest plan."""
-    steps = fit._Steps(PLANNABLE, step, args_at, BUDGET, True, {
+    steps = SizeSteps(PLANNABLE, step, args_at, BUDGET, True, {
         "blocks": None, "options": None, "runs": 1, "donate_argnums": (), "say": lambda _: None
     })  # fmt: skip
     steps.compiled_bytes(8)  # the block costs, measured once
     lines = []
     steps.planning["say"] = lines.append
-    far = steps._planner(64)  # its plain step: 8 times size 8's, about 5 budgets
+    far = steps.planner_at(64)  # its plain step: 8 times size 8's, about 5 budgets
     assert far.plain not in far.compiled and len(far.compiled) <= 2
     # The least plan at the measured size is compiled here too: the model, fitted at 8,
     # may misjudge which plan is leanest at 64.
-    measured = steps._planner(8)
+    measured = steps.planner_at(8)
     assert min(measured.compiled, key=measured.compiled.__getitem__) in far.compiled
     assert any("not compiled" in line for line in lines)
     assert far.anchor in far.compiled
     # A share of the plain step needs it: it is compiled then.
     far.plan_for(1.0)
     assert far.plain in far.compiled
+
+
+@pytest.mark.parametrize("start, fits", [(4, True), (16, False)])
+def test_a_size_search_stopped_by_its_time_limit_gives_its_bracket(start, fits):
+    """With no time at all, the first size compiles and nothing else: the answer says so."""
+    found = jaxoffload.largest_size(
+        Net(), step, args_at, budget=BUDGET, start=start, time_limit_s=0, progress=False
+    )
+    assert [size for size, _ in found.probes] == [start]
+    assert found.stopped.startswith("stopped at the time limit, before checking ")
+    if fits:
+        assert (found.size, found.fits_at, found.over_at) == (start, start, None)
+        assert f"{start} fits, nothing above it was checked" in found.stopped
+        assert str(found).startswith(f"size {start}: {start} compiled within ")
+    else:
+        assert (found.size, found.fits_at, found.over_at) == (0, None, start)
+        assert found.stopped.endswith(f"no size fitted yet, {start} does not")
+        assert str(found).startswith(f"size 0: nothing compiled within 2.2 MiB, {start} over it")
+
+
+def test_a_planned_search_compiles_the_plain_step_past_its_largest_size_only_once():
+    """With a plan, the plain step is a time reference, and one over the budget runs nowhere:
+    past the size where it compiled over, it is not compiled again (it was at every size)."""
+    lines = []
+    found = jaxoffload.largest_size(
+        PLANNABLE, step, args_at, budget=bytes_of(48), plan=True, start=48, runs=1,
+        progress=lines.append,
+    )  # fmt: skip
+    plain = [line for line in lines if line.startswith("plain step: ")]
+    over = [line for line in plain if "too large to run here" in line]
+    assert len(over) == 1 and any("not compiled" in line for line in plain), plain
+    assert found.plan is not None and found.size >= 48
+
+
+def test_a_planned_size_is_never_below_the_best_uniform_strategys():
+    """Each size is checked first with the least plan compiled at the first size that keeps
+    the speed floor (a uniform one), so no leaner guess of the model can lose to it."""
+    budget = bytes_of(48)
+    uniform = {
+        name: jaxoffload.largest_size(
+            model, step, args_at, budget=budget, start=48, progress=False
+        ).size
+        for name, model in [
+            ("Store", Net()),
+            ("Lean", Net(block=jaxoffload.linen.wrap(Block, Lean()))),
+            ("Remat", Net(block=jaxoffload.linen.wrap(Block, Remat()))),
+        ]
+    }
+    found = jaxoffload.largest_size(
+        PLANNABLE, step, args_at, budget=budget, plan=True, min_speed=1e-3, start=8, runs=1,
+        progress=False,
+    )  # fmt: skip
+    assert found.size >= max(uniform.values()), (found.size, uniform)

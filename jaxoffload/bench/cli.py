@@ -197,8 +197,8 @@ def _add_run_arguments(bench: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_TIME_LIMIT,
         metavar="SECONDS",
-        help="per size search: after this long it compiles no more sizes and takes the largest "
-        "that fitted, then runs its confirming step",
+        help="per size search: it starts no compile that would not finish within this long, "
+        "takes the largest size that fitted, then runs its confirming step",
     )
     bench.add_argument(
         "--min-speed",

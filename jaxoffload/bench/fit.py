@@ -57,8 +57,9 @@ def largest(
     Returns:
       A record of the search alone: the workload's strategy (``"plan"`` with ``plan``),
       the device and versions, and what the search found (``searches[axis]``, written as
-      ``max_batch``, ``max_batch_images_per_s``, ``max_batch_step_ms``, ... or
-      ``max_image_size``, with ``max_image_size_ms_per_megapixel``).
+      ``max_batch``, ``max_batch_images_per_s``, ``max_batch_step_ms``, its bracket
+      ``max_batch_fits_at`` and ``max_batch_over_at``, ... or ``max_image_size``, with
+      ``max_image_size_ms_per_megapixel``).
     """
     if axis not in AXES:
         raise ValueError(f"axis must be one of {sorted(AXES)}, got {axis!r}.")
@@ -130,5 +131,7 @@ def _found(workload, axis, found: jaxoffload.Fit, search_s: float) -> SizeSearch
         probes=[list(p) for p in found.probes],
         search_s=search_s,
         stopped=found.stopped,
+        fits_at=found.fits_at,
+        over_at=found.over_at,
         **fields,
     )

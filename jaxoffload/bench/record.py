@@ -68,6 +68,10 @@ class SizeSearch(_Carrying):
     ms_per_megapixel: float | None = None
     plan: dict[str, Any] | None = None
     min_speed: float | None = None
+    # The search's bracket (jaxoffload.Fit's): the largest size compiled within the budget,
+    # and the smallest above it compiled over.
+    fits_at: int | None = None
+    over_at: int | None = None
     nulls: frozenset[str] = frozenset()
 
     def to_json(self, axis: str) -> dict[str, Any]:

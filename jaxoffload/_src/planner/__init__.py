@@ -3,7 +3,8 @@
 ``plan.py`` is the value, ``apply.py`` puts it on a model, ``program.py`` compiles a
 step under it, ``costs.py`` says what blocks cost and models the step's time, ``peak.py``
 its peak, ``fitted.py`` fits the time to compiled steps, ``search.py`` searches, ``entry.py`` is the ``plan()``
-call, and ``fit.py`` finds the largest size that fits.
+call, and ``fit.py`` finds the largest size that fits: ``bracket.py`` searches the sizes,
+``steps.py`` compiles the step at each.
 """
 
 from jaxoffload._src.errors import NoPlanFits as NoPlanFits

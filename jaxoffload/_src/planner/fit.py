@@ -3,24 +3,28 @@
 Each probed size's step is compiled, allocating nothing, and its device bytes
 (``memory_analysis()``: arguments and temporaries) are compared with the
 budget. A CNN's step holds bytes nearly affine in the batch, and in the
-pixels, so two compiles predict the answer and a few more bracket it. No size
-is taken to fit because its neighbours do: compiled bytes need not be
-monotone in the size, so the answer is a size that was compiled and fitted,
-and one real step there confirms it by the runtime peak.
+pixels, so two compiles predict the answer and a few more bracket it
+(:mod:`~jaxoffload._src.planner.bracket`). No size is taken to fit because its
+neighbours do: compiled bytes need not be monotone in the size, so the answer
+is a size that was compiled and fitted, and one real step there confirms it by
+the runtime peak.
+
+A search answers within its time limit: a compile that the ones before it say
+would not finish in the time left is not started, and the search answers with
+its bracket instead. Nor is a step compiled whose outcome is known: with
+``plan=True``, the plain step past a size where it compiled over the budget.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
-from jaxoffload._src import checks, timing
-from jaxoffload._src.errors import NoPlanFits
+from jaxoffload._src import checks
 from jaxoffload._src.jaxprs import format_bytes
 from jaxoffload._src.planner.arguments import (
     check_donated,
@@ -28,18 +32,18 @@ from jaxoffload._src.planner.arguments import (
     check_planning,
     check_search,
 )
+from jaxoffload._src.planner.bracket import largest_fitting
 from jaxoffload._src.planner.budget import check_room, device_budget
 from jaxoffload._src.planner.messages import progress_printer
 from jaxoffload._src.planner.plan import Plan
-from jaxoffload._src.planner.program import compile_step, device_bytes, program
-from jaxoffload._src.planner.search import Planner
+from jaxoffload._src.planner.steps import SizeSteps
 
-__all__ = ["Fit", "largest_fitting", "largest_size"]
+__all__ = ["Fit", "largest_size"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Fit:
-    """The largest size found, and the step there.
+    """The largest size found, and the step there; ``str(fit)`` says it in one line.
 
     Attributes:
       size: the largest size whose step fits (0 if not even the smallest does).
@@ -55,6 +59,14 @@ class Fit:
       probes: ``(size, compiled bytes)`` of every size compiled, in order.
       stopped: why the answer falls short of a size resolved and confirmed, if
         it does: the time limit, no size that fits, or no runtime peak read.
+      fits_at: the largest size compiled within the budget (``None``: none
+        was); ``size`` is below it where the step there ran out of memory,
+        ran over the budget, or, with ``min_speed``, ran too slow.
+      over_at: the smallest size above ``fits_at`` compiled over the budget
+        (``None``: none was, as where the search reached ``limit``, or
+        stopped at its time limit with nothing above checked). The largest
+        size that fits lies in ``[fits_at, over_at)``; a search that was not
+        stopped leaves them ``tolerance`` apart.
     """
 
     size: int
@@ -66,6 +78,21 @@ class Fit:
     plan: Plan | None
     probes: tuple[tuple[int, int], ...]
     stopped: str | None = None
+    fits_at: int | None = None
+    over_at: int | None = None
+
+    def __str__(self) -> str:
+        """One line: the size, its bracket, its speed, and why it falls short, if it does."""
+        within = format_bytes(self.budget_bytes)
+        fits = (
+            f"nothing compiled within {within}"
+            if self.fits_at is None
+            else f"{self.fits_at} compiled within {within}"
+        )
+        over = "nothing above it over" if self.over_at is None else f"{self.over_at} over it"
+        speed = "" if self.per_second is None else f"; {self.per_second:,.0f} per second"
+        why = "" if self.stopped is None else f"; {self.stopped}"
+        return f"size {self.size}: {fits}, {over}{speed}{why}"
 
     @property
     def per_second(self) -> float | None:
@@ -118,13 +145,18 @@ def largest_size(
       plan: plan the model at each size (:func:`jaxoffload.plan`), with the
         block costs measured once, at ``start``, and rescaled to each size:
         the answer is the largest size that some plan fits, at that plan's
-        speed. Each size is checked with the leanest plan on its front, and
-        the plain step where it may fit.
+        speed. Each size is checked first with the least plan compiled at
+        ``start`` (with ``min_speed``, of those that kept it there), a uniform
+        one most often, so the answer is not below the largest size at which
+        that plan fits, to within ``tolerance``; where it is over, with the
+        front's leanest plan (that the model puts within ``min_speed``). The plain step is compiled as
+        the time reference where it may fit: not past a size where it
+        compiled over the budget.
       min_speed: with ``plan=True``, the least share of the plain step's speed
         per item at ``start`` that the plan must keep (``0.7``: 70% of its
-        images per second): each size is checked with the leanest plan that
-        the model puts within that speed, and the plan found is confirmed by
-        its measured step. ``None``: any speed.
+        images per second): each size is checked with plans within that
+        speed, as above, and the plan found is confirmed by its measured step.
+        ``None``: any speed.
       start: the first size compiled: one that fits, ideally near the answer.
         With ``plan=True``, the block costs are measured there, so it must
         run on this device.
@@ -136,11 +168,13 @@ def largest_size(
         smallest known not to are this share apart, or a ``multiple_of``.
       exponent: the search's model: bytes grow about linearly in ``size **
         exponent``, 1 for a batch, 2 for an image's side.
-      time_limit_s: once this long has passed, the search compiles nothing
-        more and answers with the largest size known to fit; ``stopped``
-        says so. A compile already under way finishes first, and the
-        confirming steps (with ``plan=True``, the plan at the size found)
-        come after the limit.
+      time_limit_s: the search starts no compile that would not finish
+        within this many seconds, as priced by the compiles before it at the
+        nearest size (the first size's always runs), and answers with the
+        largest size known to fit, its bracket in ``fits_at`` and
+        ``over_at``; ``stopped`` says so. With ``plan=True``, planning at the
+        size found compiles only the rounds that the time left holds. Only
+        the confirming step, run and timed, comes after the limit.
       blocks, options, runs: as in :func:`jaxoffload.plan`, with ``plan=True``.
       donate_argnums: the arguments (after ``model``) that the training loop
         donates, as in its ``jax.jit``.
@@ -148,7 +182,7 @@ def largest_size(
 
     Returns:
       A :class:`Fit`: the size, its compiled bytes, runtime peak and step
-      time, and every size probed.
+      time, its bracket, and every size probed.
 
     Raises:
       TypeError, ValueError: for an argument written wrong, before any step
@@ -173,7 +207,7 @@ def largest_size(
         )
     say = progress_printer(progress, "fit")
     began = time.perf_counter()
-    steps = _Steps(model, step, args_at, budget, plan, dict(
+    steps = SizeSteps(model, step, args_at, budget, plan, dict(
         blocks=blocks, options=options, runs=runs, donate_argnums=donate_argnums, say=say
     ), min_speed)  # fmt: skip
     # The arguments at the smallest size, abstractly: what args_at gives is checked, and a
@@ -191,8 +225,12 @@ def largest_size(
         )
         return got
 
-    def out_of_time() -> bool:
-        return time.perf_counter() - began > time_limit_s
+    def out_of_time(size: int) -> bool:
+        """Whether a probe at ``size`` would not finish in the time left."""
+        left, needs = time_limit_s - (time.perf_counter() - began), steps.predicted_s(size)
+        if needs > left:
+            say(f"size {size} would take about {needs:.0f} s to check, {max(left, 0):.0f} s left")
+        return needs > left
 
     say(f"searching the largest size that fits {format_bytes(budget)}")
     size, stopped = largest_fitting(
@@ -204,7 +242,7 @@ def largest_size(
     for _ in range(3):
         if size < 1:
             break
-        confirmed = steps.confirm(size)
+        confirmed = steps.confirm(size, time_limit_s - (time.perf_counter() - began))
         if confirmed is not None:
             peak, step_ms = confirmed
             say(
@@ -216,19 +254,33 @@ def largest_size(
                     f"no runtime peak was read: this {jax.default_backend()} device reports "
                     "none, so the size is checked by its compiled bytes alone"
                 )
-                return steps.fit(size, peak, False, step_ms, _and(stopped, why))
+                return _fit(steps, size, peak, False, step_ms, _and(stopped, why))
             if peak <= budget:
-                return steps.fit(size, peak, True, step_ms, stopped)
+                return _fit(steps, size, peak, True, step_ms, stopped)
             if steps.peak_before > budget:
                 why = (
                     "the process's runtime peak was over the budget before the search "
                     f"({format_bytes(steps.peak_before)}), so the step's own cannot be read"
                 )
-                return steps.fit(size, peak, False, step_ms, _and(stopped, why))
-        size = _step_down(size, multiple_of, smallest, tolerance, steps, budget)
+                return _fit(steps, size, peak, False, step_ms, _and(stopped, why))
+        size = _step_down(size, multiple_of, smallest, tolerance, steps, out_of_time)
+    fits_at, over_at = steps.bracket()
+    # Stopped before any size fitted, the stop says so: that none fits is not known.
+    why = (
+        stopped if stopped and fits_at is None else _and(stopped, _none_fits(steps.probes, budget))
+    )
     return Fit(
-        max(size, 0), budget, None, None, False, None, None, tuple(steps.probes),
-        _and(stopped, _none_fits(steps.probes, budget)),
+        max(size, 0), budget, None, None, False, None, None, tuple(steps.probes), why,
+        fits_at, over_at,
+    )  # fmt: skip
+
+
+def _fit(steps: SizeSteps, size, peak, confirmed, step_ms, stopped) -> Fit:
+    """The answer at ``size``, confirmed by a real step there."""
+    compiled = steps.chosen.compiled_bytes if steps.plan else steps.bytes[size]
+    return Fit(
+        size, steps.budget, compiled, peak, confirmed, step_ms,
+        steps.chosen if steps.plan else None, tuple(steps.probes), stopped, *steps.bracket(),
     )  # fmt: skip
 
 
@@ -254,242 +306,20 @@ def _none_fits(probes, budget: int) -> str:
     )
 
 
-def _step_down(size, multiple_of, smallest, tolerance, steps, budget) -> int:
-    """The next size below ``size``, by ``tolerance``, that compiles within the budget (0: none)."""
+def _step_down(size, multiple_of, smallest, tolerance, steps, out_of_time) -> int:
+    """The next size below ``size``, by ``tolerance``, that compiles within the budget (0: none);
+    where its compile would not finish in the time left, the largest below it that did."""
     while size >= smallest:
         size -= max(multiple_of, _round_down(int(size * tolerance), multiple_of))
-        if size >= smallest and steps.compiled_bytes(size) <= budget:
+        if size < smallest:
+            break
+        if size not in steps.bytes and out_of_time(size):
+            fits = [s for s, got in steps.probes if s < size and got <= steps.budget]
+            return max(fits, default=0)
+        if steps.compiled_bytes(size) <= steps.budget:
             return size
     return 0
 
 
 def _round_down(size: int, multiple_of: int) -> int:
     return size // multiple_of * multiple_of
-
-
-class _Steps:
-    """The step at each size: its compiled bytes, and one real run to confirm it."""
-
-    def __init__(self, model, step, args_at, budget, plan, planning, min_speed=None):
-        self.model, self.step, self.args_at, self.budget = model, step, args_at, budget
-        self.plan, self.planning, self.min_speed = plan, planning, min_speed
-        self.planners: dict[int, Planner] = {}
-        self.executables: dict[int, Any] = {}
-        self.structs: dict[int, tuple] = {}
-        self.bytes: dict[int, int] = {}
-        self.probes: list[tuple[int, int]] = []
-        self.chosen: Plan | None = None
-        self.peak_before = _peak_bytes() or 0
-
-    def args(self, size: int) -> tuple:
-        """``args_at(size)``, abstractly: traced once per size (a model's init, say). The
-        structs that it gives keep their shardings, which ``eval_shape`` drops where they
-        are not in the types (Auto mesh axes)."""
-        if size not in self.structs:
-            given = []
-
-            def args_at():
-                args = self.args_at(size)
-                if not isinstance(args, tuple | list):
-                    raise TypeError(
-                        f"args_at({size}) must return the step's arguments after the model, as "
-                        f"a tuple such as (state, batch), got {checks.written(args)}; write "
-                        "return (state, batch), or return (batch,) for one."
-                    )
-                args = tuple(args)
-                given.extend(jax.tree.leaves(args))
-                return args
-
-            structs, tree = jax.tree.flatten(jax.eval_shape(args_at))
-            structs = [
-                g if isinstance(g, jax.ShapeDtypeStruct) and g.sharding is not None else s
-                for s, g in zip(structs, given)
-            ]
-            self.structs[size] = tuple(jax.tree.unflatten(tree, structs))
-        return self.structs[size]
-
-    def compiled_bytes(self, size: int) -> int:
-        if size not in self.bytes:
-            if self.plan and self.min_speed is not None:
-                planner = self._planner(size)
-                got = planner.compiled[planner.leanest_within(self._slowest_ms(size))]
-            elif self.plan:  # the least compiled: the leanest plan, the plain step if it may fit
-                got = min(self._planner(size).compiled.values())
-            else:
-                executable = compile_step(
-                    self.model, self.step, self.args(size), None, self.planning["donate_argnums"]
-                )
-                self.executables[size] = executable
-                got = device_bytes(executable)
-            self.bytes[size] = got
-            self.probes.append((size, got))
-        return self.bytes[size]
-
-    def _slowest_ms(self, size: int) -> float:
-        """The slowest step at ``size`` that keeps ``min_speed`` of the plain step's speed
-        per item at the first size planned."""
-        first, planner = next(iter(self.planners.items()))
-        return size * planner.step_ms(planner.plain) / first / self.min_speed
-
-    def _planner(self, size: int) -> Planner:
-        if size not in self.planners:
-            measured = next(iter(self.planners.values()), None)
-            self.planners[size] = Planner(
-                self.model, self.step, self.args(size), self.planning["options"],
-                runs=self.planning["runs"], say=self.planning["say"],
-                blocks=self.planning["blocks"], donate_argnums=self.planning["donate_argnums"],
-                measured=measured, run_limit=self.budget,
-            )  # fmt: skip
-        return self.planners[size]
-
-    def confirm(self, size: int) -> tuple[int | None, float] | None:
-        """``(peak, step ms)`` of real steps at ``size``; ``None`` if no plan fits, none keeps
-        ``min_speed``, or memory ran out."""
-        if self.plan:
-            try:
-                self.chosen = self._planner(size).plan_for(self.budget)
-            except NoPlanFits:
-                return None
-            step_ms = self.chosen.measured_step_ms
-            if step_ms is None or math.isinf(step_ms):
-                return None
-            slowest = math.inf if self.min_speed is None else self._slowest_ms(size)
-            if step_ms > slowest:
-                self.planning["say"](
-                    f"size {size}: the plan's step, {step_ms:.1f} ms, is slower than "
-                    f"{self.min_speed:g} of the plain step's speed ({slowest:.1f} ms)"
-                )
-                return None
-            return _peak_bytes(), step_ms
-        _, arrays, _ = program(
-            self.model, self.step, self.args(size), None, self.planning["donate_argnums"]
-        )
-        step_ms = timing.step_ms(self.executables[size], arrays, self.planning["runs"])
-        return None if math.isinf(step_ms) else (_peak_bytes(), step_ms)
-
-    def fit(self, size, peak, confirmed, step_ms, stopped) -> Fit:
-        compiled = self.chosen.compiled_bytes if self.plan else self.bytes[size]
-        return Fit(
-            size, self.budget, compiled, peak, confirmed, step_ms,
-            self.chosen if self.plan else None, tuple(self.probes), stopped,
-        )  # fmt: skip
-
-
-def _peak_bytes() -> int | None:
-    """The largest device's runtime peak: a sharded step's budget is per device."""
-    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
-    return max((p for p in peaks if p is not None), default=None)
-
-
-def largest_fitting(
-    bytes_at: Callable[[int], int],
-    budget: int,
-    *,
-    start: int,
-    limit: int,
-    multiple_of: int = 1,
-    smallest: int = 1,
-    tolerance: float = 0.02,
-    exponent: float = 1.0,
-    out_of_time: Callable[[], bool] = lambda: False,
-) -> tuple[int, str | None]:
-    """The largest multiple of ``multiple_of`` in [``smallest``, ``limit``] whose ``bytes_at`` is within ``budget``.
-
-    Bytes are taken to grow about linearly in ``size ** exponent``. Each probe
-    is where the line through the two probes nearest the budget crosses it
-    (a secant), kept strictly between the largest size known to fit and the
-    smallest above it known not to, else halfway; after a probe that fits,
-    the next is a ``tolerance`` above it, which closes the bracket of a step
-    whose bytes are affine. The second probe takes the bytes as proportional
-    to the size (short of the answer, for affine bytes that fit at the first);
-    where they stop growing below the budget, the next probe is an eighth
-    above the largest fit rather than a leap; two probes that do not halve the
-    bracket are followed by a halving. The search ends when the two are
-    ``tolerance`` apart. The answer is always a size that was checked and
-    fitted (0 if none was).
-
-    Returns:
-      ``(size, stopped)``: ``stopped`` says why the search ended early, if
-      ``out_of_time()`` did, else ``None``.
-
-    Example:
-      >>> largest_fitting(lambda b: 100 + 10 * b, 1000, start=8, limit=4096)
-      (90, None)
-    """
-    # Sizes in units of multiple_of, from low to top; low - 1 stands for "none fits".
-    top, low = limit // multiple_of, max(1, -(-smallest // multiple_of))
-    if top < low:
-        return 0, None
-    seen: dict[int, int] = {}
-
-    def check(unit: int) -> None:
-        if unit not in seen:
-            seen[unit] = bytes_at(unit * multiple_of)
-
-    first = max(low, min(start // multiple_of, top))
-    check(first)
-    probe = _proportional(first, seen[first], budget, exponent, tolerance, low, top)
-    guessed = False  # whether the probe is the secant's
-    widths = []  # the bracket's width after each probe
-    while True:
-        check(probe)
-        good = max((u for u in seen if seen[u] <= budget), default=low - 1)
-        bad = min((u for u in seen if seen[u] > budget and u > good), default=top + 1)
-        widths.append(bad - good)
-        if bad - good <= max(1, int(good * tolerance)):
-            return (good * multiple_of if good >= low else 0), None
-        if out_of_time():
-            above = "nothing above it was checked" if bad > top else f"{bad * multiple_of} does not"
-            fits = f"{good * multiple_of} fits" if good >= low else "no size fitted yet"
-            return max(0, good * multiple_of) if good >= low else 0, (
-                f"stopped at the time limit: {fits}, {above}"
-            )
-        step = max(1, int(good * tolerance))
-        if guessed and probe == good:  # the guess fitted: a step above closes the bracket
-            probe, guessed = good + step, False
-        else:
-            guess = _secant(seen, good, bad, low, top, budget, exponent)
-            guessed = guess is not None and good < guess < bad
-            if guessed:
-                probe = guess
-            elif bad > top:
-                # Nothing above is known not to fit, and the bytes stopped growing: the
-                # compiler squeezes the step to fit (XLA rematerialises under a device's
-                # memory), so the edge is near, and a compile far past it is the slowest.
-                probe = min(top, good + max(step, good // 8))
-            else:  # just above the largest fit, where the line puts the answer; else halfway
-                probe = good + step if guess is not None and guess <= good else (good + bad) // 2
-        # Two probes that did not halve the bracket: the line is wrong here (bytes that jump
-        # where the compiler stops fitting the step), so halve it.
-        slow = len(widths) >= 3 and bad <= top and widths[-1] > widths[-3] / 2
-        if slow or not good < probe < bad:
-            probe, guessed = (good + bad) // 2, False
-
-
-def _proportional(first, nbytes, budget, exponent, tolerance, low, top) -> int:
-    """The probe after the first: where bytes proportional to ``size ** exponent`` meet the
-    budget, at least a ``tolerance`` from the first and at most eight times it.
-
-    Where the first fits, bytes affine in ``size ** exponent`` with a part that does not
-    grow (parameters, optimizer state) put the answer beyond this guess, so it does not
-    cost a compile past the budget: the slowest kind.
-    """
-    guess = 8 * first if nbytes <= 0 else int(first * (budget / nbytes) ** (1 / exponent))
-    if nbytes <= budget:
-        return min(top, max(first + max(1, int(first * tolerance)), min(8 * first, guess)))
-    return max(low, min(first - 1, guess))
-
-
-def _secant(seen, good, bad, low, top, budget, exponent) -> int | None:
-    """Where the line through the two probes nearest the budget crosses it (``None``: flat)."""
-    fitting = sorted(u for u in seen if seen[u] <= budget)
-    over = sorted(u for u in seen if seen[u] > budget)
-    pair = (
-        (good, bad) if good >= low and bad <= top
-        else tuple(fitting[-2:]) if bad > top else tuple(over[:2])
-    )  # fmt: skip
-    if len(pair) < 2 or seen[pair[1]] == seen[pair[0]]:
-        return None
-    (x0, y0), (x1, y1) = ((u**exponent, seen[u]) for u in pair)
-    x = x0 + (budget - y0) * (x1 - x0) / (y1 - y0)
-    return max(low, min(top, int(x ** (1 / exponent)) if x > 0 else low))

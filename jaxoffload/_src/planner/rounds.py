@@ -70,10 +70,12 @@ def plans_for(
         planner.say("budget " + measured_against(b, device, plain, held))
     # What each compiled step must fit: its budget, less what the process holds beside it.
     targets = [device - (held or 0) for device in devices]
-    # The front's plans, and the checks compiled already: compiled bytes need not follow
-    # the front, and a uniform plan may compile smaller than the front's leanest.
+    # The front's plans, and the plans compiled already (the checks, a size search's seed):
+    # compiled bytes need not follow the front, and a uniform plan may compile smaller than
+    # the front's leanest. The plain step where blocks may store, unless it is known over.
     front = {planner.candidate(point) for point in planner.front} | set(planner.checks)
-    if Store() in planner.options:
+    front |= {c for c in planner.compiled if c != planner.plain}
+    if Store() in planner.options and planner.plain_may_fit:
         front.add(planner.plain)
     model = planner.peak_model()
 

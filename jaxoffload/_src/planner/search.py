@@ -92,6 +92,7 @@ class Planner:
     """
 
     held_bytes: int | None = None  # a class default too: stand-in planners skip __init__
+    plain_may_fit = True  # a size search says where the plain step is known over the budget
 
     def __init__(
         self,
@@ -108,6 +109,8 @@ class Planner:
         run_limit: int | None = None,
         block_costs: str = "timed",
         held_bytes: int | None = None,
+        firsts: Sequence[Plan] | None = None,
+        plain_may_fit: bool = True,
     ):
         """``measured``: a Planner of the same model and step at another size, whose block
         costs are rescaled to this one's (:func:`~jaxoffload._src.planner.costs.rescaled`)
@@ -117,7 +120,12 @@ class Planner:
         its times from its FLOPs at the plain step's ms per FLOP, which compiles nothing
         more (:func:`~jaxoffload._src.planner.costs.traced_blocks`). ``held_bytes``: what
         the process holds on the device besides the step's arguments, which every budget
-        counts beside the compiled step (``None``: the compiled step alone)."""
+        counts beside the compiled step (``None``: the compiled step alone).
+        With ``measured``:
+        ``firsts``, the plans compiled first, by default the front's leanest and the least
+        compiled at the measured size; ``plain_may_fit=False`` where the plain step is known
+        to compile over ``run_limit`` here, so it is neither compiled as the time reference
+        (a step too large to run is none) nor proposed as a candidate."""
         if block_costs not in BLOCK_COSTS:
             raise ValueError(f"block_costs is one of {BLOCK_COSTS}, got {block_costs!r}.")
         self.model, self.step, self.args, self.say = model, step, args, say
@@ -136,6 +144,8 @@ class Planner:
         self.paths, calls = discover(model, step, args, blocks)
         check_discovered(self.paths, calls, nnx_model=isinstance(model, nnx.Module))
         self.compiled: dict[Plan, int] = {}  # every plan compiled, for every budget
+        self.compile_s: dict[Plan, float] = {}  # what each took to compile, to budget time by
+        self.plain_may_fit = plain_may_fit
         self.executables: dict[Plan, Any] = {}
         self.lowered: dict[Plan, Any] = {}  # traced and lowered, not compiled yet
         self.measured_ms: dict[Plan, float] = {}
@@ -188,27 +198,27 @@ class Planner:
         self.checks = list(dict.fromkeys([*uniform, *stored, *([hidden] if hidden else [])]))
         # How little a step keeps: the uniform checks say; at another size, the front's
         # leanest plan and the measured size's least, as the model may misjudge which is
-        # leaner away from where it was fitted (design §10).
-        smallest = measured and min(measured.compiled, key=measured.compiled.get)
-        firsts = self.checks or list(dict.fromkeys([self.candidate(self.front[0]), smallest]))
+        # leaner away from where it was fitted (design §10), unless the caller knows better.
+        if firsts is None and measured is not None:
+            least = min(measured.compiled, key=measured.compiled.__getitem__)
+            firsts = [self.candidate(self.front[0]), least]
+        firsts = self.checks or list(dict.fromkeys(firsts))
         # At another size, the plain step is compiled only where its bytes at the measured
         # size, scaled as its traced bytes scale, are within twice what runs here: XLA
         # rematerialises a step to fit the device's memory, but a size search probes sizes
-        # far past that, where XLA takes a minute to fail.
+        # far past that, where XLA takes a minute to fail; and never where it is known over.
         said = None
         if measured is not None and measured.plain in measured.compiled:
             scale = self.model_bytes(self.plain) / measured.model_bytes(measured.plain)
             said = int(measured.compiled[measured.plain] * scale)
-        compile_plain = self.plain not in self.compiled and (
-            said is None or self.run_limit is None or said <= 2 * self.run_limit
-        )
+        near = said is None or self.run_limit is None or said <= 2 * self.run_limit
+        compile_plain = plain_may_fit and self.plain not in self.compiled and near
         say(
             ("compiling the plain step and " if compile_plain else "compiling ")
             + (
                 f"{len([c for c in self.checks if c != self.plain])} more plans to fit the model to"
                 if self.checks
-                else "the leanest plan on the front"
-                + (" and the least at the measured size" if len(firsts) > 1 else "")
+                else " and ".join(summary(c.strategies) for c in firsts)
             )
         )
         if compile_plain:
@@ -220,7 +230,7 @@ class Planner:
         plain_ms = self.step_ms(self.plain) if self.plain in self.compiled else math.inf
         self.anchor = self.plain if math.isfinite(plain_ms) else least
         if self.plain not in self.compiled:
-            plain = f"about {format_bytes(said)}, not compiled"
+            plain = (f"about {format_bytes(said)}, " if said else "") + "not compiled"
         else:
             ran = f"{plain_ms:.1f} ms" if math.isfinite(plain_ms) else "too large to run here"
             plain = f"{format_bytes(self.compiled[self.plain])}, {ran}"
@@ -298,14 +308,6 @@ class Planner:
         """The plan of a point on the front, the code outside the blocks lean."""
         strategies = tuple(self.choices[b][k].strategy for b, k in enumerate(point.choice))
         return Plan(tuple(zip(self.paths, strategies)), Lean())
-
-    def leanest_within(self, limit_ms: float) -> Plan:
-        """The front's leanest plan whose step the model puts within ``limit_ms``, compiled;
-        the plain step where none is."""
-        within = (c for c in map(self.candidate, self.front) if self.estimated_ms(c) <= limit_ms)
-        chosen = next(within, self.plain)
-        self.compile([chosen])
-        return chosen
 
     def live(self, candidate: Plan) -> list[dict[str, int]]:
         """What the candidate's blocks hold at each point of the step, by category
@@ -394,7 +396,7 @@ class Planner:
         seconds = {}
         for c, (executable, took) in zip(todo, timing.compile_timed(lowered())):
             self.executables[c], self.compiled[c] = executable, device_bytes(executable)
-            seconds[c] = took
+            seconds[c] = self.compile_s[c] = took
         longest = max(seconds, key=seconds.__getitem__)
         self.say(
             f"compiled {len(todo)} in {time.perf_counter() - start:.1f} s, "
