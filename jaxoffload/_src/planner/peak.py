@@ -11,6 +11,9 @@ by 43-111%. So :func:`live_bytes` walks the two passes and says, at each
 point, what is alive by category, and :class:`PeakModel` weighs the
 categories by what compiled steps measured (:func:`fit_peak`): traced
 residuals are not XLA's buffers, which fuses some away and adds its own.
+A weight is told only by plans that hold its category at their peak; uniform
+plans each hold their own kind alone, so :func:`mixed_checks` gives the plans
+that tell each kind's weight beside another's.
 """
 
 from __future__ import annotations
@@ -21,9 +24,17 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from jaxoffload._src.planner.costs import BlockCost, BlockCosts
-from jaxoffload._src.strategies import Strategy, brief
+from jaxoffload._src.strategies import Store, Strategy, brief
 
-__all__ = ["PeakModel", "category", "estimate_peak_bytes", "fit_peak", "kept_bytes", "live_bytes"]
+__all__ = [
+    "PeakModel",
+    "category",
+    "estimate_peak_bytes",
+    "fit_peak",
+    "kept_bytes",
+    "live_bytes",
+    "mixed_checks",
+]
 
 # The categories of bytes that are not a block's residuals.
 KEPT_EDGES = "kept edges"  # activations between blocks, kept for the backward pass
@@ -52,6 +63,27 @@ def category(strategy: Strategy) -> str:
     with a byte cap, the residuals that the cap leaves on the device."""
     name = brief(strategy.costed())
     return name if strategy.max_bytes is None else f"{name}, capped"
+
+
+def mixed_checks(n: int, options: Sequence[Strategy]) -> list[tuple[Strategy, ...]]:
+    """Plans of ``n`` blocks that tell the fit each kind's weight beside another kind's.
+
+    A uniform plan holds one kind alone: its own category, the kept edges and
+    the rest. Estimated from the other uniform plans, its kind's weight rests on
+    a prior and the rest takes what the prior gets wrong: a lean kind's estimate
+    fell far below its compiled bytes and a recomputing kind's far above, and
+    what XLA keeps of a lean cut differs by family, so no prior fits them all
+    (``docs/design.md``, "Checks that tell each weight"). So each kind that
+    computes on the device, but ``Store``, takes the first half of the blocks,
+    the largest in a CNN, and the next such kind the rest (``Store`` where there
+    is one kind alone): its residuals, or its recomputation, meet another kind's
+    at one peak.
+    """
+    kinds = [s for s in dict.fromkeys(options) if not (s.to_host or s.is_identity)]
+    partners = kinds[1:] + kinds[:1] if len(kinds) > 1 else [Store()] * (Store() in options)
+    half = max(1, n // 2)
+    plans = [(first,) * half + (then,) * (n - half) for first, then in zip(kinds, partners)]
+    return [p for p in dict.fromkeys(plans) if len(set(p)) > 1]
 
 
 def live_bytes(blocks: Sequence[BlockCosts], choice: Sequence[Strategy]) -> list[dict[str, int]]:
@@ -162,7 +194,8 @@ def fit_peak(
     """The model through ``(live bytes, outside stores, moves, compiled bytes)`` points.
 
     Least squares with each plan's peak at the point that the weights put it:
-    found, solved for, found again, until it stays. First through the plans
+    found, solved for, found again, until it stays; the rest, the stored outside
+    and every weight bounded at 0. First through the plans
     that move nothing, then, with what those fixed, the weights of what only
     moving plans hold (what stays on the device under ``Offload``, what is in
     flight, what recomputing blocks keep): XLA's host offloads compile less like
@@ -216,12 +249,19 @@ def _fit(points, scale: float, free: Sequence[str], start: PeakModel, *, with_re
         for column, target in pulls:
             rows.append([np.sqrt(WEIGHT_PULL) * (j == column) for j in range(first + len(free))])
             ys.append(np.sqrt(WEIGHT_PULL) * target)
-        solution = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)[0]
+        # Solved within the bounds, not clamped after: a clamp leaves the other columns
+        # solved for the value it threw away, and the model then misses the very plans it
+        # was fitted to (the plain step, where the outside's bytes came out below zero).
+        # scipy comes with jax; imported when a model is fitted, as importing jaxoffload
+        # loads nothing that flax does not (tests/test_package.py).
+        from scipy.optimize import nnls
+
+        solution = nnls(np.array(rows), np.array(ys))[0]
         weights = dict(model.weights)
-        weights.update({k: max(0.0, float(w)) for k, w in zip(free, solution[first:])})
+        weights.update({k: float(w) for k, w in zip(free, solution[first:])})
         rest, stored = model.rest, model.stored_outside
         if with_rest:
-            rest, stored = float(solution[0]) * scale, max(0.0, float(solution[1])) * scale
+            rest, stored = float(solution[0]) * scale, float(solution[1]) * scale
         fitted = PeakModel(rest, weights, stored, scale)
         if fitted == model:
             break

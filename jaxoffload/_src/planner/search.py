@@ -49,6 +49,7 @@ from jaxoffload._src.planner.peak import (
     fit_peak,
     kept_bytes,
     live_bytes,
+    mixed_checks,
 )
 from jaxoffload._src.planner.plan import Plan
 from jaxoffload._src.planner.program import (
@@ -173,7 +174,7 @@ class Planner:
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 compiling = pool.submit(self.compile, [self.plain])
                 traces = trace_blocks(calls, options)
-                checks = [*self._uniform_checks(), self._stored_check()]
+                checks = [*self._uniform_checks(), *self._byte_checks()]
                 self._lower([c for c in checks if c != self.plain])
                 compiling.result()
             per_flop = self._ms_per_flop(traced.jaxpr) if block_costs == "traced" else None
@@ -189,12 +190,12 @@ class Planner:
         self._put_on_front(self.prior)
         # Measured costs are checked against whole steps: every block under each option
         # (of those that move bytes, only the first: the others are link-bound variants of it),
-        # and every block that has one under a hidden offload; and the blocks stored with the
-        # code outside them lean, which tells what the outside keeps.
+        # and every block that has one under a hidden offload; and the plans that tell the
+        # model of bytes what a uniform one cannot (_byte_checks).
         uniform = [] if measured is not None else self._uniform_checks()
         choice = hidden_choice(self.choices) if uniform else None
         hidden = None if choice is None else Plan(tuple(zip(self.paths, choice)), Lean())
-        stored = [self._stored_check()] if uniform else []
+        stored = self._byte_checks() if uniform else []
         self.checks = list(dict.fromkeys([*uniform, *stored, *([hidden] if hidden else [])]))
         # How little a step keeps: the uniform checks say; at another size, the front's
         # leanest plan and the measured size's least, as the model may misjudge which is
@@ -258,9 +259,11 @@ class Planner:
         kinds += [s for s in self.options if s.to_host][:1]
         return [self.uniform(s) for s in kinds]
 
-    def _stored_check(self) -> Plan:
-        """Every block stored and the code outside them lean: what the outside keeps."""
-        return Plan(self.plain.blocks, Lean())
+    def _byte_checks(self) -> list[Plan]:
+        """Every block stored, which tells what the outside keeps, and halves under two kinds,
+        which tell each kind's bytes beside another's (``peak.mixed_checks``); the outside lean."""
+        mixed = mixed_checks(len(self.paths), self.options)
+        return [Plan(tuple(zip(self.paths, m)), Lean()) for m in [self.plain.strategies, *mixed]]
 
     def uniform(self, strategy: Strategy) -> Plan:
         """Every block under ``strategy``; the code outside them lean unless it stores."""

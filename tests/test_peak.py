@@ -1,0 +1,161 @@
+"""The planner's model of a step's peak on families that are not BatchNorm-ReLU ResNets.
+
+ConvNeXt's block (a 7x7 depthwise convolution, LayerNorm, GELU, a layer scale) and
+EfficientNet's (an expanding 1x1, a depthwise convolution, squeeze-and-excitation, SiLU)
+are compiled on the CPU under the plans that the planner compiles first to fit its model,
+and each plan's estimate from the others is checked against its compiled bytes: the
+estimate that the planner prints for a plan it returns, and that it makes of a plan before
+compiling it.
+"""
+
+import concurrent.futures
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxoffload
+from jaxoffload import Lean, Plan, Remat, Store
+from jaxoffload._src.planner import BlockCost, BlockCosts
+from jaxoffload._src.planner.costs import trace_blocks, traced_blocks
+from jaxoffload._src.planner.peak import fit_peak, live_bytes, mixed_checks
+from jaxoffload.bench.models import flax_convnext, flax_efficientnet
+from jaxoffload.internal import device_bytes, discover, lower_step
+
+OPTIONS = (Store(), Lean(), Remat())
+# LLVM's optimisations change how fast a program runs, not its buffers: the same bytes in a
+# fraction of the compile time.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+SIDE = 64
+FAMILIES = {
+    # Two blocks at the first width and one at the next, after the downsampling.
+    "convnext": lambda: flax_convnext.ConvNeXt(
+        stage_sizes=(2, 1),
+        num_filters=8,
+        num_classes=4,
+        layer_scale_init=1.0,
+        block_cls=jaxoffload.linen.plannable(flax_convnext.ConvNeXtBlock),
+    ),
+    # The expansion-1 block, then a strided expanding one and a residual one, each with its
+    # squeeze-and-excitation.
+    "efficientnet": lambda: flax_efficientnet.EfficientNet(
+        stages=((1, 3, 1, 8, 1), (4, 3, 2, 16, 2)),
+        stem_features=8,
+        head_features=16,
+        num_classes=4,
+        block_cls=jaxoffload.linen.plannable(flax_efficientnet.MBConv),
+    ),
+}
+
+
+def step(model, params, state, x, labels):
+    def loss(params):
+        logits, new_state = model.apply({"params": params, **state}, x, True, mutable=list(state))
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), new_state
+
+    return jax.grad(loss, has_aux=True)(params)
+
+
+def _checks(paths) -> list[Plan]:
+    """The plans that the planner compiles to fit its model of bytes, where it options
+    Store, Lean and Remat: the plain step; every block under each option, the code outside
+    them lean; every block stored, the outside lean; and the mixed checks."""
+    n = len(paths)
+    kinds = [[s] * n for s in OPTIONS] + [[Store()] * n] + list(mixed_checks(n, OPTIONS))
+    return [Plan(tuple(zip(paths, kinds[0])))] + [
+        Plan(tuple(zip(paths, k)), Lean()) for k in kinds[1:]
+    ]
+
+
+def _compiled_points(family):
+    """Each check plan's ``(live bytes, outside stores, moves, compiled bytes)``."""
+    model = FAMILIES[family]()
+    x = jax.ShapeDtypeStruct((8, SIDE, SIDE, 3), jnp.float32)
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, SIDE, SIDE, 3))))
+    params = variables.pop("params")
+    args = (params, dict(variables), x, jax.ShapeDtypeStruct((8,), jnp.int32))
+    paths, calls = discover(model, step, args, None)
+    blocks = traced_blocks(paths, calls, trace_blocks(calls, OPTIONS), ms_per_flop=1.0)
+    plans = _checks(paths)
+    lowered = [lower_step(model, step, args, p, ()) for p in plans]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        compiled = list(pool.map(lambda low: device_bytes(low.compile(FAST_COMPILE)), lowered))
+    return [
+        (live_bytes(blocks, p.strategies), p.outside.is_identity, False, got)
+        for p, got in zip(plans, compiled)
+    ]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_check_plan_is_estimated_within_10_percent_from_the_others(family):
+    """The planner prints, for a plan it returns, what its model fitted to every other plan
+    compiled says of it; the issue asks for that within 10% of the compiled bytes. The
+    check plans are the hardest case: compiled first, no round has told the model more.
+
+    The model's weights absorb what the CPU's buffers do differently from a GPU's (XLA:CPU
+    hoists recomputation and schedules by its own rules); its structure is what each plan
+    holds at its peak. Under a least-squares fit that clamped a negative byte count after
+    solving, the model fitted to all but the stored check missed the plain step it was
+    fitted to, and the stored check, by more than the tolerance, on both families.
+    """
+    points = _compiled_points(family)
+    scale = float(points[0][-1])  # the plain step's bytes, as the planner scales
+    for n, (live, stores, _, got) in enumerate(points):
+        others = points[:n] + points[n + 1 :]
+        model = fit_peak(others, scale)
+        assert model(live, stores) == pytest.approx(got, rel=0.10), (family, n)
+        # A model that misses the plans it was fitted to says nothing of any other.
+        for o_live, o_stores, _, o_got in others:
+            assert model(o_live, o_stores) == pytest.approx(o_got, rel=0.03), (family, n)
+
+
+def _pyramid(n=6):
+    """Blocks whose activations halve from the first to the last, as a CNN's do, and whose
+    lean cut keeps a quarter of what jax keeps (as inverted residuals and ConvNeXt's do)."""
+    blocks = []
+    for i in range(n):
+        size = 2**30 >> i
+        costs = {
+            Store(): BlockCost(8 * size, size, 0, 0, 0, 1.0, 2.0),
+            Lean(): BlockCost(2 * size, size, 0, 0, 0, 1.0, 2.2),
+            Remat(): BlockCost(0, size, 0, 0, 8 * size, 1.0, 3.0),
+        }
+        blocks.append(BlockCosts(f"Block_{i}", size, size, costs))
+    return blocks
+
+
+def test_mixed_checks_tell_each_kind_what_uniform_plans_cannot():
+    """A uniform plan holds its kind's bytes alone: fitted to the other uniform plans, its
+    estimate rests on a prior weight, and the rest takes the difference. Stand-in compiled
+    bytes weigh a lean cut's residuals fully (it keeps only what the backward pass needs)
+    and jax's own at a third, as XLA:GPU's did on MobileNetV2 and U-Net, and the code
+    outside the blocks keeps nothing (what it keeps is told by the plain step and the stored
+    check alone, each by the other); with the mixed checks beside the uniform ones, every
+    check is estimated from the others."""
+    blocks, n = _pyramid(), 6
+    weight = {"Store()": 0.35, "Lean()": 1.0, "recomputed": 0.4, "kept edges": 1.0, "edges": 1.0}
+    mixed = mixed_checks(n, OPTIONS)
+    assert mixed == [(Lean(),) * 3 + (Remat(),) * 3, (Remat(),) * 3 + (Lean(),) * 3]
+
+    def points(choices):
+        found = []
+        for choice, stores in choices:
+            live = live_bytes(blocks, choice)
+            peak = max(sum(weight.get(k, 0.0) * b for k, b in at.items()) for at in live)
+            found.append((live, stores, False, int(5e8 + peak)))
+        return found
+
+    uniform = points([((s,) * n, s == Store()) for s in OPTIONS] + [((Store(),) * n, False)])
+    with_mixed = uniform + points([(m, False) for m in mixed])
+
+    def worst(checks):
+        misses = []
+        for k, (live, stores, _, got) in enumerate(checks):
+            model = fit_peak(checks[:k] + checks[k + 1 :], 2**33)
+            misses.append(abs(model(live, stores) / got - 1))
+        return max(misses)
+
+    assert worst(uniform) > 0.2  # the case the check plans were added for
+    assert worst(with_mixed) < 0.05
