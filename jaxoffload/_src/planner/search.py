@@ -114,19 +114,16 @@ class Planner:
         plain_may_fit: bool = True,
     ):
         """``measured``: a Planner of the same model and step at another size, whose block
-        costs are rescaled to this one's (:func:`~jaxoffload._src.planner.costs.rescaled`)
-        rather than measured again. ``run_limit``: the most compiled bytes of a step that
-        is run here to be timed; by default, 90% of the device's memory. ``block_costs``:
-        ``"timed"``, each distinct block program compiled and timed alone, or ``"traced"``,
-        its times from its FLOPs at the plain step's ms per FLOP, which compiles nothing
-        more (:func:`~jaxoffload._src.planner.costs.traced_blocks`). ``held_bytes``: what
-        the process holds on the device besides the step's arguments, which every budget
-        counts beside the compiled step (``None``: the compiled step alone).
-        With ``measured``:
-        ``firsts``, the plans compiled first, by default the front's leanest and the least
-        compiled at the measured size; ``plain_may_fit=False`` where the plain step is known
-        to compile over ``run_limit`` here, so it is neither compiled as the time reference
-        (a step too large to run is none) nor proposed as a candidate."""
+        costs are rescaled to this one's (:func:`~jaxoffload._src.planner.costs.rescaled`).
+        ``run_limit``: the most compiled bytes of a step run here to be timed (90% of the
+        device's memory). ``block_costs``: ``"timed"``, each distinct block program timed
+        alone, or ``"traced"``, its times from its FLOPs at the plain step's ms per FLOP
+        (:func:`~jaxoffload._src.planner.costs.traced_blocks`). ``held_bytes``: what the
+        process holds on the device besides the step's arguments, which every budget counts
+        beside the compiled step (``None``: none). With ``measured``: ``firsts``, the plans
+        compiled first (the front's leanest and the least compiled at the measured size);
+        ``plain_may_fit=False`` where the plain step is known to compile over ``run_limit``,
+        so it is neither the time reference (a step too large to run is none) nor a candidate."""
         if block_costs not in BLOCK_COSTS:
             raise ValueError(f"block_costs is one of {BLOCK_COSTS}, got {block_costs!r}.")
         self.model, self.step, self.args, self.say = model, step, args, say
@@ -164,10 +161,8 @@ class Planner:
                 self.link = (link["d2h_gbps"], link["h2d_gbps"])
                 each = f" each, {len(devices)} devices at once" if len(devices) > 1 else ""
                 say(f"host link: {self.link[0]:.1f} GB/s out, {self.link[1]:.1f} GB/s back{each}")
-            # The plain step first and alone: it autotunes the kernels that the blocks'
-            # programs and the other steps share, which then compile the faster. XLA
-            # compiles outside Python's lock, so the blocks and the uniform checks are
-            # traced meanwhile.
+            # The plain step first and alone: it autotunes the kernels that the other programs
+            # share. XLA compiles outside Python's lock: the blocks are traced meanwhile.
             say("compiling the plain step, and tracing the blocks and the uniform plans meanwhile")
             traced = self._traced_step(self.plain)  # only one thread traces at a time
             self.lowered[self.plain] = traced.lower()
@@ -188,10 +183,9 @@ class Planner:
         # At another size, the byte weights that the measured planner fitted.
         self.prior = None if measured is None else measured.peak_model()
         self._put_on_front(self.prior)
-        # Measured costs are checked against whole steps: every block under each option
-        # (of those that move bytes, only the first: the others are link-bound variants of it),
-        # and every block that has one under a hidden offload; and the plans that tell the
-        # model of bytes what a uniform one cannot (_byte_checks).
+        # Measured costs are checked against whole steps: every block under each option (of
+        # those that move bytes, the first: the others are link-bound variants of it), every
+        # block that has one under a hidden offload, and _byte_checks' plans.
         uniform = [] if measured is not None else self._uniform_checks()
         choice = hidden_choice(self.choices) if uniform else None
         hidden = None if choice is None else Plan(tuple(zip(self.paths, choice)), Lean())
