@@ -1,5 +1,7 @@
 """The host link as one timeline: the hidden copies' arithmetic, and the price of exposed copies."""
 
+import itertools
+
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
@@ -9,14 +11,6 @@ from jaxoffload._src.planner import BlockCost, BlockCosts, estimate_step_ms
 from jaxoffload._src.planner.hiding import LINK_SHARE, copy_timeline, hidden_copies
 
 MB = 10**6
-
-
-def _cumulative(xs):
-    out, total = [], 0.0
-    for x in xs:
-        total += x
-        out.append(total)
-    return out
 
 
 def _starts_back(backward):
@@ -71,7 +65,7 @@ def test_hidden_copies_take_turns_on_the_link_and_finish_in_time(blocks, link):
     backward = [b[1] for b in blocks]
     sizes = [b[2] for b in blocks]
     copies = hidden_copies(forward, backward, sizes, link)
-    ends, starts_back = _cumulative(forward), _starts_back(backward)
+    ends, starts_back = list(itertools.accumulate(forward)), _starts_back(backward)
     out_rate, back_rate = (g * 1e6 * LINK_SHARE for g in link)
     eps = 1e-9
     chosen = [(i, c) for i, c in enumerate(copies) if c is not None]

@@ -10,6 +10,7 @@ hide") has what each option did on the measured steps.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -36,7 +37,8 @@ def compiler_options(lowered=None, *, link_gbps: float | None = None) -> dict[st
     Args:
       lowered: ``jax.jit(step).lower(*args)``, or ``None``.
       link_gbps: the host link's speed in 10⁹ bytes per second, to price the copies; measured
-        on the first device (:func:`jaxoffload._src.timing.measure_link`) if ``None``.
+        on the first device (:func:`jaxoffload._src.timing.measure_link`) if ``None`` and the
+        step has host copies.
 
     Returns:
       A dict of XLA options; options of other backends are ignored on a CPU.
@@ -54,30 +56,42 @@ def compiler_options(lowered=None, *, link_gbps: float | None = None) -> dict[st
         raise TypeError(
             f"compiler_options takes a lowered step, jax.jit(step).lower(*args), got {lowered!r}."
         )
-    text = lowered.compile(options).as_text()
-    if link_gbps is None:
-        from jaxoffload._src.timing import measure_link
-
-        link = measure_link(2**28)
-        link_gbps = min(link["d2h_gbps"], link["h2d_gbps"])
-    return with_copy_costs(options, text, link_gbps)
+    return with_copy_costs(options, lowered.compile(options).as_text(), link_gbps)
 
 
-def with_copy_costs(options: dict[str, Any], hlo_text: str, link_gbps: float) -> dict[str, Any]:
-    """``options``, and a profile pricing each host copy of the program ``hlo_text`` (if any).
+def with_copy_costs(
+    options: dict[str, Any],
+    hlo_text: str,
+    link_gbps: float | Callable[[], float] | None = None,
+) -> dict[str, Any]:
+    """``options``, and a profile pricing each host copy of the program ``hlo_text``.
 
     The program compiled with ``options``; compiled again with the result, its copies are
-    scheduled by their cost. A program without host copies gets ``options`` back.
+    scheduled by their cost. A program without host copies gets ``options`` back, and its
+    link is not measured: ``link_gbps`` may be a function that measures it, called only
+    where there are copies to price (``None`` measures it on the first device).
     """
-    profile = copy_cost_profile(hlo_text, link_gbps)
-    if not profile:
+    if not (link_gbps is None or callable(link_gbps)):
+        _check_link(link_gbps)  # refused where given, copies or not
+    copies = _host_copies(hlo_text)
+    if not copies:
         return options
+    if link_gbps is None:
+        link_gbps = _first_device_link
+    profile = _profile(copies, link_gbps() if callable(link_gbps) else link_gbps)
     # The profile prices the copies alone: the other instructions keep the default costs.
     return {
         **options,
         "fdo_profile": profile.encode(),
         "xla_gpu_pgle_accuracy_checker": "PGLE_STRICTNESS_LEVEL_OFF",
     }
+
+
+def _first_device_link() -> float:
+    from jaxoffload._src.timing import measure_link
+
+    link = measure_link(2**28)
+    return min(link["d2h_gbps"], link["h2d_gbps"])
 
 
 def copy_cost_profile(hlo_text: str, link_gbps: float) -> str:
@@ -91,11 +105,23 @@ def copy_cost_profile(hlo_text: str, link_gbps: float) -> str:
       >>> copy_cost_profile(hlo, link_gbps=50.0)
       'costs { name: "copy-start.3" cost_us: 45.000 }'
     """
+    return _profile(_host_copies(hlo_text), link_gbps)
+
+
+def _host_copies(hlo_text: str) -> list[tuple[str, str, str]]:
+    """``(name, element type, dims)`` of each ``copy-start`` to or from host memory."""
+    return [m.groups() for m in [*_COPY_START.finditer(hlo_text), *_COPY_BACK.finditer(hlo_text)]]
+
+
+def _check_link(link_gbps: float) -> None:
     if not link_gbps > 0:
         raise ValueError(f"link_gbps must be a positive speed, got {link_gbps!r}.")
+
+
+def _profile(copies: list[tuple[str, str, str]], link_gbps: float) -> str:
+    _check_link(link_gbps)
     lines = []
-    for match in [*_COPY_START.finditer(hlo_text), *_COPY_BACK.finditer(hlo_text)]:
-        name, dtype, dims = match.groups()
+    for name, dtype, dims in copies:
         size = int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
         us = size * _itemsize(dtype) / (link_gbps * 1e3) + _COPY_OVERHEAD_US
         lines.append(f'costs {{ name: "{name}" cost_us: {us:.3f} }}')

@@ -28,7 +28,6 @@ from jaxoffload.bench.workload import Workload
 from jaxoffload.internal import (
     analyze,
     brief,
-    copy_cost_profile,
     measure_link,
     median_ms,
     read_spatial_gathers,
@@ -209,10 +208,8 @@ def _compiled(lowered):
     """
     options = compiler_options()
     compiled = lowered.compile(options)
-    text = compiled.as_text()
-    if not copy_cost_profile(text, 1.0):  # no host copy to price
-        return compiled
-    return lowered.compile(with_copy_costs(options, text, _pricing_link_gbps()))
+    priced = with_copy_costs(options, compiled.as_text(), _pricing_link_gbps)
+    return compiled if priced is options else lowered.compile(priced)
 
 
 @functools.cache

@@ -21,6 +21,7 @@ backward pass and the link is free, and its own backward pass waits for it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 from jaxoffload._src.strategies import Offload
@@ -108,7 +109,7 @@ def hidden_copies(
     out_rate, back_rate = (g * 1e6 * link_share for g in link)  # bytes per ms
     if not (out_rate > 0 and back_rate > 0):
         raise ValueError(f"link must be two positive speeds in GB/s, got {link!r}.")
-    ends = _cumulative(forward_ms)  # each block's forward pass ends
+    ends = list(itertools.accumulate(forward_ms))  # each block's forward pass ends
     turn = ends[-1] if n else 0.0
     starts_back = _starts_back(backward_ms)  # each block's backward pass starts
 
@@ -197,23 +198,18 @@ def copy_timeline(
         clock = max(clock + forward_ms[i], waits.get(i, 0.0))
     forward = max(clock, free)
 
+    starting: dict[int, list[int]] = {}  # block -> the fetches its backward pass starts
+    for i in reversed(range(n)):  # the one needed first first
+        if moved[i]:
+            starting.setdefault(min(i + fetch_windows[i] - 1, n - 1), []).append(i)
     arrived: dict[int, float] = {}  # block -> when its fetch is done
     clock = link_from = 0.0
     for j in reversed(range(n)):
-        # The fetches that block j's backward pass starts, the one needed first first.
-        starting = [
-            i for i in reversed(range(j + 1)) if moved[i] and _trigger(i, fetch_windows[i], n) == j
-        ]
-        for i in starting:
+        for i in starting.get(j, ()):
             start = max(clock, link_from)
             link_from = arrived[i] = start + moved[i] / back_rate
         clock = max(clock, arrived.get(j, 0.0)) + backward_ms[j]
     return forward, clock
-
-
-def _trigger(i: int, fetch_window: int, n: int) -> int:
-    """The block whose backward pass starts block ``i``'s fetch (the last, for the last blocks)."""
-    return min(i + fetch_window - 1, n - 1)
 
 
 def _largest_under(sizes: Sequence[int], cap: float) -> int:
@@ -221,14 +217,6 @@ def _largest_under(sizes: Sequence[int], cap: float) -> int:
     sizes = tuple(int(s) for s in sizes)
     go = Offload(max_bytes=max(0, int(cap))).moved(sizes)
     return sum(s for s, g in zip(sizes, go) if g)
-
-
-def _cumulative(ms: Sequence[float]) -> list[float]:
-    total, out = 0.0, []
-    for x in ms:
-        total += x
-        out.append(total)
-    return out
 
 
 def _starts_back(backward_ms: Sequence[float]) -> list[float]:
