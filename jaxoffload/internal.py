@@ -20,13 +20,13 @@ from jaxoffload._src.layers import relu_max_pool as relu_max_pool
 # The planner, and the steps it compiles.
 from jaxoffload._src.planner import Planner as Planner
 from jaxoffload._src.planner import default_options as default_options
+from jaxoffload._src.planner import estimate_step_ms as estimate_step_ms
 
 # What blocks cost, and the copies that the host link carries while they compute.
 from jaxoffload._src.planner.costs import cost_blocks as cost_blocks
 from jaxoffload._src.planner.costs import step_flops as step_flops
 from jaxoffload._src.planner.costs import trace_blocks as trace_blocks
 from jaxoffload._src.planner.costs import traced_blocks as traced_blocks
-from jaxoffload._src.planner.hiding import copy_timeline as copy_timeline
 from jaxoffload._src.planner.hiding import hidden_copies as hidden_copies
 from jaxoffload._src.planner.messages import summary as summary
 from jaxoffload._src.planner.program import device_bytes as device_bytes
@@ -62,12 +62,12 @@ __all__ = [
     "brief",
     "compile_all",
     "copy_cost_profile",
-    "copy_timeline",
     "cost_blocks",
     "default_options",
     "device_bytes",
     "discover",
     "equations",
+    "estimate_step_ms",
     "hidden_copies",
     "lower_step",
     "max_pool",

@@ -22,9 +22,9 @@ from jaxoffload.bench.step import linen_model, nnx_training, train_step, trainin
 from jaxoffload.bench.workload import Workload
 from jaxoffload.internal import (
     Planner,
-    copy_timeline,
     cost_blocks,
     discover,
+    estimate_step_ms,
     hidden_copies,
     median_ms,
     step_flops,
@@ -224,7 +224,7 @@ def hidden_plan(
     moves exactly those residuals; the others, and the code outside the blocks, ``Lean()``.
 
     The plan's ``estimated_step_ms`` is the blocks' time with its copies
-    (:func:`~jaxoffload._src.planner.hiding.copy_timeline`), and its notes say, per block,
+    (:func:`~jaxoffload._src.planner.costs.estimate_step_ms`), and its notes say, per block,
     what it computes, moves, and when the schedule has its copies run.
 
     Args:
@@ -261,9 +261,7 @@ def hidden_plan(
         for c in copies
     ]
     moved = [0 if c is None else c.moved for c in copies]
-    windows = [s.window for s in choices]
-    fetch_windows = [s.fetch_window or s.window for s in choices]
-    estimated = sum(copy_timeline(forward, backward, moved, windows, fetch_windows, link))
+    estimated = estimate_step_ms(costs, choices, link)
     notes = [_hidden_note(c, f, b, sum(s)) for c, f, b, s in zip(copies, forward, backward, sizes)]
     plan = Plan(tuple(zip(paths, choices)), Lean(), estimated_step_ms=estimated, notes=tuple(notes))
     say(f"{sum(moved) / 1e6:.1f} MB move each way, on {sum(map(bool, moved))} blocks")
