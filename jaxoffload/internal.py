@@ -8,6 +8,9 @@ may change or go in any release, without notice or deprecation. It is the one wa
 both), so that the rest of ``_src`` can change without asking them.
 """
 
+# The host transfers' construction, whose parts a probe takes away to price them.
+from jaxoffload._src import transfers as transfers
+
 # Reading traced programs.
 from jaxoffload._src.jaxprs import equations as equations
 from jaxoffload._src.jaxprs import struct_of as struct_of
@@ -86,6 +89,7 @@ __all__ = [
     "trace_blocks",
     "trace_step",
     "traced_blocks",
+    "transfers",
     "vjp_programs",
     "with_copy_costs",
     "with_twin",
