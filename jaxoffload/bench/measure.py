@@ -264,8 +264,8 @@ def compile_only(workload: Workload) -> dict[str, float]:
     Under :func:`cache_env`, the programs land in the persistent cache, so
     that :func:`measure` in another process loads them rather than compile:
     on a GPU compiling autotunes kernels on the device, and its scratch
-    buffers count in the process's peak (a U-Net b80 under ``Lean()`` peaked
-    at 9.68 GiB compiling, where its step holds 8.36).
+    buffers count in the process's peak, above what the step holds (docs/design.md,
+    "A runtime peak is the step's").
     """
     start = time.perf_counter()
     step, state, batch, _ = train_step(workload)
