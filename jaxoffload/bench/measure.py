@@ -56,8 +56,8 @@ def requested_host_bytes(workload: Workload) -> int:
 
     Traces the step with abstract values: no device memory and no compilation,
     so it runs anywhere, at any size. It predicts what a GPU's compiled
-    program moves (a record's ``device_to_host_bytes``; docs/history.md
-    compares the two).
+    program moves (a record's ``device_to_host_bytes``, beside it in the same
+    record).
     """
     step, state, batch, _ = train_step(workload, abstract=True)
     return sum(requested_host_transfers(step.trace(state, batch).jaxpr))
