@@ -61,7 +61,7 @@ def test_the_committed_records_load_and_write_back_as_they_were():
 @pytest.mark.parametrize(
     "path",
     [
-        OLD_RECORDS / "resnet50-plans-f435dfc.json",  # plans at three budgets
+        RESULTS / "earlier-front-resnet50-h200" / "records.json",  # plans at three budgets
         RESULTS / "largest-batch-resnet50-h200" / "records.json",  # largest batches, under a cap
         OLD_RECORDS / "unet-largest-side-5a18319.json",  # largest image sides
         RESULTS / "grad-accum-resnet50-h200" / "records.json",  # accumulated gradients
