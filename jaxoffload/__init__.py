@@ -12,7 +12,7 @@ __version__ = "0.2.0"
 # Where each public name comes from. A name is imported when it is first read (PEP 562),
 # not by `import jaxoffload`: Python runs this module before any other of the package,
 # `python -m jaxoffload` and the `jaxoffload` command included, and importing jax here
-# (10-15 s on a GPU machine) would make the command wait that long to refuse a mistyped
+# (seconds on a GPU machine) would make the command wait that long to refuse a mistyped
 # flag. The imports under TYPE_CHECKING say the same to type checkers;
 # tests/test_package.py checks that the two agree.
 _SOURCES = {

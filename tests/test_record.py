@@ -11,12 +11,15 @@ from jaxoffload.bench.folder import earlier_records
 from jaxoffload.bench.record import Record, SizeSearch
 
 RESULTS = pathlib.Path(__file__).parents[1] / "benchmarks" / "results"
+# Records that earlier versions of the bench wrote, named for what they hold and the commit that
+# wrote them: the results folder keeps only the current ones, and these keep every format read.
+OLD_RECORDS = pathlib.Path(__file__).parent / "data" / "records"
 
 
 def _record_files() -> list[pathlib.Path]:
     """The committed files that hold bench records: JSON lists of objects with a strategy."""
     files = []
-    for path in sorted(RESULTS.rglob("*.json")):
+    for path in [*sorted(RESULTS.rglob("*.json")), *sorted(OLD_RECORDS.glob("*.json"))]:
         data = json.loads(path.read_text())
         if isinstance(data, list) and data and all("strategy" in r for r in data):
             files.append(path)
@@ -56,21 +59,22 @@ def test_the_committed_records_load_and_write_back_as_they_were():
 
 
 @pytest.mark.parametrize(
-    "folder",
+    "path",
     [
-        "issue24/front-f435dfc-resnet50",  # plans at three budgets
-        "issue25/fit-5a18319-resnet50",  # largest batches, under a memory cap
-        "issue25/unet-5a18319",  # largest image sides
-        "issue25/accum-5a18319-resnet50",  # accumulated gradients
+        RESULTS / "earlier-front-resnet50-h200" / "records.json",  # plans at three budgets
+        RESULTS / "largest-batch-resnet50-h200" / "records.json",  # largest batches, under a cap
+        OLD_RECORDS / "unet-largest-side-5a18319.json",  # largest image sides
+        RESULTS / "grad-accum-resnet50-h200" / "records.json",  # accumulated gradients
     ],
+    ids=lambda p: p.parent.name if p.name == "records.json" else p.stem,
 )
-def test_old_records_load_for_resume(folder, tmp_path):
+def test_old_records_load_for_resume(path, tmp_path):
     """``--resume`` keeps the committed runs' records, given the flags they were run with.
 
     (Records from before ``--devices`` and ``--steps`` were recorded, such as issue 16's,
     are refused by ``--resume``, as they were before records were typed.)
     """
-    data = json.loads((RESULTS / folder / "records.json").read_text())
+    data = json.loads(path.read_text())
     (tmp_path / "records.json").write_text(json.dumps(data))
     first = data[0]
     argv = ["bench", "--model", first["model"], "--batch", str(first["batch"]),

@@ -5,7 +5,8 @@
 With ``plain-first``, the plain step is compiled before the blocks' programs, as the planner
 does, to see whether its autotuned kernels make the blocks' programs cheap to compile at once.
 
-Prints timed lines; results/issue24/compile-parallel-probe.log is its output on the H200.
+Prints timed lines; its output on the H200 is
+benchmarks/results/compile-contention-resnet50-h200.log.
 """
 
 import sys

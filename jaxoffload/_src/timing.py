@@ -130,7 +130,8 @@ def _quartile_and_spread(runs: Sequence[float]) -> tuple[float, float]:
 
 def _fresh_zeros(structs):
     """Zeros of every leaf of ``structs``, made by one compiled program where it can be: a
-    ResNet-50 training state has 430 leaves, and an op per leaf cost 0.2 s a step on a CPU.
+    ResNet-50 training state has 430 leaves, and an op per leaf dispatches as many before
+    every timed run.
     Leaves with a sharding and leaves without, together, are made one op a leaf."""
     leaves, tree = jax.tree.flatten(structs)
     shardings = tuple(getattr(x, "sharding", None) for x in leaves)
@@ -168,10 +169,10 @@ def compile_all(lowered: Iterable[Any], *, parallel: bool = True) -> list[Any]:
 
     ``lowered`` may be a generator that lowers each program when asked: each
     starts compiling as soon as it is lowered, while the next is traced (a
-    ResNet-50 step under a plan took 2.3 s to trace on the H200's host).
-    On a GPU, compiles that autotune kernels at once contend for the device:
-    the six programs of one ResNet-50 block took 35 s together and 3 s one
-    after another on an H200. Compile at once only programs whose kernels
+    step takes seconds to trace). On a GPU, compiles that autotune kernels at
+    once contend for the device: the programs of one ResNet-50 block compiled
+    far slower together than one after another on an H200 (docs/design.md,
+    "Time comes from the device"). Compile at once only programs whose kernels
     were autotuned already, such as steps of one model after its first.
     """
     return [executable for executable, _ in compile_timed(lowered, parallel=parallel)]

@@ -1,7 +1,7 @@
 """What the bench names, and the checks of a workload's fields, with no jax imported.
 
 The ``jaxoffload`` command checks its flags with these before it imports jax (which
-takes 10-15 s on a GPU machine), so that a mistyped flag is refused at once.
+takes seconds on a GPU machine), so that a mistyped flag is refused at once.
 :class:`~jaxoffload.bench.workload.Workload` checks itself with the same functions, so
 the two refuse a value in the same sentence.
 """

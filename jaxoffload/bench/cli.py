@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None, *, children: Children | None = None) -> 
     args = parser.parse_args(argv)
     try:
         strategies, axes = options.check(args)
-        # Only now, the flags checked: it imports jax, which takes 10-15 s on a GPU machine.
+        # Only now, the flags checked: it imports jax, which takes seconds on a GPU machine.
         from jaxoffload.bench.command import bench
 
         typed = shlex.join(["jaxoffload", *argv])

@@ -62,7 +62,7 @@ def plan_hidden_offload(
     better costs (:func:`jaxoffload.bench.planning.time_offloaded_calls`): FLOPs
     (:attr:`jaxoffload.OffloadedCall.flops`) give every ResNet-50 identity
     bottleneck the same share, though the wide ones take several times as long as
-    the narrow ones (docs/history.md).
+    the narrow ones (measured for commit d3bc458, which timed the blocks instead).
 
     Among those, the plan frees the most device bytes whose recomputation
     (``extra_ms``) stays within ``max_extra_ms``; it is exact (a dynamic

@@ -56,8 +56,8 @@ def requested_host_bytes(workload: Workload) -> int:
 
     Traces the step with abstract values: no device memory and no compilation,
     so it runs anywhere, at any size. It predicts what a GPU's compiled
-    program moves (a record's ``device_to_host_bytes``; docs/history.md
-    compares the two).
+    program moves (a record's ``device_to_host_bytes``, beside it in the same
+    record).
     """
     step, state, batch, _ = train_step(workload, abstract=True)
     return sum(requested_host_transfers(step.trace(state, batch).jaxpr))
@@ -264,8 +264,8 @@ def compile_only(workload: Workload) -> dict[str, float]:
     Under :func:`cache_env`, the programs land in the persistent cache, so
     that :func:`measure` in another process loads them rather than compile:
     on a GPU compiling autotunes kernels on the device, and its scratch
-    buffers count in the process's peak (a U-Net b80 under ``Lean()`` peaked
-    at 9.68 GiB compiling, where its step holds 8.36).
+    buffers count in the process's peak, above what the step holds (docs/design.md,
+    "A runtime peak is the step's").
     """
     start = time.perf_counter()
     step, state, batch, _ = train_step(workload)

@@ -1,7 +1,7 @@
 """The command's flags, checked alone and together before anything is measured.
 
 It imports no jax, nor anything that does: the command refuses a mistyped flag at once,
-not after importing jax (10-15 s on a GPU machine).
+not after importing jax (seconds on a GPU machine).
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def largest_fitting(
 
     while True:
         # Asked before the compile, not after: one started past the limit overruns it by a
-        # compile, the slowest near the budget (30 s for ResNet-50 on an H200).
+        # compile, the slowest near the budget (docs/design.md, "Sizes that fit").
         if probe not in seen and out_of_time(probe * multiple_of):
             good, bad = bracket()
             above = "nothing above it was checked" if bad > top else f"{bad * multiple_of} does not"

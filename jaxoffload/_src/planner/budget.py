@@ -10,8 +10,8 @@ meant as a share.
 A plan's budget is what the device holds as the user's process sees it: the
 compiled step (its arguments and temporaries) and what the process holds on
 the device besides the step's arguments (:func:`held_bytes`: an undonated copy
-of the initial state, an evaluation batch). So ``budget=16 * 2**30`` means the
-device's 16 GiB, and ``budget=0.35`` is 0.35 of the plain step's peak as the
+of the initial state, an evaluation batch). So ``budget=16 * 2**30`` means that
+many bytes of the device, and ``budget=0.35`` is 0.35 of the plain step's peak as the
 process would see it at runtime, not of its compiled bytes alone
 (:func:`plan_budget`, :func:`measured_against`).
 """
@@ -207,9 +207,10 @@ def plan_budget(budget: int | float, plain_bytes: int | None, held: int | None) 
 def measured_against(
     budget: int | float, device_bytes: int, plain_bytes: int | None, held: int | None
 ) -> str:
-    """What a budget is measured against, as the planner says it: ``"0.35 of the plain
-    step's peak as the process sees it, 10.98 GiB = compiled 10.73 GiB + held 0.25 GiB
-    besides the step's arguments: 3.84 GiB, the compiled step within 3.59 GiB"``."""
+    """What a budget is measured against, as the planner says it: for a share, ``"0.35 of
+    the plain step's peak as the process sees it, P = compiled C + held H besides the step's
+    arguments: B, the compiled step within B - H"``, each a size in bytes as
+    :func:`~jaxoffload._src.jaxprs.format_bytes` writes it."""
     if held is None:  # not known (a CPU reports none) or not asked for: the step alone
         if isinstance(budget, int):
             return f"{format_bytes(device_bytes)} for the compiled step alone"

@@ -77,7 +77,7 @@ def plan(
         share of the plain step's peak (a float in (0, 1]), as this process
         sees the device: the compiled step (its arguments and temporaries)
         and ``held_bytes``, what the process holds besides the step's
-        arguments. So ``16 * 2**30`` is the device's 16 GiB, of which the
+        arguments. So ``16 * 2**30`` is that many bytes of the device, of which the
         compiled step gets what the process does not hold already, and
         ``0.35`` is 0.35 of the plain step's compiled bytes and
         ``held_bytes`` together; the progress lines and the plan's

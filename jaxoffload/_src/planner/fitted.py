@@ -27,11 +27,12 @@ __all__ = [
 # Two whole steps whose timed runs are this share apart, or more than their spread, differ.
 MEASURED_NOISE = 0.01
 # A kind whose uniform step ran this share from the plain one's, or more than their spread,
-# is not tied with Store block by block: on ResNet-50 b256 on an H200, Lean's ran 0.5 to 3.5%
-# slower, and tied, the plan for 0.75 of the plain step's bytes was all Lean at 72% of it.
+# is not tied with Store block by block: its small per-block differences are real, and tied,
+# a budget with room left was spent on cuts where storing was faster (docs/design.md,
+# "Blocks alone are not blocks in a step").
 APART = 0.0025
 # Whole steps whose runs spread more than this are too noisy to fit block times to: a
-# GPU's steps of tens of ms spread well under it, a busy CPU's by 3 to 60%.
+# GPU's steps spread well under it, a busy CPU's often far over.
 STEADY = 0.02
 
 

@@ -7,10 +7,11 @@ alive; with the early blocks recomputing, it is in their backward pass, where
 one block's recomputed residuals meet the inputs kept before it. A sum of what
 the blocks keep says the first and not the second: on ResNet-50 and
 MobileNetV2 on an H200 it overstated plans that recompute their early blocks
-by 43-111%. So :func:`live_bytes` walks the two passes and says, at each
-point, what is alive by category, and :class:`PeakModel` weighs the
-categories by what compiled steps measured (:func:`fit_peak`): traced
-residuals are not XLA's buffers, which fuses some away and adds its own.
+far (docs/design.md, "Memory is a peak over time"). So :func:`live_bytes`
+walks the two passes and says, at each point, what is alive by category, and
+:class:`PeakModel` weighs the categories by what compiled steps measured
+(:func:`fit_peak`): traced residuals are not XLA's buffers, which fuses some
+away and adds its own.
 A weight is told only by plans that hold its category at their peak; uniform
 plans each hold their own kind alone, so :func:`mixed_checks` gives the plans
 that tell each kind's weight beside another's.
@@ -42,12 +43,13 @@ EDGES = "edges"  # the running block's input and output
 IN_FLIGHT = "in flight"  # device copies of residuals on their way to or from the host
 RECOMPUTED = "recomputed"  # what a backward pass recomputes and holds at once
 # What a recomputing block would recompute, kept from the forward pass where the plan moves
-# bytes: on ResNet-50 on an H200, one hidden offload among blocks under Remat() took their
-# step from 3.8 to 8.7 GiB, as if those blocks stored part of their residuals.
+# bytes: one hidden offload among blocks under Remat() compiles as if those blocks stored
+# part of their residuals (docs/design.md, "Memory is a peak over time", and its record).
 RECOMPUTED_KEPT = "recomputed, kept"
 
-# A category's weight where no compiled step says it: ResNet-50's uniform plans compiled to
-# between a third and a half of their traced residuals on an H200.
+# A category's weight where no compiled step says it: traced residuals are not XLA's
+# buffers, and a compiled step holds a fraction of them (docs/design.md, "Memory is a peak
+# over time").
 PRIOR_WEIGHT = 0.5
 # How strongly the weights are pulled to PRIOR_WEIGHT, and the bytes of a stored outside to
 # 0, against the compiled plans' squared errors in units of the plain step's bytes: only as

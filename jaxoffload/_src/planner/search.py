@@ -76,8 +76,9 @@ def default_options() -> tuple[Strategy, ...]:
     return tuple(options)
 
 
-# Runs of each whole step timed in turns: on an H200, ResNet-50's steps of 40 ms spread
-# by 2% over 5 runs, too much to fit to; a run costs a step, against seconds to compile one.
+# Runs of each whole step timed in turns: over 5, a GPU's steps spread too much to fit to
+# (docs/design.md, "Blocks alone are not blocks in a step"); a run costs a step, against
+# seconds to compile one.
 TIMED_RUNS = 11
 
 
