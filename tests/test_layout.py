@@ -7,6 +7,7 @@ import hidden inside a function to dodge a cycle is seen too.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import pathlib
 import re
@@ -322,43 +323,134 @@ def test_offload_takes_every_field_of_Offload_in_each_face():
 TESTS = {p.stem: ast.parse(p.read_text(), str(p)) for p in sorted((ROOT / "tests").glob("*.py"))}
 
 
+def _dotted(node: ast.AST) -> str | None:
+    """``a.b.c`` for a chain of names and attributes, else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute) and (base := _dotted(node.value)) is not None:
+        return f"{base}.{node.attr}"
+    return None
+
+
+def _module_named(node: ast.AST, modules: dict[str, str]) -> str | None:
+    """The package's module that ``node`` names, through a local name in ``modules`` or in full."""
+    dotted = _dotted(node)
+    if dotted is None:
+        return None
+    head, _, rest = dotted.partition(".")
+    full = modules.get(head, head) + (f".{rest}" if rest else "")
+    return full if full in SOURCES else None
+
+
 def _private_names_reached_by_tests() -> list[str]:
     """Where a test imports, reads or patches a private name of one of the package's modules.
 
-    ``from m import _x``, ``m._x`` and ``monkeypatch.setattr(m, "_x", ...)``, with ``m`` bound
-    to a module of the package by an import in the test file.
+    Each of these counts, with ``m`` a module of the package, bound by an import in the test
+    file (``from jaxoffload._src import m``, ``import jaxoffload._src.m as m``) or written out
+    (``jaxoffload._src.m``):
+
+    - ``from m import _x``;
+    - ``m._x``, read, called or assigned;
+    - ``monkeypatch.setattr(m, "_x", ...)``, ``getattr(m, "_x")``, ``mock.patch.object(m,
+      "_x")``: any call given a module and a private name;
+    - ``monkeypatch.setattr("jaxoffload.m._x", ...)``, ``mock.patch("jaxoffload.m._x")``: a
+      private name written out in a string;
+    - ``obj._x``, where ``obj`` was made by a class or function imported from the package
+      (``pool = Pool.of(...)``; ``pool._route(...)``).
+
+    The tests' own names (their helpers in ``tests/``, their classes) and dunder names do not
+    count.
     """
     found = []
     for test, tree in TESTS.items():
         modules = {}  # local name -> the package's module it is bound to
+        imported = set()  # local names of the package's classes and functions
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxoffload"):
                 for a in node.names:
                     full = f"{node.module}.{a.name}"
                     if full in SOURCES:
                         modules[a.asname or a.name] = full
-                    elif _private(a.name):
-                        found.append(f"{test}:{node.lineno} imports {node.module}.{a.name}")
+                    else:
+                        imported.add(a.asname or a.name)
+                        if _private(a.name):
+                            found.append(f"{test}:{node.lineno} imports {node.module}.{a.name}")
             elif isinstance(node, ast.Import):
                 for a in node.names:
                     if a.name in SOURCES and a.asname:
                         modules[a.asname] = a.name
-        found += _private_reads(test, tree, modules)
+        module_of = functools.partial(_module_named, modules=modules)
+        made = set()  # local names bound to what the package's names made
         for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+                called = _dotted(node.value.func)
+                if called and called.split(".")[0] in imported:
+                    made |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr) and not module_of(node):
+                if (m := module_of(node.value)) is not None:
+                    found.append(f"{test}:{node.lineno} reads {m}.{node.attr}")
+                elif isinstance(node.value, ast.Name) and node.value.id in made:
+                    found.append(f"{test}:{node.lineno} reads {node.value.id}.{node.attr}")
+            if not isinstance(node, ast.Call):
+                continue
+            args = node.args
             if (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute)
-                and node.func.attr == "setattr"
-                and len(node.args) >= 2
-                and isinstance(node.args[0], ast.Name)
-                and node.args[0].id in modules
-                and isinstance(node.args[1], ast.Constant)
-                and _private(str(node.args[1].value))
+                len(args) >= 2
+                and (m := module_of(args[0])) is not None
+                and isinstance(args[1], ast.Constant)
+                and _private(str(args[1].value))
             ):
-                found.append(
-                    f"{test}:{node.lineno} patches {modules[node.args[0].id]}.{node.args[1].value}"
-                )
+                found.append(f"{test}:{node.lineno} patches {m}.{args[1].value}")
+            for arg in args:
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                    where, _, name = arg.value.rpartition(".")
+                    if where in SOURCES and _private(name) and arg.value not in SOURCES:
+                        found.append(f"{test}:{node.lineno} patches {arg.value}")
     return found
+
+
+def test_no_test_reaches_a_private_name_of_another_module():
+    """A test goes through a module's public names, its internal ones included (names without
+    an underscore in ``_src``): a seam, a stand-in or a public entry point, never a private
+    name read or patched from outside the module that owns it."""
+    reached = _private_names_reached_by_tests()
+    assert len(reached) == 0, "\n".join(reached)
+
+
+def test_the_count_of_private_names_sees_each_form(tmp_path):
+    """The check above finds what it looks for: one of each form, in a test written here."""
+    sample = """
+from jaxoffload._src import cut
+from jaxoffload._src.layers import Pool, _first_max
+import jaxoffload._src.report as report_lib
+import jaxoffload._src.measured
+
+def test(monkeypatch):
+    cut._price(1)
+    report_lib._read_hlo("")
+    jaxoffload._src.measured._CHOSEN.clear()
+    monkeypatch.setattr(cut, "_SOLVED", {})
+    monkeypatch.setattr("jaxoffload._src.context._said", set())
+    pool = Pool.of(1)
+    pool._route_by_phases(1)
+    cut.__name__, cut.cheapest, Local._own, jaxoffload._src.cut  # none of these counts
+    monkeypatch.setattr("jaxoffload._src", "jaxoffload._src.cut.cheapest")
+"""
+    TESTS["sample"] = ast.parse(sample)
+    try:
+        reached = [r for r in _private_names_reached_by_tests() if r.startswith("sample:")]
+    finally:
+        del TESTS["sample"]
+    assert sorted(r.split()[-1] for r in reached) == [
+        "jaxoffload._src.context._said",
+        "jaxoffload._src.cut._SOLVED",
+        "jaxoffload._src.cut._price",
+        "jaxoffload._src.layers._first_max",
+        "jaxoffload._src.measured._CHOSEN",
+        "jaxoffload._src.report._read_hlo",
+        "pool._route_by_phases",
+    ], reached
 
 
 def test_no_test_reaches_a_private_name_of_the_bench_or_the_seam():
