@@ -27,14 +27,14 @@ import collections
 import dataclasses
 import hashlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from jax.extend import core as jex_core
 
 from jaxoffload._src.jaxprs import eqn_flops, nbytes
 
-__all__ = ["Cut", "cheapest_cut"]
+__all__ = ["SOLVED", "Cut", "Price", "SolvedCuts", "ancestors", "cheapest_cut", "price"]
 
 _INF = math.inf
 
@@ -65,40 +65,41 @@ _CALLS = frozenset(
 
 
 @dataclasses.dataclass(frozen=True)
-class _Price:
+class Price:
     """What recomputing one equation costs: FLOPs, bytes of extra passes, or never."""
 
     flops: int = 0
     passes: int = 0
     never: str | None = None  # why it is never recomputed
 
-    def __add__(self, other: _Price) -> _Price:
-        return _Price(
+    def __add__(self, other: Price) -> Price:
+        return Price(
             self.flops + other.flops, self.passes + other.passes, self.never or other.never
         )
 
 
-def _price(eqn) -> _Price:
+def price(eqn) -> Price:
+    """What recomputing ``eqn`` in the backward pass costs, by the rules of the module's top."""
     name = eqn.primitive.name
     if eqn.effects:
-        return _Price(never=f"{name} has effects")
+        return Price(never=f"{name} has effects")
     if name in _ELEMENTWISE:
-        return _Price()
+        return Price()
     if name in _PASSES:
-        return _Price(passes=sum(nbytes(v.aval) for v in eqn.invars))
+        return Price(passes=sum(nbytes(v.aval) for v in eqn.invars))
     if name == "conv_general_dilated" and eqn.params["feature_group_count"] > 1:
         # A grouped (depthwise) convolution does a few FLOPs per byte, and runs at memory
         # speed: recomputing it costs passes over its input and output, not its FLOPs.
-        return _Price(passes=sum(nbytes(v.aval) for v in [*eqn.invars, *eqn.outvars]))
+        return Price(passes=sum(nbytes(v.aval) for v in [*eqn.invars, *eqn.outvars]))
     if name in _MATMULS:
-        return _Price(flops=eqn_flops(eqn))
+        return Price(flops=eqn_flops(eqn))
     if name in _CALLS:
-        total = _Price()
+        total = Price()
         for sub in jex_core.jaxprs_in_params(eqn.params):
             for e in sub.eqns:
-                total = total + _price(e)
+                total = total + price(e)
         return total
-    return _Price(never=f"jaxoffload has no recomputation rule for {name}")
+    return Price(never=f"jaxoffload has no recomputation rule for {name}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,29 +160,47 @@ def cheapest_cut(
         tuple(sorted(position[v] for v in free if v in position)),
         max_recompute,
     )
-    if key not in _SOLVED:
+
+    def solve() -> Cut:
         cut = _cheapest_cut(jaxpr, needed, free, max_recompute)
-        saved = tuple(position[v] for v in cut.saved)
-        _SOLVED[key] = dataclasses.replace(cut, saved=saved)
-        if len(_SOLVED) > _SOLVED_MAX:
-            _SOLVED.popitem(last=False)
-    solved = _SOLVED[key]
+        return dataclasses.replace(cut, saved=tuple(position[v] for v in cut.saved))
+
+    solved = SOLVED.get(key, solve)
     return dataclasses.replace(solved, saved=tuple(variables[n] for n in solved.saved))
 
 
-# The blocks of a model repeat (a ResNet stage's blocks are one program, traced once per
-# block and once per plan): each distinct cut is solved once, keyed by the printed jaxpr
-# (its digest: the text of a large block is long), and its kept values mapped onto each
-# trace's variables by their positions.
-_SOLVED: collections.OrderedDict[tuple, Cut] = collections.OrderedDict()
-_SOLVED_MAX = 512
+class SolvedCuts:
+    """Cuts solved so far, by program, their kept values given by position.
+
+    The blocks of a model repeat (a ResNet stage's blocks are one program, traced once per
+    block and once per plan): each distinct cut is solved once, keyed by the printed jaxpr
+    (its digest: the text of a large block is long), and its kept values mapped onto each
+    trace's variables by their positions. The oldest is dropped past ``size`` cuts.
+    """
+
+    def __init__(self, size: int = 512):
+        self.size = size
+        self.solves = 0  # how many cuts were solved, not found
+        self._cuts: collections.OrderedDict[tuple, Cut] = collections.OrderedDict()
+
+    def get(self, key: tuple, solve: Callable[[], Cut]) -> Cut:
+        """The cut kept under ``key``, or ``solve()``'s, kept there."""
+        if key not in self._cuts:
+            self._cuts[key] = solve()
+            self.solves += 1
+            if len(self._cuts) > self.size:
+                self._cuts.popitem(last=False)
+        return self._cuts[key]
+
+
+SOLVED = SolvedCuts()
 
 
 def _cheapest_cut(jaxpr, needed, free, max_recompute) -> Cut:
-    relevant = _ancestors(jaxpr, needed)
-    prices = {i: _price(jaxpr.eqns[i]) for i in relevant}
+    relevant = ancestors(jaxpr, needed)
+    prices = {i: price(jaxpr.eqns[i]) for i in relevant}
     never = {i: p.never for i, p in prices.items() if p.never}
-    forward_flops = sum(p.flops for i, p in enumerate(map(_price, jaxpr.eqns)) if not p.never)
+    forward_flops = sum(p.flops for i, p in enumerate(map(price, jaxpr.eqns)) if not p.never)
     allowed_flops = max_recompute * forward_flops
     # Each candidate rate (FLOPs per byte kept) prices matrix products so that
     # recomputing one pays off just above its own ratio of FLOPs to bytes.
@@ -210,7 +229,7 @@ def _cheapest_cut(jaxpr, needed, free, max_recompute) -> Cut:
     return Cut(tuple(saved), tuple(sorted(recomputed)), flops, forward_flops, never)
 
 
-def _ancestors(jaxpr, needed: Sequence[Any], known: frozenset | set = frozenset()) -> list[int]:
+def ancestors(jaxpr, needed: Sequence[Any], known: frozenset | set = frozenset()) -> list[int]:
     """Indices of the equations that ``needed`` depends on, in order, short of ``known`` values."""
     producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
     todo, seen, eqns = list(needed), set(), set()
@@ -245,16 +264,16 @@ def _solve(jaxpr, needed, free, relevant, prices, rate, only=None):
     produced = set()
     eqn_node = {}
     for i in relevant:
-        eqn, price = jaxpr.eqns[i], prices[i]
+        eqn, cost = jaxpr.eqns[i], prices[i]
         node = eqn_node[i] = graph.node()
-        if price.never or (price.flops and (rate is None or only not in (None, i))):
+        if cost.never or (cost.flops and (rate is None or only not in (None, i))):
             recompute = _INF
         else:
             # A tiny price for free work: keep a value rather than recompute
             # a chain to save nothing.
-            recompute = 1e-3 + price.passes
-            if price.flops:
-                recompute += price.flops * _tie_break(i) / rate
+            recompute = 1e-3 + cost.passes
+            if cost.flops:
+                recompute += cost.flops * _tie_break(i) / rate
         graph.edge(source, node, recompute)
         for u in eqn.invars:
             if isinstance(u, jex_core.Var):
@@ -271,7 +290,7 @@ def _solve(jaxpr, needed, free, relevant, prices, rate, only=None):
     side = graph.source_side(source, sink)
     saved = [v for v in value_in if value_in[v] in side and value_out[v] not in side]
     # Recompute only what the needed values depend on, given the saved ones.
-    recomputed = _ancestors(jaxpr, needed, set(saved))
+    recomputed = ancestors(jaxpr, needed, set(saved))
     assert all(eqn_node[i] not in side for i in recomputed), "a recomputed equation is forward-only"
     # A free value lands on the cut whether or not it is read: keep only those read.
     read = set(needed) | {
