@@ -257,7 +257,7 @@ def test_residuals_per_call_without_a_gradient_warns():
 
 def test_offload_traced_for_cpu_says_once_per_process_that_nothing_moves(monkeypatch):
     assert jax.default_backend() == "cpu"
-    monkeypatch.setattr(context, "_said", set())  # as in a fresh process
+    monkeypatch.setattr(context, "SAID", set())  # as in a fresh process
     step = lambda f: jax.grad(lambda w, x: f(w, x).sum())  # noqa: E731
     message = "no effect.*nothing moves.*once per process"
     with pytest.warns(jaxoffload.OffloadWarning, match=message):

@@ -36,7 +36,7 @@ def kept(strategy):
 
 @pytest.fixture(autouse=True)
 def nothing_timed_yet(monkeypatch):
-    monkeypatch.setattr(measured, "_CHOSEN", {})
+    monkeypatch.setattr(measured, "CHOSEN", {})
 
 
 @pytest.mark.parametrize(
@@ -63,7 +63,7 @@ def test_the_candidates_are_timed_on_the_device_while_the_step_is_traced():
     strategy = Lean(max_slowdown=10.0)  # any cut is within it: the lean one stays
     grads = gradients(wrap(block, strategy, device_argnums=(1, 2)))
     assert rel_err(grads, gradients(block)) < 1e-6
-    assert list(measured._CHOSEN.values()) == [Lean()]
+    assert list(measured.CHOSEN.values()) == [Lean()]
 
 
 def test_without_max_slowdown_nothing_is_timed(monkeypatch):
@@ -94,4 +94,4 @@ def test_a_block_sharded_over_an_explicit_mesh_is_timed_with_its_sharding():
         wrapped = wrap(dense, Lean(max_slowdown=10.0), device_argnums=(1,))
         grads = jax.jit(jax.grad(lambda *a: wrapped(*a).sum(), argnums=(0, 1)))(x, w)
         plain = jax.jit(jax.grad(lambda *a: dense(*a).sum(), argnums=(0, 1)))(x, w)
-    assert rel_err(grads, plain) < 1e-6 and list(measured._CHOSEN.values()) == [Lean()]
+    assert rel_err(grads, plain) < 1e-6 and list(measured.CHOSEN.values()) == [Lean()]

@@ -580,13 +580,13 @@ def test_a_cap_that_moves_nothing_says_so_and_why():
 def _cached(kind: str) -> int:
     from jaxoffload._src import residuals
 
-    return sum(key[0] == kind for key in residuals._SELECTIONS)
+    return sum(key[0] == kind for key in residuals.SELECTIONS)
 
 
 def test_a_call_is_selected_once_per_program_and_strategy_and_constants_count():
     from jaxoffload._src import residuals
 
-    residuals._SELECTIONS.clear()
+    residuals.SELECTIONS.clear()
     f, params, x = _layer("residual_block")
     lean = wrap(f, Lean())
 
@@ -614,7 +614,7 @@ def test_a_call_is_selected_once_per_program_and_strategy_and_constants_count():
 def test_calls_of_one_program_in_other_structures_share_a_selection_with_their_own_gradients():
     from jaxoffload._src import residuals
 
-    residuals._SELECTIONS.clear()
+    residuals.SELECTIONS.clear()
     # One flat program; the inputs' structure differs, as a linen block's RNG path does.
     lean = wrap(lambda d, b: jnp.sin(jnp.tanh(next(iter(d.values()))) * b), Lean())
     plain = lambda d, b: jnp.sin(jnp.tanh(next(iter(d.values()))) * b)  # noqa: E731
@@ -633,7 +633,7 @@ def test_calls_of_one_program_in_other_structures_share_a_selection_with_their_o
 def test_windows_and_caps_of_an_offload_share_its_trace_and_cut():
     from jaxoffload._src import residuals
 
-    residuals._SELECTIONS.clear()
+    residuals.SELECTIONS.clear()
     f, params, x = _layer("residual_block")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", jaxoffload.OffloadWarning)  # a CPU moves nothing

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = [
+    "SAID",
     "active_plan",
     "chain_of_trace",
     "host_placement_is_off",
@@ -41,7 +42,7 @@ __all__ = [
 ]
 
 _local = threading.local()
-_said: set[str] = set()
+SAID: set[str] = set()  # the keys say_once has said in this process
 
 
 @contextlib.contextmanager
@@ -106,7 +107,7 @@ def record_path(path: str) -> None:
 
 def say_once(key: str) -> bool:
     """Whether ``key`` is new to this process; marks it said."""
-    if key in _said:
+    if key in SAID:
         return False
-    _said.add(key)
+    SAID.add(key)
     return True

@@ -19,10 +19,10 @@ from jaxoffload._src import timing
 from jaxoffload._src.jaxprs import fingerprint, struct_of
 from jaxoffload._src.strategies import Strategy
 
-__all__ = ["fastest_enough"]
+__all__ = ["CHOSEN", "fastest_enough"]
 
 # What each distinct call took, by its program and strategy: each is timed once per process.
-_CHOSEN: dict[tuple, Strategy] = {}
+CHOSEN: dict[tuple, Strategy] = {}
 
 
 def fastest_enough(
@@ -39,7 +39,7 @@ def fastest_enough(
     """
     program = fingerprint(closed)
     key = (program, device_argnums, strategy)
-    if program is None or key not in _CHOSEN:
+    if program is None or key not in CHOSEN:
         candidates = strategy.fallbacks()
         times = time_candidates(candidates, closed, device_argnums, wrap)
         limit = (1 + strategy.max_slowdown) * times[-1]
@@ -48,8 +48,8 @@ def fastest_enough(
         chosen = next(within, candidates[-1])
         if program is None:  # a constant is a tracer: this call is not seen again
             return chosen
-        _CHOSEN[key] = chosen
-    return _CHOSEN[key]
+        CHOSEN[key] = chosen
+    return CHOSEN[key]
 
 
 def time_candidates(candidates, closed, device_argnums, wrap) -> list[float]:

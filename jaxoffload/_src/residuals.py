@@ -33,6 +33,7 @@ from jaxoffload._src.jaxprs import (
 from jaxoffload._src.strategies import Strategy
 
 __all__ = [
+    "SELECTIONS",
     "OffloadedCall",
     "Residual",
     "Selection",
@@ -321,7 +322,7 @@ def _selection(differentiated: _Differentiated, strategy, device_leaves, kept) -
 # Selections, and the traces and cuts that they are made of, by what decides them, so that
 # a model's repeated blocks, and a planner's steps under many plans, trace each distinct
 # call once for every strategy that cuts, and cut it once for each strategy's windows and caps.
-_SELECTIONS: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+SELECTIONS: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
 _SELECTIONS_KEPT = 512
 
 
@@ -348,12 +349,12 @@ def select_once(
 
 
 def _once(key: tuple, make: Callable[[], Any]) -> Any:
-    if key in _SELECTIONS:
-        _SELECTIONS.move_to_end(key)
-        return _SELECTIONS[key]
-    _SELECTIONS[key] = made = make()
-    if len(_SELECTIONS) > _SELECTIONS_KEPT:
-        _SELECTIONS.popitem(last=False)
+    if key in SELECTIONS:
+        SELECTIONS.move_to_end(key)
+        return SELECTIONS[key]
+    SELECTIONS[key] = made = make()
+    if len(SELECTIONS) > _SELECTIONS_KEPT:
+        SELECTIONS.popitem(last=False)
     return made
 
 
