@@ -149,7 +149,7 @@ print(jax.devices()[0].memory_stats()["peak_bytes_in_use"])
 
 
 def test_stem_pool_gradient_comes_from_the_kernel_with_the_xla_routes_values():
-    from jaxoffload._src.layers import Pool, _first_max, relu_max_pool
+    from jaxoffload._src.layers import Pool, first_max, relu_max_pool
 
     shape = (32, 112, 112, 64)
     geometry = (3, 3), (2, 2), ((1, 1), (1, 1))
@@ -166,7 +166,7 @@ def test_stem_pool_gradient_comes_from_the_kernel_with_the_xla_routes_values():
     def by_phases(x):
         pool = Pool.of(x, *geometry)
         g = jnp.where(relu_max_pool(x, *geometry) > 0, w, jnp.zeros((), w.dtype))
-        return pool._route_by_phases(g, _first_max(pool.slices(x)), shape)
+        return pool.route_by_phases(g, first_max(pool.slices(x)), shape)
 
     assert jnp.array_equal(grad(x), jax.jit(by_phases)(x))
 

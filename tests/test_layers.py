@@ -12,7 +12,7 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from jaxoffload._src import pool_kernel
-from jaxoffload._src.layers import Pool, _first_max, max_pool, relu, relu_max_pool
+from jaxoffload._src.layers import Pool, first_max, max_pool, relu, relu_max_pool
 from jaxoffload.bench.layers import (
     BatchNorm,
     batch_norm,
@@ -105,11 +105,11 @@ def test_pool_kernel_gives_the_xla_routes_values(half_shape, dtype, seed):
     keys = jax.random.split(jax.random.key(seed), 3)
     x = jax.random.randint(keys[0], shape, -2, 3).astype(dtype)
     pool = Pool.of(x, (3, 3), (2, 2), ((1, 1), (1, 1)))
-    first = _first_max(pool.slices(x))
+    first = first_max(pool.slices(x))
     scale = 2.0 ** jax.random.randint(keys[1], first.shape, -6, 7)
     g = (jax.random.normal(keys[2], first.shape) * scale).astype(dtype)
     got = pool_kernel.route(g, first, shape, interpret=True)
-    want = pool._route_by_phases(g, first, shape)
+    want = pool.route_by_phases(g, first, shape)
     assert got.dtype == want.dtype
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 

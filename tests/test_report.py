@@ -80,17 +80,17 @@ def test_a_dropped_offload_warns_or_raises_on_gpu():
     dropped = _gpu_report(requested_transfers=3, requested_bytes=3 << 20)
     assert dropped.dropped and "dropped" in dropped.summary()
     with pytest.warns(jaxoffload.OffloadWarning, match="XLA dropped them"):
-        report_lib._complain(dropped, "warn")
+        report_lib.complain_if_dropped(dropped, "warn")
     with pytest.raises(jaxoffload.OffloadDroppedError, match="3 host transfers"):
-        report_lib._complain(dropped, "raise")
+        report_lib.complain_if_dropped(dropped, "raise")
     kept = _gpu_report(requested_transfers=3, device_to_host=3, host_to_device=3)
     assert not kept.dropped
-    report_lib._complain(kept, "raise")  # nothing to complain about
+    report_lib.complain_if_dropped(kept, "raise")  # nothing to complain about
 
 
 def test_reads_host_copies_from_h200_hlo():
     # Lines of the program compiled on an H200 for benchmarks/offload_sweep.py (k=16).
-    counts = report_lib._read_hlo((DATA / "h200_offload_excerpt.hlo.txt").read_text())
+    counts = report_lib.read_host_transfers((DATA / "h200_offload_excerpt.hlo.txt").read_text())
     image = 128 * 224 * 224 * 3 * 2
     assert counts == {
         "device_to_host": 1,
@@ -113,7 +113,7 @@ def test_reads_synchronous_copies_whose_operands_are_printed_by_name():
   %s = f32[] parameter(1)
   %s_start = (f32[]{:S(5)}, f32[], u32[]) copy-start(%s)
 """
-    counts = report_lib._read_hlo(hlo)
+    counts = report_lib.read_host_transfers(hlo)
     assert counts == {
         "device_to_host": 2,
         "device_to_host_bytes": 20,

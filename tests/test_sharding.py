@@ -243,7 +243,7 @@ def test_the_zeros_of_each_timed_run_are_made_as_their_structs_say():
         "n": jax.ShapeDtypeStruct((), jnp.int32),
     }
     for tree in (structs, plain):
-        made = timing._fresh_zeros(tree)
+        made = timing.fresh_zeros(tree)
         each = jax.tree.map(timing.zeros, tree)
         for name in tree:
             assert made[name].shape == each[name].shape and made[name].dtype == each[name].dtype
@@ -252,4 +252,4 @@ def test_the_zeros_of_each_timed_run_are_made_as_their_structs_say():
                 assert not jnp.any(made[name])
     keys = jax.random.key_data(made["k"])
     assert len({tuple(k.tolist()) for k in keys}) == 4  # distinct keys
-    assert timing._fresh_zeros(structs)["x"].sharding == batch  # made again from the cache
+    assert timing.fresh_zeros(structs)["x"].sharding == batch  # made again from the cache

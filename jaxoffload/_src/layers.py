@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxoffload._src import pool_kernel
 
-__all__ = ["Pool", "max_pool", "relu", "relu_max_pool"]
+__all__ = ["Pool", "first_max", "max_pool", "relu", "relu_max_pool"]
 
 
 @jax.custom_vjp
@@ -107,7 +107,7 @@ def _max_pool_fwd(x, pool):
 
 
 def _max_pool_bwd(pool, x, g):
-    return (pool.route(g, _first_max(pool.slices(x)), x.shape),)
+    return (pool.route(g, first_max(pool.slices(x)), x.shape),)
 
 
 _max_pool.defvjp(_max_pool_fwd, _max_pool_bwd)
@@ -151,7 +151,7 @@ def _relu_max_pool(x: jax.Array, pool: Pool, shape: tuple[int, ...]) -> jax.Arra
 def _relu_max_pool_fwd(x, pool, shape):
     slices = pool.slices(x)
     pooled = relu(functools.reduce(jnp.maximum, slices))
-    return pooled, (pooled, _first_max(slices))
+    return pooled, (pooled, first_max(slices))
 
 
 def _relu_max_pool_bwd(pool, shape, residuals, g):
@@ -164,7 +164,7 @@ def _relu_max_pool_bwd(pool, shape, residuals, g):
 _relu_max_pool.defvjp(_relu_max_pool_fwd, _relu_max_pool_bwd)
 
 
-def _first_max(slices: list[jax.Array]) -> jax.Array:
+def first_max(slices: list[jax.Array]) -> jax.Array:
     """The position in the window of each window's first maximum, as a small integer."""
     top = functools.reduce(jnp.maximum, slices)
     first = jnp.full(top.shape, len(slices) - 1, jnp.int8 if len(slices) < 128 else jnp.int32)
@@ -217,25 +217,26 @@ class Pool:
 
         No scatter, and no index tensor of the input's size. Windows that do
         not overlap are placed by interior padding, one share per window
-        position; overlapping ones by phases (:meth:`_route_by_phases`),
+        position; overlapping ones by phases (:meth:`route_by_phases`),
         or, for a 3x3, stride-2 pool on a CUDA GPU, by a Pallas kernel that
         gives the same values (:mod:`jaxoffload._src.pool_kernel`). Each way
         is used where it measured the fastest, or kept the least memory
         (``docs/design.md``).
         """
         if all(s >= k for k, s in zip(self.window, self.strides)):
-            return self._route_by_padding(g, first, shape)
+            return self.route_by_padding(g, first, shape)
         if pool_kernel.applies(self.window, self.strides, self.pads, shape, g.dtype):
             # CUDA GPUs run the kernel; other backends compile the phases.
             return jax.lax.platform_dependent(
                 g,
                 first,
                 cuda=functools.partial(pool_kernel.route, shape=shape),
-                default=lambda g, first: self._route_by_phases(g, first, shape),
+                default=lambda g, first: self.route_by_phases(g, first, shape),
             )
-        return self._route_by_phases(g, first, shape)
+        return self.route_by_phases(g, first, shape)
 
-    def _route_by_padding(self, g, first, shape):
+    def route_by_padding(self, g, first, shape):
+        """:meth:`route` for windows that do not overlap: each position's share, padded in."""
         padded = self._padded(shape)
         zero = jnp.zeros((), g.dtype)
         gx = jnp.zeros((shape[0], *padded, shape[-1]), g.dtype)
@@ -254,7 +255,7 @@ class Pool:
         index = [slice(lo, lo + n) for n, (lo, _) in zip(shape[1:-1], self.pads)]
         return gx[(slice(None), *index, slice(None))]
 
-    def _route_by_phases(self, g, first, shape):
+    def route_by_phases(self, g, first, shape):
         """Interleaves the phases (:meth:`_phases`) into the input's gradient."""
         phases, sizes = self._phases(g, first, shape)
         # (batch, q1, ..., channels) per phase -> (batch, q1, r1, q2, r2, ..., channels).

@@ -19,7 +19,9 @@ __all__ = [
     "MemoryReport",
     "SpatialGather",
     "analyze",
+    "complain_if_dropped",
     "memory_report",
+    "read_host_transfers",
     "read_spatial_gathers",
     "requested_host_transfers",
     "spatial_gathers",
@@ -232,9 +234,9 @@ def analyze(traced: Any, compiled: Any, *, on_dropped: str = "warn") -> MemoryRe
         output_bytes=int(analysis.output_size_in_bytes),
         requested_transfers=len(requested),
         requested_bytes=sum(requested),
-        **_read_hlo(compiled.as_text()),
+        **read_host_transfers(compiled.as_text()),
     )
-    _complain(report, on_dropped)
+    complain_if_dropped(report, on_dropped)
     return report
 
 
@@ -331,7 +333,8 @@ def _check_on_dropped(on_dropped: Any) -> None:
         raise ValueError(f"on_dropped must be 'warn', 'raise' or 'ignore', got {on_dropped!r}.")
 
 
-def _complain(report: MemoryReport, on_dropped: str) -> None:
+def complain_if_dropped(report: MemoryReport, on_dropped: str) -> None:
+    """Warns or raises, as ``on_dropped`` says, where ``report`` asked for copies and moved none."""
     if on_dropped == "ignore" or not report.requested or report.moved:
         return
     if report.platform == "cpu":
@@ -359,7 +362,7 @@ def _is_host(destination: Any) -> bool:
     return getattr(destination, "memory_kind", None) in _HOST_KINDS
 
 
-def _read_hlo(text: str) -> dict[str, int]:
+def read_host_transfers(text: str) -> dict[str, int]:
     """Counts host buffers and host transfers in optimized HLO text."""
     counts = dict.fromkeys(
         (

@@ -23,6 +23,7 @@ __all__ = [
     "compile_all",
     "compile_timed",
     "forward_and_backward",
+    "fresh_zeros",
     "measure_link",
     "median_ms",
     "step_ms",
@@ -116,7 +117,7 @@ def _in_turns(run: Callable[[int], float], count: int, rounds: int) -> list[tupl
 
 
 def _one_step(executable, structs) -> float:
-    args = jax.block_until_ready(_fresh_zeros(structs))
+    args = jax.block_until_ready(fresh_zeros(structs))
     start = time.perf_counter()
     jax.block_until_ready(executable(*args))
     return time.perf_counter() - start
@@ -128,7 +129,7 @@ def _quartile_and_spread(runs: Sequence[float]) -> tuple[float, float]:
     return float(low) * 1e3, float((high - low) / low)
 
 
-def _fresh_zeros(structs):
+def fresh_zeros(structs):
     """Zeros of every leaf of ``structs``, made by one compiled program where it can be: a
     ResNet-50 training state has 430 leaves, and an op per leaf dispatches as many before
     every timed run.
