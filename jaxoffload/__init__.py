@@ -35,15 +35,15 @@ _SOURCES = {
     "spatial_gathers": "jaxoffload._src.report",
     "OffloadedCall": "jaxoffload._src.residuals",
     "Residual": "jaxoffload._src.residuals",
-    "compiler_options": "jaxoffload._src.schedule",
+    "compiler_options": "jaxoffload._src.xla_options",
     "Lean": "jaxoffload._src.strategies",
     "Offload": "jaxoffload._src.strategies",
     "Remat": "jaxoffload._src.strategies",
     "Store": "jaxoffload._src.strategies",
     "Strategy": "jaxoffload._src.strategies",
-    "Overlap": "jaxoffload._src.traces",
-    "measure_overlap": "jaxoffload._src.traces",
-    "overlap_in_trace": "jaxoffload._src.traces",
+    "Overlap": "jaxoffload._src.overlap",
+    "measure_overlap": "jaxoffload._src.overlap",
+    "overlap_in_trace": "jaxoffload._src.overlap",
     "offload": "jaxoffload._src.transform",
     "wrap": "jaxoffload._src.transform",
 }
@@ -58,6 +58,9 @@ if typing.TYPE_CHECKING:
     from jaxoffload._src.errors import NoPlanFits as NoPlanFits
     from jaxoffload._src.errors import OffloadDroppedError as OffloadDroppedError
     from jaxoffload._src.errors import OffloadWarning as OffloadWarning
+    from jaxoffload._src.overlap import Overlap as Overlap
+    from jaxoffload._src.overlap import measure_overlap as measure_overlap
+    from jaxoffload._src.overlap import overlap_in_trace as overlap_in_trace
     from jaxoffload._src.planner import Fit as Fit
     from jaxoffload._src.planner import Plan as Plan
     from jaxoffload._src.planner import largest_size as largest_size
@@ -68,17 +71,14 @@ if typing.TYPE_CHECKING:
     from jaxoffload._src.report import spatial_gathers as spatial_gathers
     from jaxoffload._src.residuals import OffloadedCall as OffloadedCall
     from jaxoffload._src.residuals import Residual as Residual
-    from jaxoffload._src.schedule import compiler_options as compiler_options
     from jaxoffload._src.strategies import Lean as Lean
     from jaxoffload._src.strategies import Offload as Offload
     from jaxoffload._src.strategies import Remat as Remat
     from jaxoffload._src.strategies import Store as Store
     from jaxoffload._src.strategies import Strategy as Strategy
-    from jaxoffload._src.traces import Overlap as Overlap
-    from jaxoffload._src.traces import measure_overlap as measure_overlap
-    from jaxoffload._src.traces import overlap_in_trace as overlap_in_trace
     from jaxoffload._src.transform import offload as offload
     from jaxoffload._src.transform import wrap as wrap
+    from jaxoffload._src.xla_options import compiler_options as compiler_options
 
 __all__ = [
     "Fit",

@@ -44,9 +44,7 @@ from jaxoffload._src.report import read_spatial_gathers as read_spatial_gathers
 from jaxoffload._src.report import requested_host_transfers as requested_host_transfers
 from jaxoffload._src.report import with_twin as with_twin
 
-# XLA options, and host copies priced for the scheduler.
-from jaxoffload._src.schedule import copy_cost_profile as copy_cost_profile
-from jaxoffload._src.schedule import with_copy_costs as with_copy_costs
+# A strategy in a few words.
 from jaxoffload._src.strategies import brief as brief
 
 # Timing programs on the device, and the host link.
@@ -58,6 +56,10 @@ from jaxoffload._src.timing import steps_together as steps_together
 from jaxoffload._src.timing import vjp_programs as vjp_programs
 from jaxoffload._src.timing import zeros as zeros
 from jaxoffload._src.transfers import without_host_placement as without_host_placement
+
+# XLA options, and host copies priced for the scheduler.
+from jaxoffload._src.xla_options import copy_cost_profile as copy_cost_profile
+from jaxoffload._src.xla_options import with_copy_costs as with_copy_costs
 
 __all__ = [
     "Planner",

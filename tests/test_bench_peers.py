@@ -2,7 +2,7 @@
 
 ``grad-accum`` accumulates the plain model's gradients over micro-batches in one
 ``lax.scan`` and makes one update (``grad-accum-lean`` the lean model's); ``--devices N`` shards the batch over N devices;
-``jaxoffload.bench.fit`` finds the largest batch or image side whose step fits. The
+``jaxoffload.bench.size_search`` finds the largest batch or image side whose step fits. The
 named models are swapped for tiny ones of the same families, so that each compiles in a
 second or two: a ResNet with BatchNorm (linen and NNX), and a VGG without BatchNorm, with
 dropout or without.
@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxoffload
 from jaxoffload._src.jaxprs import equations
-from jaxoffload.bench import fit, models
+from jaxoffload.bench import models, size_search
 from jaxoffload.bench.gradients import draws_random_numbers, has_batch_statistics
 from jaxoffload.bench.measure import measure
 from jaxoffload.bench.models import flax_nnx_resnet, flax_resnet, flax_vgg, plain_model
@@ -227,7 +227,7 @@ def test_a_size_search_over_a_mesh_keeps_the_sizes_that_split():
     budget = (
         _compiled_bytes(workload, image_size=64) + _compiled_bytes(workload, image_size=128)
     ) // 2
-    found = fit.largest(workload, "image_size", budget_bytes=budget, limit=128).to_json()
+    found = size_search.largest(workload, "image_size", budget_bytes=budget, limit=128).to_json()
     probes = dict(found["max_image_size_probes"])
     # Multiples of 16 per device's rows: each device's part of a U-Net level meets its skip.
     assert probes and all(side % 32 == 0 for side in probes), probes
@@ -267,12 +267,14 @@ def test_the_size_search_finds_the_largest_size_that_compiles_within_the_budget(
     budget = (
         _compiled_bytes(workload, **{axis: low}) + _compiled_bytes(workload, **{axis: high})
     ) // 2
-    found = fit.largest(workload, axis, plan=plan, budget_bytes=budget, limit=high).to_json()
+    found = size_search.largest(
+        workload, axis, plan=plan, budget_bytes=budget, limit=high
+    ).to_json()
     size, probes = found[f"max_{axis}"], dict(found[f"max_{axis}_probes"])
     # It compiled within the budget, and a size 2% (or one multiple) above it did not.
     over = min(s for s, nbytes in probes.items() if nbytes > budget)
     assert low <= size < high and probes[size] <= budget
-    assert over <= size * 1.02 + fit.AXES[axis][0]
+    assert over <= size * 1.02 + size_search.AXES[axis][0]
     assert found[f"max_{axis}_budget_bytes"] == budget
     speed = "images_per_s" if axis == "batch" else "ms_per_megapixel"
     assert found[f"max_{axis}_{speed}"] > 0

@@ -121,14 +121,14 @@ def test_a_bad_flag_is_refused_at_once_before_jax_is_imported(argv, message):
 def test_the_bench_s_names_are_those_of_its_values_and_models():
     """The catalog names, without importing jax, what the bench's values and models are."""
     from jaxoffload._src.planner import BLOCK_COSTS
-    from jaxoffload.bench import catalog, fit, models, record
+    from jaxoffload.bench import catalog, models, record, size_search
     from jaxoffload.bench.options import SIZE_SEARCHES
     from jaxoffload.bench.workload import STRATEGIES
 
     assert tuple(STRATEGIES) == catalog.BLOCK_STRATEGIES
     assert catalog.TO_HOST == tuple(s for s, value in STRATEGIES.items() if value.to_host)
     assert catalog.BLOCK_COSTS == BLOCK_COSTS
-    assert tuple(fit.AXES) == tuple(SIZE_SEARCHES) == record.SEARCH_AXES
+    assert tuple(size_search.AXES) == tuple(SIZE_SEARCHES) == record.SEARCH_AXES
     # Every model named is built, with the blocks its kind says.
     for name in catalog.MODEL_NAMES:
         assert models.num_blocks(name) > 0, name

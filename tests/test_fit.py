@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import jaxoffload
 from jaxoffload import Lean, Remat
 from jaxoffload._src.planner.bracket import largest_fitting
-from jaxoffload._src.planner.steps import SizeSteps, leanest_within
+from jaxoffload._src.planner.size_steps import SizeSteps, leanest_within
 from tests.test_plan import PLANNABLE, VARIABLES, Block, Net, step
 
 

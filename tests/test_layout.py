@@ -424,12 +424,12 @@ def test_the_count_of_private_names_sees_each_form(tmp_path):
 from jaxoffload._src import cut
 from jaxoffload._src.layers import Pool, _first_max
 import jaxoffload._src.report as report_lib
-import jaxoffload._src.measured
+import jaxoffload._src.fallbacks
 
 def test(monkeypatch):
     cut._price(1)
     report_lib._read_hlo("")
-    jaxoffload._src.measured._CHOSEN.clear()
+    jaxoffload._src.fallbacks._CHOSEN.clear()
     monkeypatch.setattr(cut, "_SOLVED", {})
     monkeypatch.setattr("jaxoffload._src.context._said", set())
     pool = Pool.of(1)
@@ -446,8 +446,8 @@ def test(monkeypatch):
         "jaxoffload._src.context._said",
         "jaxoffload._src.cut._SOLVED",
         "jaxoffload._src.cut._price",
+        "jaxoffload._src.fallbacks._CHOSEN",
         "jaxoffload._src.layers._first_max",
-        "jaxoffload._src.measured._CHOSEN",
         "jaxoffload._src.report._read_hlo",
         "pool._route_by_phases",
     ], reached

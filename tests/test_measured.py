@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxoffload import Lean, Store, saved_residuals, wrap
-from jaxoffload._src import measured
+from jaxoffload._src import fallbacks
 from tests.helpers import normal, rel_err
 
 
@@ -36,7 +36,7 @@ def kept(strategy):
 
 @pytest.fixture(autouse=True)
 def nothing_timed_yet(monkeypatch):
-    monkeypatch.setattr(measured, "CHOSEN", {})
+    monkeypatch.setattr(fallbacks, "CHOSEN", {})
 
 
 @pytest.mark.parametrize(
@@ -49,7 +49,7 @@ def nothing_timed_yet(monkeypatch):
 )
 def test_the_first_fallback_within_max_slowdown_is_taken(monkeypatch, times, chosen):
     calls = []
-    monkeypatch.setattr(measured, "time_candidates", lambda c, *_: calls.append(c) or times)
+    monkeypatch.setattr(fallbacks, "time_candidates", lambda c, *_: calls.append(c) or times)
     strategy = Lean(max_slowdown=0.03)
     assert strategy.fallbacks() == (Lean(), Lean(max_recompute=0.0), Store())
     assert kept(strategy) == kept(chosen)
@@ -63,11 +63,11 @@ def test_the_candidates_are_timed_on_the_device_while_the_step_is_traced():
     strategy = Lean(max_slowdown=10.0)  # any cut is within it: the lean one stays
     grads = gradients(wrap(block, strategy, device_argnums=(1, 2)))
     assert rel_err(grads, gradients(block)) < 1e-6
-    assert list(measured.CHOSEN.values()) == [Lean()]
+    assert list(fallbacks.CHOSEN.values()) == [Lean()]
 
 
 def test_without_max_slowdown_nothing_is_timed(monkeypatch):
-    monkeypatch.setattr(measured, "time_candidates", lambda *_: pytest.fail("timed"))
+    monkeypatch.setattr(fallbacks, "time_candidates", lambda *_: pytest.fail("timed"))
     gradients(wrap(block, Lean(), device_argnums=(1, 2)))
 
 
@@ -94,4 +94,4 @@ def test_a_block_sharded_over_an_explicit_mesh_is_timed_with_its_sharding():
         wrapped = wrap(dense, Lean(max_slowdown=10.0), device_argnums=(1,))
         grads = jax.jit(jax.grad(lambda *a: wrapped(*a).sum(), argnums=(0, 1)))(x, w)
         plain = jax.jit(jax.grad(lambda *a: dense(*a).sum(), argnums=(0, 1)))(x, w)
-    assert rel_err(grads, plain) < 1e-6 and list(measured.CHOSEN.values()) == [Lean()]
+    assert rel_err(grads, plain) < 1e-6 and list(fallbacks.CHOSEN.values()) == [Lean()]

@@ -14,13 +14,13 @@ import jaxoffload
 from jaxoffload import Lean, Offload, Plan, Remat, Store
 from jaxoffload._src.planner import BlockCost, BlockCosts, estimate_peak_bytes, estimate_step_ms
 from jaxoffload._src.planner import search as planner
-from jaxoffload._src.planner.costs import block_options
-from jaxoffload._src.planner.fitted import (
+from jaxoffload._src.planner.calibration import (
     calibrated,
     hidden_choice,
     hidden_ms_per_byte,
     time_errors,
 )
+from jaxoffload._src.planner.costs import block_options
 from jaxoffload._src.strategies import brief
 from tests.helpers import host_device_puts, normal, rel_err
 

@@ -1,4 +1,4 @@
-"""jaxoffload.bench.hidden: which blocks' transfers hide behind compute."""
+"""jaxoffload.bench.reference_hidden: which blocks' transfers hide behind compute."""
 
 import itertools
 
@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 import jaxoffload
 from jaxoffload.bench import models
-from jaxoffload.bench.hidden import plan_hidden_offload
 from jaxoffload.bench.planning import hidden_offload_workload, time_offloaded_calls
+from jaxoffload.bench.reference_hidden import plan_hidden_offload
 from jaxoffload.bench.step import train_step
 from jaxoffload.bench.workload import Workload
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxoffload
-from jaxoffload._src.schedule import copy_cost_profile
+from jaxoffload._src.xla_options import copy_cost_profile
 
 DATA = pathlib.Path(__file__).parent / "data"
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 
 import jaxoffload
-from jaxoffload._src import traces
+from jaxoffload._src import overlap
 
 # Five steps of one program on an H200 (jax 0.11.2): a 1 GiB copy to pinned host memory beside
 # 16 independent 8192² bf16 matrix products, written by benchmarks/probes/overlap_probe.py
@@ -41,11 +41,11 @@ def test_a_gpu_trace_gives_each_steps_busy_times_and_overlap():
 
 
 def test_the_steps_marked_in_a_trace_split_its_activity():
-    activities, steps, device = traces.read_trace(H200_TRACE)
+    activities, steps, device = overlap.read_trace(H200_TRACE)
     assert len(steps) == 5 and device == "/device:GPU:0"
     # Every activity falls in a step: the device's clock is the host's.
     assert all(any(s <= a.start_ns < e for s, e in steps) for a in activities)
-    whole = traces.overlap_of(activities)  # unmarked: one step
+    whole = overlap.overlap_of(activities)  # unmarked: one step
     assert whole.steps == 1 and whole.d2h_bytes == 5 * 2**30
 
 
@@ -90,5 +90,5 @@ intervals = st.lists(
 @given(intervals, intervals)
 def test_shared_time_is_the_time_both_cover(a, b):
     covered = lambda xs, t: any(s <= t < e for s, e in xs)  # noqa: E731
-    assert traces.busy_ns(a) == sum(covered(a, t) for t in range(140))
-    assert traces.shared_ns(a, b) == sum(covered(a, t) and covered(b, t) for t in range(140))
+    assert overlap.busy_ns(a) == sum(covered(a, t) for t in range(140))
+    assert overlap.shared_ns(a, b) == sum(covered(a, t) and covered(b, t) for t in range(140))

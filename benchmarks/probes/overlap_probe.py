@@ -189,7 +189,9 @@ def resnet50(variant, out, options):
         variant = os.path.basename(variant).removesuffix(".json")
     else:
         model = models.create(
-            "flax-resnet50", strategy=(VARIANTS[variant],) * 16, dtype=jnp.bfloat16,
+            "flax-resnet50",
+            strategy=(VARIANTS[variant],) * 16,
+            dtype=jnp.bfloat16,
             num_classes=1000,
         )
     step, state, batch, _ = bench_step.training(w, model, abstract=False)

@@ -11,7 +11,7 @@ import flax.linen as nn
 from flax.core import lift
 from flax.linen import transforms as linen_transforms
 
-from jaxoffload._src import context, targets, transform
+from jaxoffload._src import context, flax_kinds, transform
 from jaxoffload._src.argnums import (
     MODULE_RNGS,
     MODULE_VARIABLES,
@@ -98,8 +98,8 @@ def wrap(
             f"device_argnums={device_argnums}. The first argument after self is 1."
         )
     Argnums(device=device_argnums, static=static_argnums)  # refuses overlaps
-    targets.check_linen_target(target, strategy)
-    if targets.linen_class(target) is None and not callable(target):
+    flax_kinds.check_linen_target(target, strategy)
+    if flax_kinds.linen_class(target) is None and not callable(target):
         raise TypeError(
             f"jaxoffload.linen.wrap and jaxoffload.linen.offload take a linen Module class or a "
             f"method, got {target!r}; for a function of arrays, write jaxoffload.wrap(f, strategy)."
@@ -114,7 +114,7 @@ def wrap(
         device_argnums=device_argnums,
         static_argnums=static_argnums,
     )
-    base = targets.linen_class(target)
+    base = flax_kinds.linen_class(target)
     if base is None:
         transformed = linen_transforms.lift_transform(_lifted, target, **options, method=target)
         return _method(transformed, target)
@@ -207,7 +207,7 @@ def plannable(
         static_argnums=static_argnums, device_argnums=device_argnums, variables=variables, rngs=rngs
     )
     wrap(target, Store(), **options)  # checks the arguments now, not at the first call
-    base = targets.linen_class(target)
+    base = flax_kinds.linen_class(target)
     if base is None:
         raise TypeError(f"plannable takes a Module class, got {target!r}.")
     by_strategy: dict[Strategy, Any] = {}
@@ -233,7 +233,7 @@ def plannable(
 
 def _check_methods(target: Any, methods: Any) -> None:
     """Raises unless ``methods`` is ``None`` or names methods of the Module class ``target``."""
-    base = targets.linen_class(target)
+    base = flax_kinds.linen_class(target)
     if methods is None:
         return
     if base is None:

@@ -20,7 +20,7 @@ from typing import Any, TypeVar, overload
 import jax
 from flax import nnx
 
-from jaxoffload._src import context, targets, transform
+from jaxoffload._src import context, flax_kinds, transform
 from jaxoffload._src.argnums import MODULE_VARIABLES, Argnums, check_argnums, named_after
 from jaxoffload._src.strategies import Offload, Strategy, check_strategy
 
@@ -64,7 +64,7 @@ def wrap(f: F, strategy: Strategy, *, static_argnums: int | Sequence[int] = ()) 
       [0.015, 0.025, 0.035]
     """
     strategy = check_strategy(strategy)
-    targets.check_nnx_target(f, strategy)
+    flax_kinds.check_nnx_target(f, strategy)
     if isinstance(f, nnx.Module):
         return wrap_instance(f, strategy, static_argnums)  # type: ignore[return-value]
     if not callable(f):

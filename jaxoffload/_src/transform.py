@@ -18,7 +18,7 @@ from typing import Any, TypeVar, overload
 import jax
 from jax.extend import core as jex_core
 
-from jaxoffload._src import context, jaxprs, measured, targets, transfers
+from jaxoffload._src import context, fallbacks, flax_kinds, jaxprs, transfers
 from jaxoffload._src.argnums import Argnums, check_argnums
 from jaxoffload._src.residuals import check_marked, describe, restructured, select_once
 from jaxoffload._src.strategies import Offload, Strategy, brief, check_strategy
@@ -78,7 +78,7 @@ def wrap_with(fun: F, strategy: Strategy, argnums: Argnums) -> F:
     The linen and NNX faces pass a Module's variables as device arguments
     that the user never named: their reasons say so.
     """
-    targets.check_function_target(fun, strategy)
+    flax_kinds.check_function_target(fun, strategy)
     if strategy.is_identity:
         # Calls ``fun`` as it is; marked, so that saved_residuals lists jax's residuals.
         plain = functools.wraps(fun)(lambda *args, **kwargs: fun(*args, **kwargs))
@@ -87,7 +87,7 @@ def wrap_with(fun: F, strategy: Strategy, argnums: Argnums) -> F:
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
-        targets.refuse_nnx_arguments(args, kwargs)
+        flax_kinds.refuse_nnx_arguments(args, kwargs)
         return _wrapped_call(fun, strategy, argnums, args, kwargs)
 
     wrapped.__jaxoffload__ = (fun, strategy, argnums)  # type: ignore[attr-defined]
@@ -245,7 +245,7 @@ def resolved(strategy: Strategy, traced: TracedCall) -> Strategy:
     if strategy.max_slowdown is None:
         return strategy
     device = tuple(sorted(traced.device_leaves))
-    return measured.fastest_enough(strategy, traced.closed, device, wrap)
+    return fallbacks.fastest_enough(strategy, traced.closed, device, wrap)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,7 +47,7 @@ TO_HOST = ("offload", "offload-inputs")
 PLANNED_STRATEGIES = {
     "offload-hidden": "each block moves what the link carries while blocks compute, with its "
     "own windows (jaxoffload.bench.planning.hidden_plan), the others Lean(); a reference "
-    "model's blocks whose transfers hide move all, at one window (jaxoffload.bench.hidden)",
+    "model's blocks whose transfers hide move all, at one window (jaxoffload.bench.reference_hidden)",
     "plan": "the jaxoffload.plan of a budget (bench --budget)",
 }
 

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from jaxoffload.bench import fit, measure, planning
+from jaxoffload.bench import measure, planning, size_search
 from jaxoffload.bench.record import Record
 from jaxoffload.bench.workload import Workload
 
@@ -106,7 +106,7 @@ class Children:
         time_limit_s: float = 300.0,
         min_speed: float | None = None,
     ) -> Record:
-        """:func:`jaxoffload.bench.fit.largest` of a workload: the search's own record.
+        """:func:`jaxoffload.bench.size_search.largest` of a workload: the search's own record.
 
         Its confirming step reads the process's runtime peak, so each search has a
         process of its own.
@@ -189,7 +189,7 @@ def main(argv: Sequence[str]) -> None:
     elif command == "plan-budgets":
         result = planning.plan_budgets(Workload(**values[0]), *values[1])
     elif command == "largest":
-        result = fit.largest(Workload(**values[0]), **values[1]).to_json()
+        result = size_search.largest(Workload(**values[0]), **values[1]).to_json()
     else:
         raise SystemExit(f"unknown command {command!r}")
     print(json.dumps(result), flush=True)

@@ -42,7 +42,7 @@ STRATEGY_FLAGS = (
 # Seconds that one size search compiles for, unless --time-limit says otherwise.
 DEFAULT_TIME_LIMIT = 300.0
 
-# The size searches: each axis of jaxoffload.bench.fit, its flag, and the speed at the size
+# The size searches: each axis of jaxoffload.bench.size_search, its flag, and the speed at the size
 # found, as that module names its field, with the speed's unit.
 SIZE_SEARCHES = {
     "batch": ("--max-batch", "images_per_s", "images/s"),

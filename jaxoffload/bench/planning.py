@@ -16,8 +16,8 @@ from jax.extend import core as jex_core
 from jaxoffload import Lean, NoPlanFits, Offload, OffloadedCall, Plan, offloaded_calls
 from jaxoffload.bench import models
 from jaxoffload.bench.catalog import COMPUTE_TWIN
-from jaxoffload.bench.hidden import plan_hidden_offload
 from jaxoffload.bench.record import Record
+from jaxoffload.bench.reference_hidden import plan_hidden_offload
 from jaxoffload.bench.step import linen_model, nnx_training, train_step, training
 from jaxoffload.bench.workload import Workload
 from jaxoffload.internal import (
@@ -292,7 +292,7 @@ def reference_hidden_workload(
     recompute_share: float = HIDDEN_RECOMPUTE_SHARE,
 ) -> Workload:
     """A reference model's workload with the plan of
-    :func:`jaxoffload.bench.hidden.plan_hidden_offload`: ``plan`` and one ``window``.
+    :func:`jaxoffload.bench.reference_hidden.plan_hidden_offload`: ``plan`` and one ``window``.
 
     The plan frees the most device memory whose transfers hide behind
     compute and whose recomputation adds at most ``recompute_share`` of the

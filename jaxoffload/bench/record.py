@@ -21,7 +21,7 @@ from typing import Any
 
 __all__ = ["SEARCH_AXES", "Record", "SizeSearch", "label", "records_from_json"]
 
-# The axes of the size searches, as jaxoffload.bench.fit names them.
+# The axes of the size searches, as jaxoffload.bench.size_search names them.
 SEARCH_AXES = ("batch", "image_size")
 
 
@@ -50,7 +50,7 @@ class _Carrying:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SizeSearch(_Carrying):
-    """What one size search found (:func:`jaxoffload.bench.fit.largest`), for one axis.
+    """What one size search found (:func:`jaxoffload.bench.size_search.largest`), for one axis.
 
     Written as ``max_<axis>`` (the size) and ``max_<axis>_<field>`` for the others.
     """
@@ -218,7 +218,7 @@ class Record(_Carrying):
 
     def with_search(self, axis: str, found: Record) -> Record:
         """This record with the search of ``axis`` in ``found``, a search's own record
-        (:func:`jaxoffload.bench.fit.largest`), and the other fields that it carries (the
+        (:func:`jaxoffload.bench.size_search.largest`), and the other fields that it carries (the
         device and versions it ran with); an earlier error of that search is dropped."""
         carried = {name: value for name, value in _carried(found) if name != "strategy"}
         return dataclasses.replace(

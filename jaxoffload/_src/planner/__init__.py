@@ -2,20 +2,20 @@
 
 ``plan.py`` is the value, ``apply.py`` puts it on a model, ``program.py`` compiles a
 step under it, ``costs.py`` says what blocks cost and models the step's time, ``peak.py``
-its peak, ``fitted.py`` fits the time to compiled steps, ``search.py`` searches, ``entry.py`` is the ``plan()``
-call, and ``fit.py`` finds the largest size that fits: ``bracket.py`` searches the sizes,
-``steps.py`` compiles the step at each.
+its peak, ``calibration.py`` calibrates the time to compiled steps, ``search.py`` searches,
+``planning.py`` is the ``plan()`` call, and ``fit.py`` finds the largest size that fits:
+``bracket.py`` searches the sizes, ``size_steps.py`` compiles the step at each.
 """
 
 from jaxoffload._src.errors import NoPlanFits as NoPlanFits
 from jaxoffload._src.planner.costs import BlockCost as BlockCost
 from jaxoffload._src.planner.costs import BlockCosts as BlockCosts
 from jaxoffload._src.planner.costs import estimate_step_ms as estimate_step_ms
-from jaxoffload._src.planner.entry import plan as plan
 from jaxoffload._src.planner.fit import Fit as Fit
 from jaxoffload._src.planner.fit import largest_size as largest_size
 from jaxoffload._src.planner.peak import estimate_peak_bytes as estimate_peak_bytes
 from jaxoffload._src.planner.plan import Plan as Plan
+from jaxoffload._src.planner.planning import plan as plan
 from jaxoffload._src.planner.program import compiled_bytes as compiled_bytes
 from jaxoffload._src.planner.search import BLOCK_COSTS as BLOCK_COSTS
 from jaxoffload._src.planner.search import Planner as Planner

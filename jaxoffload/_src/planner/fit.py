@@ -36,7 +36,7 @@ from jaxoffload._src.planner.bracket import largest_fitting
 from jaxoffload._src.planner.budget import check_room, device_budget
 from jaxoffload._src.planner.messages import progress_printer
 from jaxoffload._src.planner.plan import Plan
-from jaxoffload._src.planner.steps import SizeSteps
+from jaxoffload._src.planner.size_steps import SizeSteps
 
 __all__ = ["Fit", "largest_size"]
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from jaxoffload._src.errors import NoPlanFits
 from jaxoffload._src.jaxprs import format_bytes
 from jaxoffload._src.planner.budget import measured_against, plan_budget
-from jaxoffload._src.planner.fitted import MEASURED_NOISE, STEADY
+from jaxoffload._src.planner.calibration import MEASURED_NOISE, STEADY
 from jaxoffload._src.planner.messages import summary, where_it_stops
 from jaxoffload._src.planner.peak import PeakModel
 from jaxoffload._src.planner.plan import Plan
@@ -301,7 +301,7 @@ def _to_time(planner, best: Plan, budget_bytes: int) -> list[Plan]:
 def _fastest(planner, best: Plan, plans: Sequence[Plan], timed) -> Plan:
     """``best``, unless one of ``plans`` ran faster than it, as ``timed`` in turns, by more
     than 1% and both their spreads: then the fastest such. A plan whose runs spread more
-    than :data:`~jaxoffload._src.planner.fitted.STEADY` is not compared, and ``best``
+    than :data:`~jaxoffload._src.planner.calibration.STEADY` is not compared, and ``best``
     stands where it is not timed steadily."""
     if best not in timed or timed[best][1] > STEADY:
         return best

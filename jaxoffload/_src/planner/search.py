@@ -1,9 +1,9 @@
 """The planner's search: block costs, the front of their options, and compiled steps as the oracle.
 
 A :class:`Planner` measures a model's blocks once (:mod:`~jaxoffload._src.planner.costs`),
-fits them to whole compiled steps (:mod:`~jaxoffload._src.planner.fitted`), and
+fits them to whole compiled steps (:mod:`~jaxoffload._src.planner.calibration`), and
 searches the front for each budget, compiling the candidates that the fit says
-fit and timing those that do. :func:`~jaxoffload._src.planner.entry.plan` is the
+fit and timing those that do. :func:`~jaxoffload._src.planner.planning.plan` is the
 call that users make.
 """
 
@@ -25,6 +25,13 @@ from jaxoffload._src.jaxprs import format_bytes
 from jaxoffload._src.planner import rounds
 from jaxoffload._src.planner.arguments import BLOCK_COSTS
 from jaxoffload._src.planner.budget import devices_of
+from jaxoffload._src.planner.calibration import (
+    calibrated,
+    hidden_choice,
+    hidden_ms_per_byte,
+    time_errors,
+    weighed,
+)
 from jaxoffload._src.planner.costs import (
     TIE,
     block_options,
@@ -33,13 +40,6 @@ from jaxoffload._src.planner.costs import (
     step_flops,
     trace_blocks,
     traced_blocks,
-)
-from jaxoffload._src.planner.fitted import (
-    calibrated,
-    hidden_choice,
-    hidden_ms_per_byte,
-    time_errors,
-    weighed,
 )
 from jaxoffload._src.planner.front import front
 from jaxoffload._src.planner.messages import note, summary
@@ -87,7 +87,7 @@ class Planner:
 
     The blocks are found by tracing the step and costed alone under each
     option (:mod:`~jaxoffload._src.planner.costs`); their times and bytes are
-    fitted to whole compiled steps (:mod:`~jaxoffload._src.planner.fitted`),
+    fitted to whole compiled steps (:mod:`~jaxoffload._src.planner.calibration`),
     and their options put on the front: for every memory target, the fastest
     choice. The front proposes, the compiler says what fits, and the clock
     which of those is fastest.
@@ -276,7 +276,7 @@ class Planner:
 
     def _calibrate(self, uniform: Sequence[Plan], hidden: Plan | None) -> None:
         """Fits the blocks' times to the uniform steps that compute without moving
-        (:func:`~jaxoffload._src.planner.fitted.time_errors`), their bytes to every plan
+        (:func:`~jaxoffload._src.planner.calibration.time_errors`), their bytes to every plan
         compiled, and charges hidden offloads what ``hidden``'s step ran over the model."""
         plans = [
             p
