@@ -719,9 +719,9 @@ def test_an_offload_is_timed_as_its_twin_on_the_device():
 def test_block_times_are_fitted_to_the_uniform_steps_timed_beside_the_plain_one():
     blocks = _blocks()  # per block: Store and Lean 3 ms, Remat 4 ms; 12, 12 and 16 in all
     steady = [(12.0, 0.005), (12.3, 0.005), (20.0, 0.005)]
-    errors, lines, apart = time_errors(blocks, [Lean(), Remat()], steady)
+    errors, lines, untied = time_errors(blocks, [Lean(), Remat()], steady)
     assert errors == {Remat(): pytest.approx(4.0)}  # Lean's 0.3 ms is within TIE's 3%
-    assert apart == {Lean(), Remat()}  # but both ran apart from the plain step
+    assert untied == {Lean(), Remat()}  # but both ran apart from the plain step
     assert len(lines) == 2 and "within the noise" in lines[0]
     fitted = calibrated(blocks, errors)
     remat = sum(b.cost(Remat()).forward_ms + b.cost(Remat()).backward_ms for b in fitted)
@@ -738,8 +738,8 @@ def test_block_times_are_fitted_to_the_uniform_steps_timed_beside_the_plain_one(
         {},
         frozenset(),
     )
-    errors, lines, apart = time_errors(blocks, [Lean(), Remat()], [*steady[:2], (20.0, 0.2)])
-    assert errors == {} and apart == {Lean()} and "too noisy" in lines[1]
+    errors, lines, untied = time_errors(blocks, [Lean(), Remat()], [*steady[:2], (20.0, 0.2)])
+    assert errors == {} and untied == {Lean()} and "too noisy" in lines[1]
 
 
 def test_kinds_timed_apart_from_the_plain_step_are_not_tied_with_it():
@@ -750,7 +750,7 @@ def test_kinds_timed_apart_from_the_plain_step_are_not_tied_with_it():
     assert tied["Lean()"] == tied["Store()"]  # 1.7% apart: noise, for a block timed alone
     kept = {
         brief(o.strategy): o.ms
-        for o in block_options(blocks, options, None, apart=frozenset({Lean()}))[0]
+        for o in block_options(blocks, options, None, untied=frozenset({Lean()}))[0]
     }
     assert kept["Lean()"] == pytest.approx(3.05) and kept["Store()"] == 3.0
 

@@ -91,7 +91,8 @@ def time_errors(
     every block under one of ``strategies``, timed in turns. An error within
     the spread of the runs (or :data:`~jaxoffload._src.planner.costs.TIE`)
     is noise, and left out. Also returns the kinds whose steps ran apart from
-    the plain one's, beyond the noise: their blocks' small differences are real.
+    the plain one's, beyond the noise: their blocks' small differences are real, so
+    they stay untied (:func:`~jaxoffload._src.planner.costs.block_options`).
     A step whose runs spread more than :data:`STEADY` (a busy CPU's) fits
     nothing; the plain step's, none.
     """
@@ -103,7 +104,7 @@ def time_errors(
     if plain_spread > STEADY:
         line = f"the plain step's runs spread {plain_spread:.0%}: too noisy to fit the blocks to"
         return {}, [line], frozenset()
-    errors, lines, apart = {}, [], set()
+    errors, lines, untied = {}, [], set()
     for strategy, (ms, spread) in zip(strategies, rest):
         model = plain_ms + blocks_ms(strategy) - blocks_ms(Store())
         said = f"{brief(strategy)} on every block: {ms:.1f} ms measured, {model:.1f} ms from the blocks alone"
@@ -111,12 +112,12 @@ def time_errors(
             lines.append(f"{said}; its runs spread {spread:.0%}, too noisy to fit to")
             continue
         if abs(ms - plain_ms) > max(spread, plain_spread, APART) * plain_ms:
-            apart.add(strategy.timed_as())
+            untied.add(strategy.timed_as())
         noisy = abs(ms - model) <= max(TIE, spread, plain_spread) * plain_ms
         lines.append(said + (" (within the noise: kept)" if noisy else ""))
         if not noisy:
             errors[strategy] = ms - model
-    return errors, lines, frozenset(apart)
+    return errors, lines, frozenset(untied)
 
 
 def hidden_choice(choices: Sequence[Sequence[Option]]) -> list[Strategy] | None:

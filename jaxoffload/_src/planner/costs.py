@@ -332,7 +332,7 @@ def block_options(
     options: Sequence[Strategy],
     link: tuple[float, float] | None,
     hidden_ms_per_byte: float = 0.0,
-    apart: frozenset[Strategy] = frozenset(),
+    untied: frozenset[Strategy] = frozenset(),
 ) -> list[list[Option]]:
     """Per block, its options with what each keeps and costs: the front's input.
 
@@ -346,7 +346,8 @@ def block_options(
     does not, ``hidden_ms_per_byte`` is what each byte such an offload moves
     was measured to cost. Options of one block
     within their timing noise count as equally fast, but for the kinds in
-    ``apart``, whose whole steps were timed apart from the plain one's.
+    ``untied``, whose whole steps ran apart from the plain one's: their small per-block
+    differences are real.
     """
     hidden = _hidden_offloads(blocks, options, link) if link is not None else []
     choices = []
@@ -356,7 +357,7 @@ def block_options(
             _option(blocks, i, s, link, hidden_ms_per_byte) for s in dict.fromkeys(strategies)
         ]
         noise = max(blocks[i].cost(o.strategy).spread for o in options_i)
-        choices.append(_ties_as_equal(options_i, max(TIE, noise), apart))
+        choices.append(_ties_as_equal(options_i, max(TIE, noise), untied))
     return choices
 
 
@@ -366,11 +367,11 @@ def block_options(
 TIE = 0.03
 
 
-def _ties_as_equal(options: list[Option], margin: float, apart=frozenset()) -> list[Option]:
+def _ties_as_equal(options: list[Option], margin: float, untied=frozenset()) -> list[Option]:
     fastest = min(o.ms for o in options)
     return [
         dataclasses.replace(o, ms=fastest)
-        if o.ms <= fastest * (1 + margin) and o.strategy.timed_as() not in apart
+        if o.ms <= fastest * (1 + margin) and o.strategy.timed_as() not in untied
         else o
         for o in options
     ]

@@ -180,7 +180,7 @@ class Planner:
                 say(f"costing {len(traces)} distinct block programs by their FLOPs")
                 self.blocks = traced_blocks(self.paths, calls, traces, ms_per_flop=per_flop)
         self.hidden_ms_per_byte = 0.0 if measured is None else measured.hidden_ms_per_byte
-        self.apart = frozenset() if measured is None else measured.apart
+        self.untied = frozenset() if measured is None else measured.untied
         # At another size, the byte weights that the measured planner fitted.
         self.prior = None if measured is None else measured.peak_model()
         self._put_on_front(self.prior)
@@ -268,7 +268,7 @@ class Planner:
     def _put_on_front(self, model: PeakModel | None = None) -> None:
         """The front of the blocks' options, their kept bytes weighed by ``model`` if given."""
         self.choices = block_options(
-            self.blocks, self.options, self.link, self.hidden_ms_per_byte, self.apart
+            self.blocks, self.options, self.link, self.hidden_ms_per_byte, self.untied
         )
         if model is not None:
             self.choices = weighed(self.choices, self.blocks, model)
@@ -286,7 +286,7 @@ class Planner:
         ]
         if plans:
             timed = self.steps_together([self.plain, *plans])
-            errors, lines, self.apart = time_errors(
+            errors, lines, self.untied = time_errors(
                 self.blocks, [p.strategies[0] for p in plans], timed
             )
             for line in lines:
