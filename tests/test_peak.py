@@ -19,7 +19,7 @@ import jaxoffload
 from jaxoffload import Lean, Plan, Remat, Store
 from jaxoffload._src.planner import BlockCost, BlockCosts
 from jaxoffload._src.planner.costs import trace_blocks, traced_blocks
-from jaxoffload._src.planner.peak import fit_peak, live_bytes, mixed_checks
+from jaxoffload._src.planner.peak import calibrate_peak, live_bytes, mixed_checks
 from jaxoffload.bench.models import flax_convnext, flax_efficientnet
 from jaxoffload.internal import device_bytes, discover, lower_step
 
@@ -104,7 +104,7 @@ def test_each_check_plan_is_estimated_within_10_percent_from_the_others(family):
     scale = float(points[0][-1])  # the plain step's bytes, as the planner scales
     for n, (live, stores, _, got) in enumerate(points):
         others = points[:n] + points[n + 1 :]
-        model = fit_peak(others, scale)
+        model = calibrate_peak(others, scale)
         assert model(live, stores) == pytest.approx(got, rel=0.10), (family, n)
         # A model that misses the plans it was fitted to says nothing of any other.
         for o_live, o_stores, _, o_got in others:
@@ -153,7 +153,7 @@ def test_mixed_checks_tell_each_kind_what_uniform_plans_cannot():
     def worst(checks):
         misses = []
         for k, (live, stores, _, got) in enumerate(checks):
-            model = fit_peak(checks[:k] + checks[k + 1 :], 2**33)
+            model = calibrate_peak(checks[:k] + checks[k + 1 :], 2**33)
             misses.append(abs(model(live, stores) / got - 1))
         return max(misses)
 

@@ -758,11 +758,11 @@ def test_kinds_timed_apart_from_the_plain_step_are_not_tied_with_it():
 def test_one_compiled_point_takes_the_weights_fitted_at_another_size():
     """A size search's planner has compiled few plans when it estimates another: the model
     through them takes the weights fitted where more were compiled, not the traced bytes'."""
-    from jaxoffload._src.planner.peak import PeakModel, fit_peak
+    from jaxoffload._src.planner.peak import PeakModel, calibrate_peak
 
     prior = PeakModel(2e9, {"Store()": 0.3, "recomputed": 0.5}, stored_outside=1e9, scale=10e9)
     store = [{"Store()": int(26e9)}]  # traced: far more than the 10.7e9 compiled
-    model = fit_peak([(store, True, False, int(10.7e9))], 20e9, prior)
+    model = calibrate_peak([(store, True, False, int(10.7e9))], 20e9, prior)
     assert model.weights == prior.weights
     assert model.stored_outside == pytest.approx(2e9)  # at twice the size, twice the bytes
     assert model(store, True) == pytest.approx(10.7e9, rel=1e-6)
@@ -815,12 +815,12 @@ def test_the_peak_model_sees_where_recomputing_the_first_blocks_leaves_the_peak(
     a sum of what the blocks keep cannot see it (it overstated such plans by 43-111% on
     ResNet-50 and MobileNetV2). Fitted to the uniform plans alone, the model predicts
     plans that recompute the first k blocks, or the last k, within 5%."""
-    from jaxoffload._src.planner.peak import fit_peak
+    from jaxoffload._src.planner.peak import calibrate_peak
 
     blocks = _pyramid()
     n = len(blocks)
     uniform = [([s] * n, False) for s in (Store(), Lean(), Remat())] + [([Store()] * n, True)]
-    fitted = fit_peak(_stand_in_points(blocks, uniform, WEIGHTS, stored_outside=1e9), 2**33)
+    fitted = calibrate_peak(_stand_in_points(blocks, uniform, WEIGHTS, stored_outside=1e9), 2**33)
     assert fitted.stored_outside == pytest.approx(1e9, rel=0.1)
     mixed = [([Remat()] * k + [Lean()] * (n - k), False) for k in range(1, n)]
     mixed += [([Lean()] * (n - k) + [Remat()] * k, False) for k in range(1, n)]
@@ -831,16 +831,16 @@ def test_the_peak_model_sees_where_recomputing_the_first_blocks_leaves_the_peak(
 def test_plans_that_move_bytes_do_not_pull_the_weights_of_those_that_do_not():
     """XLA's host offloads compile less like their trace than the rest: plans that move
     are fitted after the others, with the others' weights held."""
-    from jaxoffload._src.planner.peak import fit_peak
+    from jaxoffload._src.planner.peak import calibrate_peak
 
     blocks = _pyramid()
     n = len(blocks)
     staying = [([s] * n, False) for s in (Store(), Lean(), Remat())]
     points = _stand_in_points(blocks, staying, WEIGHTS)
-    alone = fit_peak(points, 2**33)
+    alone = calibrate_peak(points, 2**33)
     # An offload that compiled twice as large as its weighed trace says.
     ((live, stores, moves, got),) = _stand_in_points(blocks, [([Offload()] * n, False)], WEIGHTS)
-    together = fit_peak([*points, (live, stores, moves, 2 * got)], 2**33)
+    together = calibrate_peak([*points, (live, stores, moves, 2 * got)], 2**33)
     assert moves and together.rest == alone.rest
     assert all(together.weights[k] == w for k, w in alone.weights.items())
     assert together(live) > alone(live)  # the moving plan's own weights took its bytes

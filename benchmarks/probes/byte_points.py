@@ -1,4 +1,4 @@
-"""Compiled bytes of many mixed plans, for fitting models of a step's peak offline.
+"""Compiled bytes of many mixed plans, for calibrating models of a step's peak offline.
 
     OUT=folder [PLANS=40] [SEED=0] python benchmarks/probes/byte_points.py MODEL BATCH IMAGE_SIZE
 

@@ -87,7 +87,8 @@ for share in [float(x) for x in os.environ.get("SHARES", "0.75,0.5,0.35").split(
         emit(kind="noplan", share=share, msg=str(e))
 say("uniform plans, and Lean(max_slowdown=0.03) and Lean(max_recompute=0.0)")
 for s in P.options:
-    if s.window == 1 and s.max_bytes is None:  # the planner compiled these to fit its model to
+    # The planner compiled these to calibrate its model by.
+    if s.window == 1 and s.max_bytes is None:
         c = P.uniform(s)
         P.compile([c])
         emit(kind="cand", name=brief(s), **fields(c), measured_ms=P.step_ms(c))

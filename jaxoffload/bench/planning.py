@@ -135,7 +135,7 @@ def plan_budgets(
             results.append({"planned": planned.to_dict()})
         results[-1].update(planning_s=planning_s, planned_budgets=len(budgets_bytes))
         print(results[-1].get("no_plan") or Plan.from_dict(results[-1]["planned"]), file=sys.stderr)
-    # What was compiled, once, with the first budget's result: for fitting byte models offline.
+    # What was compiled, once, with the first budget's result: for calibrating byte models offline.
     results[0]["planner_points"] = shared.compiled_points()
     return results
 

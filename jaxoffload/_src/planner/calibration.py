@@ -1,8 +1,8 @@
-"""The planner's model of time fitted to whole compiled steps, and its options weighed.
+"""The planner's model of time calibrated to whole compiled steps, and its options weighed.
 
 A block measured alone is not a block in a step: XLA fuses and schedules
 across the whole program. So the planner times whole steps, and scales its
-blocks' times to them; its model of bytes is fitted in
+blocks' times to them; its model of bytes is calibrated in
 :mod:`~jaxoffload._src.planner.peak`.
 """
 
@@ -31,7 +31,7 @@ MEASURED_NOISE = 0.01
 # a budget with room left was spent on cuts where storing was faster (docs/design.md,
 # "Blocks alone are not blocks in a step").
 APART = 0.0025
-# Whole steps whose runs spread more than this are too noisy to fit block times to: a
+# Whole steps whose runs spread more than this are too noisy to calibrate block times by: a
 # GPU's steps spread well under it, a busy CPU's often far over.
 STEADY = 0.02
 
@@ -93,7 +93,7 @@ def time_errors(
     is noise, and left out. Also returns the kinds whose steps ran apart from
     the plain one's, beyond the noise: their blocks' small differences are real, so
     they stay untied (:func:`~jaxoffload._src.planner.costs.block_options`).
-    A step whose runs spread more than :data:`STEADY` (a busy CPU's) fits
+    A step whose runs spread more than :data:`STEADY` (a busy CPU's) calibrates
     nothing; the plain step's, none.
     """
 

@@ -201,7 +201,7 @@ def traced_blocks(paths, calls, traces, *, ms_per_flop: float) -> list[BlockCost
     say), and its backward pass as much per FLOP of the forward and backward
     passes together, recomputation included, less the forward pass's. What
     FLOPs miss (a lean cut's elementwise work, memory-bound kernels) is for
-    the fit to whole steps to add (:func:`~jaxoffload._src.planner.calibration.calibrated`).
+    the calibration to whole steps to add (:func:`~jaxoffload._src.planner.calibration.calibrated`).
     """
     times = {}
     for program, call in _distinct(calls).items():

@@ -10,7 +10,7 @@ MobileNetV2 on an H200 it overstated plans that recompute their early blocks
 far (docs/design.md, "Memory is a peak over time"). So :func:`live_bytes`
 walks the two passes and says, at each point, what is alive by category, and
 :class:`PeakModel` weighs the categories by what compiled steps measured
-(:func:`fit_peak`): traced residuals are not XLA's buffers, which fuses some
+(:func:`calibrate_peak`): traced residuals are not XLA's buffers, which fuses some
 away and adds its own.
 A weight is told only by plans that hold its category at their peak; uniform
 plans each hold their own kind alone, so :func:`mixed_checks` gives the plans
@@ -31,7 +31,7 @@ __all__ = [
     "PeakModel",
     "category",
     "estimate_peak_bytes",
-    "fit_peak",
+    "calibrate_peak",
     "kept_bytes",
     "live_bytes",
     "mixed_checks",
@@ -55,9 +55,9 @@ PRIOR_WEIGHT = 0.5
 # 0, against the compiled plans' squared errors in units of the plain step's bytes: only as
 # far as the plans need for an answer, so that a weight no plan tells apart keeps the prior.
 WEIGHT_PULL = 1e-2
-# Rounds of the fit (each plan's peak point found, then the weights solved for at those
+# Rounds of the calibration (each plan's peak point found, then the weights solved for at those
 # points); it stops earlier when the points no longer move.
-FIT_ROUNDS = 20
+CALIBRATION_ROUNDS = 20
 
 
 def category(strategy: Strategy) -> str:
@@ -68,13 +68,13 @@ def category(strategy: Strategy) -> str:
 
 
 def mixed_checks(n: int, options: Sequence[Strategy]) -> list[tuple[Strategy, ...]]:
-    """Plans of ``n`` blocks that tell the fit each kind's weight beside another kind's.
+    """Plans of ``n`` blocks that tell the calibration each kind's weight beside another kind's.
 
     A uniform plan holds one kind alone: its own category, the kept edges and
     the rest. Estimated from the other uniform plans, its kind's weight rests on
     a prior and the rest takes what the prior gets wrong: a lean kind's estimate
     fell far below its compiled bytes and a recomputing kind's far above, and
-    what XLA keeps of a lean cut differs by family, so no prior fits them all
+    what XLA keeps of a lean cut differs by family, so no prior suits them all
     (``docs/design.md``, "Checks that tell each weight"). So each kind that
     computes on the device, but ``Store``, takes the first half of the blocks,
     the largest in a CNN, and the next such kind the rest (``Store`` where there
@@ -167,7 +167,7 @@ class PeakModel:
 
     The outside is a model's stem and head: ResNet-50's stem alone keeps
     tensors of 112x112x64 per image. ``scale`` is the plain step's bytes, that
-    a model fitted at one size rescales ``stored_outside`` by at another.
+    a model calibrated at one size rescales ``stored_outside`` by at another.
     """
 
     rest: float
@@ -180,7 +180,7 @@ class PeakModel:
         return int(self.rest + peak + self.stored_outside * outside_stores)
 
     def weight(self, name: str) -> float:
-        """A category's weight: as fitted, or :data:`PRIOR_WEIGHT` where none was."""
+        """A category's weight: as calibrated, or :data:`PRIOR_WEIGHT` where none was."""
         return self.weights.get(name, PRIOR_WEIGHT)
 
     def weighed(self, point: Mapping[str, int], leave_out: Sequence[str] = ()) -> float:
@@ -188,7 +188,7 @@ class PeakModel:
         return sum(self.weight(k) * n for k, n in point.items() if k not in leave_out)
 
 
-def fit_peak(
+def calibrate_peak(
     points: Sequence[tuple[Sequence[Mapping[str, int]], bool, bool, int]],
     scale: float,
     prior: PeakModel | None = None,
@@ -204,11 +204,11 @@ def fit_peak(
     their trace than the rest,
     and would pull the weights that every other plan shares. ``scale`` (the
     plain step's bytes, say) sets the units in which the pulls count. With a
-    ``prior`` (a model fitted at another size), the model takes its weights
-    and fits only its rest.
+    ``prior`` (a model calibrated at another size), the model takes its weights
+    and calibrates only its rest.
     """
     if not points:
-        raise ValueError("fit_peak needs at least one compiled plan.")
+        raise ValueError("calibrate_peak needs at least one compiled plan.")
     if prior is not None:
         stored_outside = prior.stored_outside * scale / prior.scale
         without_rest = PeakModel(0.0, prior.weights, stored_outside, scale)
@@ -220,16 +220,16 @@ def fit_peak(
         return {name for live, *_ in plans for point in live for name, n in point.items() if n}
 
     model = PeakModel(0.0, {}, 0.0, scale)
-    model = _fit(staying, scale, sorted(seen(staying)), model, with_rest=True)
+    model = _least_squares(staying, scale, sorted(seen(staying)), model, with_rest=True)
     only_moving = seen(points) - seen(staying)
     if only_moving:
-        model = _fit(points, scale, sorted(only_moving), model, with_rest=False)
+        model = _least_squares(points, scale, sorted(only_moving), model, with_rest=False)
     return model
 
 
-def _fit(points, scale: float, free: Sequence[str], start: PeakModel, *, with_rest: bool):
+def _least_squares(points, scale: float, free: Sequence[str], start: PeakModel, *, with_rest: bool):
     """``start`` with the weights of ``free`` (and, ``with_rest``, its rest and stored
-    outside) fitted to ``points`` by rounds of least squares at each plan's peak point;
+    outside) calibrated to ``points`` by rounds of least squares at each plan's peak point;
     of the rounds' models, the one with the least squared error."""
 
     def error(model: PeakModel) -> float:
@@ -239,7 +239,7 @@ def _fit(points, scale: float, free: Sequence[str], start: PeakModel, *, with_re
     pulls = [(1, 0.0)] if with_rest else []
     pulls += [(first + j, PRIOR_WEIGHT) for j in range(len(free))]
     model, best = start, start
-    for _ in range(FIT_ROUNDS):
+    for _ in range(CALIBRATION_ROUNDS):
         rows, ys = [], []
         for live, stores, _, got in points:
             at = max(live, key=model.weighed)
@@ -253,8 +253,8 @@ def _fit(points, scale: float, free: Sequence[str], start: PeakModel, *, with_re
             ys.append(np.sqrt(WEIGHT_PULL) * target)
         # Solved within the bounds, not clamped after: a clamp leaves the other columns
         # solved for the value it threw away, and the model then misses the very plans it
-        # was fitted to (the plain step, where the outside's bytes came out below zero).
-        # scipy comes with jax; imported when a model is fitted, as importing jaxoffload
+        # was calibrated to (the plain step, where the outside's bytes came out below zero).
+        # scipy comes with jax; imported when a model is calibrated, as importing jaxoffload
         # loads nothing that flax does not (tests/test_package.py).
         from scipy.optimize import nnls
 
@@ -264,10 +264,10 @@ def _fit(points, scale: float, free: Sequence[str], start: PeakModel, *, with_re
         rest, stored = model.rest, model.stored_outside
         if with_rest:
             rest, stored = float(solution[0]) * scale, float(solution[1]) * scale
-        fitted = PeakModel(rest, weights, stored, scale)
-        if fitted == model:
+        solved = PeakModel(rest, weights, stored, scale)
+        if solved == model:
             break
-        model = fitted
+        model = solved
         if error(model) < error(best):
             best = model
     return best

@@ -54,7 +54,7 @@ class Plan:
         compiled step and ``held_bytes`` fit together. A share given to :func:`plan` is
         of the plain step's peak as the planning process saw it, its compiled bytes and
         ``held_bytes``.
-      estimated_bytes: the planner's model of the step's device bytes, fitted to the
+      estimated_bytes: the planner's model of the step's device bytes, calibrated to the
         other plans it compiled.
       compiled_bytes: the compiled step's device bytes (arguments and
         temporaries), as the planner checked them.

@@ -55,13 +55,13 @@ def plan(
     moves while the next blocks compute). For every memory target, the
     fastest choice of one option per block is the front
     (:func:`~jaxoffload._src.planner.front.front`). The compiled step is the
-    oracle: a model of its peak over time, fitted to the plans compiled so
+    oracle: a model of its peak over time, calibrated to the plans compiled so
     far (:mod:`~jaxoffload._src.planner.peak`), proposes the fastest candidates that should fit, and they are compiled,
     several at once and for every budget together, until no candidate is
     left that the model says is faster than the fastest that fits. The plan
     returned is the fastest of the compiled ones that fit, as timed where
     the steps time steadily; its ``estimated_bytes`` is what the model
-    fitted to the other compiled plans predicts of it.
+    calibrated to the other compiled plans predicts of it.
 
     Args:
       model: an unbound linen Module whose blocks are
@@ -102,7 +102,7 @@ def plan(
       block_costs: ``"timed"``, each distinct block program compiled and timed
         alone under each option; or ``"traced"``, its times from its traced
         FLOPs at the plain step's measured ms per FLOP, which compiles no
-        block program (faster to plan; the fit to whole steps corrects both).
+        block program (faster to plan; the calibration to whole steps corrects both).
       progress: print progress to stderr, or a function that takes each line.
       held_bytes: what the training process holds on the device besides the
         step's arguments, counted in every budget. ``None`` reads this

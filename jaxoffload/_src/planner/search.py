@@ -1,9 +1,9 @@
 """The planner's search: block costs, the front of their options, and compiled steps as the oracle.
 
 A :class:`Planner` measures a model's blocks once (:mod:`~jaxoffload._src.planner.costs`),
-fits them to whole compiled steps (:mod:`~jaxoffload._src.planner.calibration`), and
-searches the front for each budget, compiling the candidates that the fit says
-fit and timing those that do. :func:`~jaxoffload._src.planner.planning.plan` is the
+calibrates them to whole compiled steps (:mod:`~jaxoffload._src.planner.calibration`), and
+searches the front for each budget, compiling the candidates that the calibrated model
+says fit and timing those that do. :func:`~jaxoffload._src.planner.planning.plan` is the
 call that users make.
 """
 
@@ -45,8 +45,8 @@ from jaxoffload._src.planner.front import front
 from jaxoffload._src.planner.messages import note, summary
 from jaxoffload._src.planner.peak import (
     PeakModel,
+    calibrate_peak,
     estimate_peak_bytes,
-    fit_peak,
     kept_bytes,
     live_bytes,
     mixed_checks,
@@ -87,7 +87,7 @@ class Planner:
 
     The blocks are found by tracing the step and costed alone under each
     option (:mod:`~jaxoffload._src.planner.costs`); their times and bytes are
-    fitted to whole compiled steps (:mod:`~jaxoffload._src.planner.calibration`),
+    calibrated to whole compiled steps (:mod:`~jaxoffload._src.planner.calibration`),
     and their options put on the front: for every memory target, the fastest
     choice. The front proposes, the compiler says what fits, and the clock
     which of those is fastest.
@@ -181,7 +181,7 @@ class Planner:
                 self.blocks = traced_blocks(self.paths, calls, traces, ms_per_flop=per_flop)
         self.hidden_ms_per_byte = 0.0 if measured is None else measured.hidden_ms_per_byte
         self.untied = frozenset() if measured is None else measured.untied
-        # At another size, the byte weights that the measured planner fitted.
+        # At another size, the byte weights that the measured planner calibrated.
         self.prior = None if measured is None else measured.peak_model()
         self._put_on_front(self.prior)
         # Measured costs are checked against whole steps: every block under each option (of
@@ -194,7 +194,7 @@ class Planner:
         self.checks = list(dict.fromkeys([*uniform, *stored, *([hidden] if hidden else [])]))
         # How little a step keeps: the uniform checks say; at another size, the front's
         # leanest plan and the measured size's least, as the model may misjudge which is
-        # leaner away from where it was fitted (design §10), unless the caller knows better.
+        # leaner away from where it was calibrated (design §10), unless the caller knows better.
         if firsts is None and measured is not None:
             least = min(measured.compiled, key=measured.compiled.__getitem__)
             firsts = [self.candidate(self.front[0]), least]
@@ -275,7 +275,7 @@ class Planner:
         self.front = front(self.choices)
 
     def _calibrate(self, uniform: Sequence[Plan], hidden: Plan | None) -> None:
-        """Fits the blocks' times to the uniform steps that compute without moving
+        """Calibrates the blocks' times to the uniform steps that compute without moving
         (:func:`~jaxoffload._src.planner.calibration.time_errors`), their bytes to every plan
         compiled, and charges hidden offloads what ``hidden``'s step ran over the model."""
         plans = [
@@ -315,18 +315,18 @@ class Planner:
         return self._live[candidate.strategies]
 
     def model_bytes(self, candidate: Plan) -> float:
-        """The model of the step's peak, every traced byte as one: not fitted."""
+        """The model of the step's peak, every traced byte as one: not calibrated."""
         return float(estimate_peak_bytes(self.blocks, candidate.strategies))
 
     def peak_model(self, without: Plan | None = None) -> PeakModel:
-        """The model of compiled bytes fitted to every compiled plan but ``without``."""
+        """The model of compiled bytes calibrated to every compiled plan but ``without``."""
         points = [
             (self.live(p), p.outside.is_identity, any(s.to_host for s in p.strategies), got)
             for p, got in self.compiled.items()
             if p != without
         ]
         scale = float(self.compiled.get(self.plain) or max(self.compiled.values()))
-        return fit_peak(points, scale, self.prior)
+        return calibrate_peak(points, scale, self.prior)
 
     def plain_bytes(self) -> int:
         """The plain step's compiled bytes, compiled first if it was not."""
@@ -334,16 +334,16 @@ class Planner:
         return self.compiled[self.plain]
 
     def predict(self, candidate: Plan) -> int:
-        """The compiled bytes that the model fitted to the other compiled plans predicts."""
+        """The compiled bytes that the model calibrated to the other compiled plans predicts."""
         return self.peak_bytes(self.peak_model(without=candidate), candidate)
 
     def compiled_points(self) -> dict[str, Any]:
-        """Every plan compiled so far, with what the model said of it: to fit other models of
-        compiled bytes to, offline. ``blocks``: per block, each option's kept bytes (its
+        """Every plan compiled so far, with what the model said of it: to calibrate other models
+        of compiled bytes by, offline. ``blocks``: per block, each option's kept bytes (its
         device residuals and inputs, as traced); ``plans``: per compiled plan, its blocks'
         strategies and the code outside them (as :func:`~jaxoffload._src.strategies.brief`
         writes them), its compiled bytes, the model's prediction from the other plans, the
-        unfitted peak model, and its step in ms where it was timed."""
+        uncalibrated peak model, and its step in ms where it was timed."""
         blocks = [
             {brief(s): c.device_bytes + c.input_bytes for s, c in b.costs.items()}
             for b in self.blocks
