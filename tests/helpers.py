@@ -84,7 +84,7 @@ def stand_in_children(**methods):
     """The bench's child processes, with ``methods`` standing in for some of theirs.
 
     Each keyword names a method of :class:`jaxoffload.bench.child.Children` (``probe``,
-    ``compile``, ``measure``, ``plan_hidden``, ``plan_budgets``, ``largest``) and gives a
+    ``compile``, ``measure``, ``hidden_offload``, ``plan_budgets``, ``largest``) and gives a
     function with its arguments that answers in its place, so that a test measures nothing
     on a GPU or in a child; the methods not named start real child processes.
     """

@@ -417,7 +417,7 @@ def test_planned_strategy_failures_and_empty_plans_are_reported(tmp_path, capsys
     def fake_plan(workload, *, env, **budget):
         if failing == "plan":
             raise OutOfMemory("RESOURCE_EXHAUSTED")
-        return dataclasses.replace(workload, plan=("lean",) * 8, window=2)
+        return dataclasses.replace(workload, block_names=("lean",) * 8, window=2)
 
     def fake_measure(workload, *, steps, reference, env, **options):
         planned = workload.strategy == "offload-hidden"
@@ -428,20 +428,20 @@ def test_planned_strategy_failures_and_empty_plans_are_reported(tmp_path, capsys
             "compiled_temp_bytes": 1, "compiled_host_temp_bytes": 0, "peak_bytes_in_use": None,
             "images_per_s": 2.0, "model": "vgg11", "batch": 2, "image_size": 32,
             "dtype": "float32", "device": "cpu", "forward_ms": 0.5, "d2h_gbps": 1.0,
-            "h2d_gbps": 1.0, "plan": list(workload.plan) if planned else None,
+            "h2d_gbps": 1.0, "plan": list(workload.block_names) if planned else None,
             "offloaded_blocks": 0, "window": workload.window, "device_to_host_bytes": 0,
             "host_to_device_bytes": 0,
         })  # fmt: skip
 
     children = stand_in_children(
-        plan_hidden=fake_plan, measure=fake_measure, probe=lambda env=None: {"platform": "cpu"}
+        hidden_offload=fake_plan, measure=fake_measure, probe=lambda env=None: {"platform": "cpu"}
     )
     argv = ["bench", "--model", "vgg11", "--strategies", "offload-hidden"]
     # A plan that offloads nothing is said, not left for the reader to spot.
     cli.main([*argv, "--out", str(tmp_path / "empty")], children=children)
     assert "'offload-hidden' offloads nothing here" in capsys.readouterr().err
-    # A planned strategy that fails still gives its record: with its plan if the
-    # planning process finished, with no block count if it did not.
+    # A chosen strategy that fails still gives its record: with its choice if the
+    # choosing process finished, with no block count if it did not.
     for failing in ("measure", "plan"):
         cli.main([*argv, "--out", str(tmp_path / failing)], children=children)
         record = json.loads((tmp_path / failing / "records.json").read_text())[-1]
@@ -469,7 +469,7 @@ def test_offload_hidden_on_a_plain_flax_model_runs_the_link_timeline_s_schedule(
 
     children = stand_in_children(
         measure=fake_measure,
-        plan_hidden=lambda w, *, env, **budget: planning.hidden_offload_workload(w, **budget),
+        hidden_offload=lambda w, *, env, **budget: planning.hidden_offload_workload(w, **budget),
     )
     fields = {"model": "flax-resnet18", "batch": 8, "image_size": 32, "dtype": "float32"}
     hidden = Workload(**fields, strategy="offload-hidden", block_costs="traced")

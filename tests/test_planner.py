@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import jaxoffload
 from jaxoffload.bench import models
 from jaxoffload.bench.planning import hidden_offload_workload, time_offloaded_calls
-from jaxoffload.bench.reference_hidden import plan_hidden_offload
+from jaxoffload.bench.reference_hidden import choose_hidden_offload
 from jaxoffload.bench.step import train_step
 from jaxoffload.bench.workload import Workload
 
@@ -28,7 +28,9 @@ LINK = {"d2h_gbps": 50.0, "h2d_gbps": 40.0}
 def test_every_planned_transfer_fits_behind_its_neighbours(block_bytes, fwd_ms, bwd_ms, weights):
     n = len(block_bytes)
     flops = None if weights is None else weights[:n]
-    plan = plan_hidden_offload(block_bytes, block_costs=flops, fwd_ms=fwd_ms, bwd_ms=bwd_ms, **LINK)
+    plan = choose_hidden_offload(
+        block_bytes, block_costs=flops, fwd_ms=fwd_ms, bwd_ms=bwd_ms, **LINK
+    )
     w = plan.window
     share = [f / sum(flops) for f in flops] if flops else [1 / n] * n
     chosen = [i for i, c in enumerate(plan.offload) if c]
@@ -57,7 +59,7 @@ def test_every_planned_transfer_fits_behind_its_neighbours(block_bytes, fwd_ms, 
 def test_plan_frees_the_most_within_its_recomputation_budget(blocks, max_extra_ms):
     moved, freed, extra = map(list, zip(*blocks))
     times = {"fwd_ms": 10.0, "bwd_ms": 20.0, "margin": 1.0, "max_window": 3}
-    plan = plan_hidden_offload(
+    plan = choose_hidden_offload(
         moved, freed_bytes=freed, extra_ms=extra, max_extra_ms=max_extra_ms, **times, **LINK
     )
     chosen = [i for i, c in enumerate(plan.offload) if c]
@@ -86,26 +88,26 @@ def test_plan_frees_the_most_within_its_recomputation_budget(blocks, max_extra_m
 def test_cheap_neighbours_hide_less():
     # Equal shares hide block 2's transfer; with its neighbours nearly free, nothing does.
     sizes, times = [0, 0, 10**8, 0, 0, 0], {"fwd_ms": 10, "bwd_ms": 20}
-    assert plan_hidden_offload(sizes, **times, **LINK).offload[2]
-    cheap = plan_hidden_offload(sizes, block_costs=[100, 100, 1, 1, 1, 1], **times, **LINK)
+    assert choose_hidden_offload(sizes, **times, **LINK).offload[2]
+    cheap = choose_hidden_offload(sizes, block_costs=[100, 100, 1, 1, 1, 1], **times, **LINK)
     assert not any(cheap.offload)
 
 
 def test_no_block_fits_means_no_offload():
-    plan = plan_hidden_offload([10**12] * 8, fwd_ms=1, bwd_ms=2, **LINK)
+    plan = choose_hidden_offload([10**12] * 8, fwd_ms=1, bwd_ms=2, **LINK)
     assert plan.offload == (False,) * 8 and plan.offloaded_bytes == 0
 
 
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="margin"):
-        plan_hidden_offload([1], fwd_ms=1, bwd_ms=1, margin=0, **LINK)
+        choose_hidden_offload([1], fwd_ms=1, bwd_ms=1, margin=0, **LINK)
     with pytest.raises(ValueError, match="fwd_ms must be positive"):
-        plan_hidden_offload([1], fwd_ms=0, bwd_ms=1, **LINK)
+        choose_hidden_offload([1], fwd_ms=0, bwd_ms=1, **LINK)
     with pytest.raises(ValueError, match="freed_bytes must give 1"):
-        plan_hidden_offload([1], freed_bytes=[], fwd_ms=1, bwd_ms=1, **LINK)
+        choose_hidden_offload([1], freed_bytes=[], fwd_ms=1, bwd_ms=1, **LINK)
     for flops in ([1, 2], [0], [-1]):
         with pytest.raises(ValueError, match="block_costs must give 1"):
-            plan_hidden_offload([1], block_costs=flops, fwd_ms=1, bwd_ms=1, **LINK)
+            choose_hidden_offload([1], block_costs=flops, fwd_ms=1, bwd_ms=1, **LINK)
 
 
 def test_hidden_workload_plans_from_each_blocks_residual_bytes():
@@ -117,8 +119,8 @@ def test_hidden_workload_plans_from_each_blocks_residual_bytes():
     planned = hidden_offload_workload(
         workload, fwd_ms=10.0, bwd_ms=20.0, d2h_gbps=1e6, h2d_gbps=1e6
     )
-    chosen = [i for i, s in enumerate(planned.plan) if s == "offload"]
-    assert planned.window == 2 and set(planned.plan) == {"lean", "offload"}
+    chosen = [i for i, s in enumerate(planned.block_names) if s == "offload"]
+    assert planned.window == 2 and set(planned.block_names) == {"lean", "offload"}
     assert len(chosen) >= 3 and 7 not in chosen
     assert all(b - a >= planned.window for a, b in zip(chosen, chosen[1:]))
     assert planned.block_strategies[chosen[0]] == jaxoffload.Offload(window=2)

@@ -11,7 +11,6 @@ first steps.
 """
 
 import argparse
-import dataclasses
 import datetime
 import json
 import resource
@@ -75,7 +74,7 @@ def main() -> None:
     device = jax.devices()[0]
     record = {
         "command": " ".join(["python", *sys.argv]),
-        **dataclasses.asdict(workload),
+        **workload.record_fields(),
         "device": device.device_kind,
         "jax_version": jax.__version__,
         "flax_version": flax.__version__,

@@ -17,7 +17,7 @@ __all__ = [
     "MODEL_NAMES",
     "NNX_MODELS",
     "PLAIN_MODELS",
-    "PLANNED_STRATEGIES",
+    "CHOSEN_STRATEGIES",
     "RESNETS",
     "TASKS",
     "TO_HOST",
@@ -42,9 +42,9 @@ BLOCK_STRATEGIES = (
 )  # fmt: skip
 TO_HOST = ("offload", "offload-inputs")
 
-# Strategies whose per-block values a planner picks (see
-# jaxoffload.bench.planning.hidden_offload_workload).
-PLANNED_STRATEGIES = {
+# Strategies whose per-block values are chosen in the run, from earlier records: a hidden
+# offload (jaxoffload.bench.planning.hidden_offload_workload), or jaxoffload.plan's plan.
+CHOSEN_STRATEGIES = {
     "offload-hidden": "each block moves what the link carries while blocks compute, with its "
     "own windows (jaxoffload.bench.planning.hidden_plan), the others Lean(); a reference "
     "model's blocks whose transfers hide move all, at one window (jaxoffload.bench.reference_hidden)",
@@ -188,7 +188,7 @@ def check_workload(
 
 def _check_names_and_sizes(model, batch, image_size, dtype, strategy) -> None:
     check_model(model)
-    names = [*BLOCK_STRATEGIES, *PLANNED_STRATEGIES, *ACCUMULATED_STRATEGIES]
+    names = [*BLOCK_STRATEGIES, *CHOSEN_STRATEGIES, *ACCUMULATED_STRATEGIES]
     if strategy not in names:
         raise ValueError(f"Unknown strategy {strategy!r}; choose one of {', '.join(names)}.")
     if dtype not in DTYPES:

@@ -65,23 +65,24 @@ class Children:
         options = {"steps": steps, "reference": reference, **options}
         return Record.from_json(_run(["measure", _json(workload), json.dumps(options)], env))
 
-    def plan_hidden(
+    def hidden_offload(
         self, workload: Workload, *, env: dict[str, str] | None = None, **budget: float
     ) -> Workload:
-        """The workload with the plan of :func:`jaxoffload.bench.planning.hidden_offload_workload`:
-        ``planned`` for a plain-Flax linen model, ``plan`` and ``window`` for a reference one.
+        """The workload with its hidden offload chosen
+        (:func:`jaxoffload.bench.planning.hidden_offload_workload`): ``planned`` for a plain-Flax
+        linen model, ``block_names`` and ``window`` for a reference one.
 
-        Planning times each block on the device; in a process of its own, that does not
-        count in the runtime peak of the process that then measures the planned step.
+        Choosing times each block on the device; in a process of its own, that does not
+        count in the runtime peak of the process that then measures the chosen step.
 
         Args:
-          workload: a workload of a ``PLANNED_STRATEGIES`` strategy.
+          workload: a workload of a ``CHOSEN_STRATEGIES`` strategy.
           env: extra environment variables for the child process.
           **budget: ``fwd_ms``, ``bwd_ms``, ``d2h_gbps`` and ``h2d_gbps``, as
             :func:`~jaxoffload.bench.planning.hidden_offload_workload` takes them.
         """
-        planned = _run(["plan-hidden", _json(workload), json.dumps(budget)], env)
-        return dataclasses.replace(workload, **planned)
+        chosen = _run(["hidden-offload", _json(workload), json.dumps(budget)], env)
+        return dataclasses.replace(workload, **chosen)
 
     def plan_budgets(
         self,
@@ -183,9 +184,13 @@ def main(argv: Sequence[str]) -> None:
         result = measure.compile_only(Workload(**values[0]))
     elif command == "measure":
         result = measure.measure(Workload(**values[0]), **values[1]).to_json()
-    elif command == "plan-hidden":
-        planned = planning.hidden_offload_workload(Workload(**values[0]), **values[1])
-        result = {"plan": planned.plan, "window": planned.window, "planned": planned.planned}
+    elif command == "hidden-offload":
+        chosen = planning.hidden_offload_workload(Workload(**values[0]), **values[1])
+        result = {
+            "block_names": chosen.block_names,
+            "window": chosen.window,
+            "planned": chosen.planned,
+        }
     elif command == "plan-budgets":
         result = planning.plan_budgets(Workload(**values[0]), *values[1])
     elif command == "largest":

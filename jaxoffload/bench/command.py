@@ -15,7 +15,7 @@ import pathlib
 from typing import Any
 
 from jaxoffload.bench import models
-from jaxoffload.bench.catalog import ACCUMULATED_STRATEGIES, COMPUTE_TWIN, PLANNED_STRATEGIES
+from jaxoffload.bench.catalog import ACCUMULATED_STRATEGIES, CHOSEN_STRATEGIES, COMPUTE_TWIN
 from jaxoffload.bench.child import Children
 from jaxoffload.bench.console import (
     Progress,
@@ -83,8 +83,8 @@ def bench(
         )
     _add_needed_strategies(workloads, strategies, console)
     # The plain model runs first: it is every other strategy's gradient reference.
-    # Planned strategies run last: they are planned from their twin's run.
-    workloads.sort(key=lambda w: (w.strategy != "none", w.strategy in PLANNED_STRATEGIES))
+    # Chosen strategies run last: they are chosen from earlier runs' records.
+    workloads.sort(key=lambda w: (w.strategy != "none", w.strategy in CHOSEN_STRATEGIES))
     records = _measure(
         workloads, args, out, earlier, axes=axes, device=device, env=env, console=console,
         command=command, children=children,
@@ -168,7 +168,7 @@ def _add_needed_strategies(workloads: list[Workload], strategies: list[str], con
     for needed, why in [("none", "gradients are compared with it")] * compared + [
         (COMPUTE_TWIN[s], f"{s!r} is planned from its run")
         for s in strategies
-        if s in PLANNED_STRATEGIES and s != "plan"
+        if s in CHOSEN_STRATEGIES and s != "plan"
     ]:
         if needed not in strategies:
             console.print(f"note: adding the {needed!r} strategy: {why}.")

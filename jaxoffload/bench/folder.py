@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from jaxoffload.bench.catalog import ACCUMULATED_STRATEGIES, PLANNED_STRATEGIES
+from jaxoffload.bench.catalog import ACCUMULATED_STRATEGIES, CHOSEN_STRATEGIES
 from jaxoffload.bench.options import BenchError, dest
 from jaxoffload.bench.record import Record, records_from_json
 
@@ -91,7 +91,7 @@ def earlier_records(path: pathlib.Path, args: argparse.Namespace) -> dict[str, R
         ) from None
     for r in records:
         for flag, key in RUN_FLAGS.items():
-            if key == "window" and r.strategy in PLANNED_STRATEGIES:
+            if key == "window" and r.strategy in CHOSEN_STRATEGIES:
                 continue  # the planner chose it
             if key == "micro_batch" and r.strategy not in ACCUMULATED_STRATEGIES:
                 continue  # only accumulating strategies take it

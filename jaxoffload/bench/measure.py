@@ -20,7 +20,7 @@ import jax
 
 import jaxoffload
 from jaxoffload import compiler_options, measure_overlap
-from jaxoffload.bench.catalog import PLANNED_STRATEGIES
+from jaxoffload.bench.catalog import CHOSEN_STRATEGIES
 from jaxoffload.bench.gradients import accumulation_check, compare_gradients
 from jaxoffload.bench.record import Record
 from jaxoffload.bench.step import train_step
@@ -101,20 +101,20 @@ def measure(
         runtime peak is read: the compute's and each copy direction's busy time, their
         overlap and a timeline (:func:`jaxoffload.measure_overlap`).
 
-    A planned strategy's workload must carry its plan
-    (:meth:`jaxoffload.bench.child.Children.plan_hidden`, ``plan_budgets``).
+    A chosen strategy's workload must carry its choice
+    (:meth:`jaxoffload.bench.child.Children.hidden_offload`, ``plan_budgets``).
     With ``num_devices`` or ``spatial`` > 1 the memory figures are per device: the
     compiled program's are one device's, and the runtime peak is the largest
     device's; with ``spatial`` > 1, ``spatial_gathers`` lists the all-gathers that
     undo the split (:func:`jaxoffload.spatial_gathers`).
     """
     if (
-        workload.strategy in PLANNED_STRATEGIES
-        and workload.plan is None
+        workload.strategy in CHOSEN_STRATEGIES
+        and workload.block_names is None
         and workload.planned is None
     ):
         raise ValueError(
-            f"{workload.strategy!r} needs a plan first: see Children.plan_hidden, whose "
+            f"{workload.strategy!r} needs a plan first: see Children.hidden_offload, whose "
             "timing runs would otherwise count in this process's peak."
         )
     step, state, batch, loss_fn = train_step(workload)
@@ -352,7 +352,7 @@ def _workload_fields(workload: Workload) -> dict[str, Any]:
         "dtype": workload.dtype,
         "strategy": workload.strategy,
         "window": workload.window,
-        "plan": workload.plan,
+        "plan": workload.block_names,
         **plan_fields(workload),
         "offloaded_blocks": workload.offloaded_blocks,
         "num_devices": workload.num_devices,

@@ -12,7 +12,7 @@ from typing import Any
 from jaxoffload.bench.catalog import (
     ACCUMULATED_STRATEGIES,
     BLOCK_STRATEGIES,
-    PLANNED_STRATEGIES,
+    CHOSEN_STRATEGIES,
     TO_HOST,
     check_workload,
     is_nnx,
@@ -34,7 +34,7 @@ __all__ = [
 # The strategies that --strategies takes: "plan" comes from --budget.
 STRATEGY_FLAGS = (
     *BLOCK_STRATEGIES,
-    *(s for s in PLANNED_STRATEGIES if s != "plan"),
+    *(s for s in CHOSEN_STRATEGIES if s != "plan"),
     *ACCUMULATED_STRATEGIES,
 )
 

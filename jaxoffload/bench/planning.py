@@ -1,4 +1,4 @@
-"""Planning workloads: ``jaxoffload.plan`` at a run's budgets, and ``offload-hidden``'s plans."""
+"""Planning workloads: ``jaxoffload.plan`` at a run's budgets, and ``offload-hidden``'s choices."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from jaxoffload import Lean, NoPlanFits, Offload, OffloadedCall, Plan, offloaded
 from jaxoffload.bench import models
 from jaxoffload.bench.catalog import COMPUTE_TWIN
 from jaxoffload.bench.record import Record
-from jaxoffload.bench.reference_hidden import plan_hidden_offload
+from jaxoffload.bench.reference_hidden import choose_hidden_offload
 from jaxoffload.bench.step import linen_model, nnx_training, train_step, training
 from jaxoffload.bench.workload import Workload
 from jaxoffload.internal import (
@@ -176,11 +176,11 @@ def hidden_offload_workload(
     h2d_gbps: float,
     recompute_share: float = HIDDEN_RECOMPUTE_SHARE,
 ) -> Workload:
-    """The workload with ``offload-hidden``'s plan, made from its twin's step and link.
+    """The workload with ``offload-hidden``'s choice, made from its twin's step and link.
 
     A plain-Flax linen model gets ``planned``, the :class:`jaxoffload.Plan` of
     :func:`hidden_plan`: the library's link timeline, block by block. A reference model
-    gets ``plan`` and ``window``, one strategy name per block and one window, from
+    gets ``block_names`` and ``window``, one strategy name per block and one window, from
     :func:`reference_hidden_workload`.
 
     Args:
@@ -291,16 +291,17 @@ def reference_hidden_workload(
     h2d_gbps: float,
     recompute_share: float = HIDDEN_RECOMPUTE_SHARE,
 ) -> Workload:
-    """A reference model's workload with the plan of
-    :func:`jaxoffload.bench.reference_hidden.plan_hidden_offload`: ``plan`` and one ``window``.
+    """A reference model's workload with the choice of
+    :func:`jaxoffload.bench.reference_hidden.choose_hidden_offload`: ``block_names`` and one
+    ``window``.
 
-    The plan frees the most device memory whose transfers hide behind
+    The choice frees the most device memory whose transfers hide behind
     compute and whose recomputation adds at most ``recompute_share`` of the
     step's compute time (``fwd_ms + bwd_ms``). Per block, from traces alone
     (:func:`jaxoffload.offloaded_calls`):
 
     - the bytes it moves, and the device bytes it keeps, when it offloads
-      and its neighbours are ``"lean"``, as in the plans this makes: two
+      and its neighbours are ``"lean"``, as in the choices this makes: two
       traces, in which every other block offloads. A ResNet block between
       lean ones leaves on the device the input that the block before keeps
       anyway;
@@ -316,8 +317,9 @@ def reference_hidden_workload(
     """
     n = models.num_blocks(workload.model)
 
-    def traced_calls(plan):
-        step, state, batch, _ = train_step(dataclasses.replace(workload, plan=plan), abstract=True)
+    def traced_calls(names):
+        with_names = dataclasses.replace(workload, block_names=names)
+        step, state, batch, _ = train_step(with_names, abstract=True)
         traced = offloaded_calls(step, state, batch)
         if len(traced) != n:
             raise RuntimeError(f"expected one offloaded call per block, traced {len(traced)}.")
@@ -339,7 +341,7 @@ def reference_hidden_workload(
         ms * max(0, call.grad_flops - lean_call.grad_flops) / call.flops if call.flops else 0.0
         for ms, call, lean_call in zip(forward_ms, calls, lean)
     ]
-    plan = plan_hidden_offload(
+    chosen = choose_hidden_offload(
         [call.host_bytes for call in calls],
         block_costs=forward_ms,
         freed_bytes=[max(0, f) for f in freed],
@@ -350,12 +352,12 @@ def reference_hidden_workload(
         d2h_gbps=d2h_gbps,
         h2d_gbps=h2d_gbps,
     )
-    strategies = tuple("offload" if chosen else "lean" for chosen in plan.offload)
-    return dataclasses.replace(workload, plan=strategies, window=plan.window)
+    names = tuple("offload" if offloads else "lean" for offloads in chosen.offload)
+    return dataclasses.replace(workload, block_names=names, window=chosen.window)
 
 
 def hidden_budget(workload: Workload, records: Sequence[Record]) -> dict[str, float]:
-    """What ``offload-hidden``'s planner is given (:func:`hidden_offload_workload`): the
+    """What ``offload-hidden``'s choice is made from (:func:`hidden_offload_workload`): the
     compute and the link of its :data:`COMPUTE_TWIN`'s record, which must come before it."""
     twin = COMPUTE_TWIN[workload.strategy]
     done = [r for r in records if r.strategy == twin and r.d2h_gbps is not None]
@@ -377,7 +379,7 @@ def compute_ms(twin: Record) -> tuple[float, float]:
 def time_offloaded_calls(calls: Sequence[OffloadedCall], runs: int = 5) -> list[float]:
     """Each offloaded call's forward pass, run alone on the default device: median ms.
 
-    A planner's per-block compute. Blocks of the same FLOPs can take very
+    The per-block compute that ``offload-hidden`` weighs on a reference model. Blocks of the same FLOPs can take very
     different times: BatchNorm and ReLU passes over memory, which scale with
     the activations, take much of a block's time (measured on ResNet-50 for
     commit d3bc458). Calls with the same forward program are timed once. The

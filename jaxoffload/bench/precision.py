@@ -63,7 +63,7 @@ def _small(record: Record, batch: int) -> Workload | None:
         dtype=record.dtype,
         strategy=strategy,
         window=1 if record.window is None else record.window,
-        plan=record.plan,
+        block_names=record.plan,
         budget=record.budget,
         planned=record.planned,
     )

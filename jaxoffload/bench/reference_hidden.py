@@ -1,10 +1,11 @@
-"""The reference models' offload-only planner: which blocks' transfers the compute can hide.
+"""The reference models' hidden offload: which blocks' transfers the compute can hide.
 
-``bench --strategies offload-hidden`` uses it on the reference models, whose blocks each
-move all or nothing, at one window. On the plain-Flax models it plans with the library's
-link timeline instead (:func:`jaxoffload.bench.planning.hidden_plan`), which caps what each
-block moves and gives each its windows. :func:`jaxoffload.plan` is the library's planner,
-for every strategy and any model.
+``bench --strategies offload-hidden`` chooses it so on the reference models, whose blocks
+each move all or nothing, at one window. On the plain-Flax models the choice is a
+:class:`jaxoffload.Plan` made with the library's link timeline instead
+(:func:`jaxoffload.bench.planning.hidden_plan`), which caps what each block moves and gives
+each its windows. :func:`jaxoffload.plan` is the library's planner, for every strategy and
+any model; this is no planner, and what it chooses is no plan.
 """
 
 from __future__ import annotations
@@ -13,20 +14,19 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-__all__ = ["HiddenPlan", "plan_hidden_offload"]
+__all__ = ["HiddenOffload", "choose_hidden_offload"]
 
 
 @dataclasses.dataclass(frozen=True)
-class HiddenPlan:
+class HiddenOffload:
     """Which blocks offload, and the ``Offload`` window they need.
 
     Attributes:
       offload: one flag per block, from the input end.
       window: the ``Offload`` window, counted in blocks.
       offloaded_bytes: the bytes that cross the link each way.
-      freed_bytes: the device bytes that the offloading blocks free, by the
-        planner's estimate.
-      extra_ms: the recomputation that they add, by the planner's estimate.
+      freed_bytes: the device bytes that the offloading blocks free, as estimated.
+      extra_ms: the recomputation that they add, as estimated.
     """
 
     offload: tuple[bool, ...]
@@ -36,7 +36,7 @@ class HiddenPlan:
     extra_ms: float = 0.0
 
 
-def plan_hidden_offload(
+def choose_hidden_offload(
     block_bytes: Sequence[int],
     *,
     fwd_ms: float,
@@ -49,7 +49,7 @@ def plan_hidden_offload(
     max_extra_ms: float = math.inf,
     margin: float = 0.8,
     max_window: int = 8,
-) -> HiddenPlan:
+) -> HiddenOffload:
     """Picks blocks whose transfers fit behind the compute of the blocks next to them.
 
     With an ``Offload`` window ``w``, a block's host copy runs while the next
@@ -64,7 +64,7 @@ def plan_hidden_offload(
     bottleneck the same share, though the wide ones take several times as long as
     the narrow ones (measured for commit d3bc458, which timed the blocks instead).
 
-    Among those, the plan frees the most device bytes whose recomputation
+    Among those, the choice frees the most device bytes whose recomputation
     (``extra_ms``) stays within ``max_extra_ms``; it is exact (a dynamic
     programme over the blocks). The window that frees the most wins; ties go
     to the smaller window, which holds fewer fetched residuals at once.
@@ -88,15 +88,15 @@ def plan_hidden_offload(
       max_window: the largest window tried.
 
     Returns:
-      The plan. It offloads nothing if no block's transfers can hide.
+      The choice. It offloads nothing if no block's transfers can hide.
 
     Example:
-      >>> plan = plan_hidden_offload([40e6, 800e6, 60e6, 100e6], fwd_ms=8, bwd_ms=16,
-      ...                            d2h_gbps=50, h2d_gbps=50)
-      >>> plan.offload, plan.window
+      >>> chosen = choose_hidden_offload([40e6, 800e6, 60e6, 100e6], fwd_ms=8, bwd_ms=16,
+      ...                               d2h_gbps=50, h2d_gbps=50)
+      >>> chosen.offload, chosen.window
       ((True, False, True, False), 2)
-      >>> plan_hidden_offload([40e6, 800e6, 60e6, 100e6], fwd_ms=8, bwd_ms=16, d2h_gbps=50,
-      ...                     h2d_gbps=50, extra_ms=[0.1, 0, 0.5, 0], max_extra_ms=0.2).offload
+      >>> choose_hidden_offload([40e6, 800e6, 60e6, 100e6], fwd_ms=8, bwd_ms=16, d2h_gbps=50,
+      ...                       h2d_gbps=50, extra_ms=[0.1, 0, 0.5, 0], max_extra_ms=0.2).offload
       (True, False, False, False)
     """
     if not 0 < margin <= 1:
@@ -116,7 +116,7 @@ def plan_hidden_offload(
     )
     extra = _per_block("extra_ms", extra_ms, n, 0.0)
     share = [c / sum(block_costs) for c in block_costs]
-    best = HiddenPlan((False,) * n, 1, 0)
+    best = HiddenOffload((False,) * n, 1, 0)
     for window in range(2, min(max_window, n) + 1):
         hidden = set()
         # The last window - 1 blocks have no later blocks to hide behind.
@@ -127,15 +127,15 @@ def plan_hidden_offload(
             if 0 < block_bytes[i] <= min(fwd_bytes, bwd_bytes) and freed[i] > 0:
                 hidden.add(i)
         chosen = _most_freed(hidden, freed, extra, window, max_extra_ms)
-        plan = HiddenPlan(
+        choice = HiddenOffload(
             tuple(i in chosen for i in range(n)),
             window,
             int(sum(block_bytes[i] for i in chosen)),
             int(sum(freed[i] for i in chosen)),
             float(sum(extra[i] for i in chosen)),
         )
-        if plan.freed_bytes > best.freed_bytes:
-            best = plan
+        if choice.freed_bytes > best.freed_bytes:
+            best = choice
     return best
 
 
@@ -151,8 +151,8 @@ def _per_block(name, values, n, default) -> list:
 def _most_freed(candidates, freed, extra, window, budget) -> tuple[int, ...]:
     """The candidates, at least ``window`` apart, that free the most within ``budget``.
 
-    From the last block back, each block keeps the plans for the blocks
-    after it that no other plan beats on both freed bytes and added time.
+    From the last block back, each block keeps the choices for the blocks
+    after it that no other choice beats on both freed bytes and added time.
     """
     n = len(freed)
     # after[i]: (added time, freed bytes, chosen blocks) for blocks i..n-1.

@@ -1,7 +1,7 @@
 """A run: workloads measured in turn, each in a process of its own, the reference first.
 
 Records of an earlier run are kept in place of measuring again, by strategy and budget;
-planned strategies are planned in processes of their own first; the transfer bound is
+the chosen strategies are chosen in processes of their own first; the transfer bound is
 added to each offloading record once its compute twin is measured.
 """
 
@@ -44,9 +44,9 @@ def measure_all(
     record with ``"out_of_memory": True``; one whose process fails otherwise
     gives a record with its ``"error"``. Records of strategies that move
     residuals to the host get the transfer bound (:func:`add_transfer_bounds`)
-    when their :data:`COMPUTE_TWIN` is among the workloads. A planned strategy
-    is planned in a process of its own (:meth:`Children.plan_hidden`), from its
-    twin's record, which must come before it.
+    when their :data:`COMPUTE_TWIN` is among the workloads. A chosen strategy
+    is chosen in a process of its own (:meth:`Children.hidden_offload`,
+    :meth:`Children.plan_budgets`), from earlier records, which must come before it.
 
     Args:
       workloads: what to measure, the reference first (none where every workload
@@ -137,7 +137,7 @@ def _plan_and_measure(
         if w.strategy == "plan" and w.planned is None:
             w = budget_plans.apply(w, records)
         if w.strategy == "offload-hidden":
-            w = children.plan_hidden(w, env=env, **hidden_budget(w, records))
+            w = children.hidden_offload(w, env=env, **hidden_budget(w, records))
         if cache is not None:
             env = {**(env or {}), **cache}
             children.compile(w, env)
@@ -172,7 +172,7 @@ def _measure_options(strategy: str) -> dict[str, bool]:
 def _failure_record(workload: Workload, failure: dict[str, Any]) -> Record:
     """The record of a workload that could not be measured: the workload, and what went wrong."""
     return Record.of(
-        **dataclasses.asdict(workload),
+        **workload.record_fields(),
         offloaded_blocks=workload.offloaded_blocks,
         framework="jax",
         **failure,

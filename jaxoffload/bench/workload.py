@@ -9,7 +9,7 @@ import jax
 
 from jaxoffload import Lean, Offload, Plan, Remat, Store, Strategy
 from jaxoffload.bench import models
-from jaxoffload.bench.catalog import ACCUMULATED_STRATEGIES, PLANNED_STRATEGIES, check_workload
+from jaxoffload.bench.catalog import ACCUMULATED_STRATEGIES, CHOSEN_STRATEGIES, check_workload
 from jaxoffload.bench.record import label
 
 __all__ = ["STRATEGIES", "Workload"]
@@ -51,7 +51,7 @@ class Workload:
       image_size: height and width of the square input.
       dtype: compute dtype, ``"float32"`` or ``"bfloat16"``.
       strategy: a key of :data:`STRATEGIES`, or of
-        :data:`~jaxoffload.bench.catalog.PLANNED_STRATEGIES` or
+        :data:`~jaxoffload.bench.catalog.CHOSEN_STRATEGIES` or
         :data:`~jaxoffload.bench.catalog.ACCUMULATED_STRATEGIES`.
       blocks: how many blocks, from the input end, use ``strategy``; the rest
         use ``"none"``. ``None`` means all of them. Reference models only.
@@ -61,9 +61,10 @@ class Workload:
         ``flax-unet``).
       window: the ``Offload`` window of offloading blocks, or one per stage of
         a reference ResNet.
-      plan: one strategy name per block, overriding ``strategy`` and
-        ``blocks``; set by the planner of ``"offload-hidden"`` on a reference
-        model.
+      block_names: one strategy name per block, overriding ``strategy`` and
+        ``blocks``; set by ``"offload-hidden"``'s choice on a reference model
+        (:func:`jaxoffload.bench.planning.reference_hidden_workload`). A record
+        keeps them under its ``plan`` key (:meth:`record_fields`).
       budget: for the ``"plan"`` strategy, the budget as a share of the
         ``"none"`` run's runtime peak.
       block_costs: for ``"plan"``, and ``"offload-hidden"`` on a plain-Flax model,
@@ -72,7 +73,7 @@ class Workload:
       planned: where the blocks take a :class:`jaxoffload.Plan` (:attr:`runs_plan`), the
         plan as :meth:`~jaxoffload.Plan.to_dict` writes it; set by
         :meth:`jaxoffload.bench.child.Children.plan_budgets` for ``"plan"``, and by
-        :meth:`~jaxoffload.bench.child.Children.plan_hidden` for ``"offload-hidden"``.
+        :meth:`~jaxoffload.bench.child.Children.hidden_offload` for ``"offload-hidden"``.
       micro_batch: for ``"grad-accum"`` and ``"grad-accum-lean"``
         (:data:`ACCUMULATED_STRATEGIES`), the images of each micro-batch, over
         all the devices; ``batch`` must be a multiple of it.
@@ -93,7 +94,7 @@ class Workload:
     blocks: int | None = None
     num_classes: int | None = None
     window: int | tuple[int, ...] = 1
-    plan: tuple[str, ...] | None = None
+    block_names: tuple[str, ...] | None = None
     budget: float | None = None
     block_costs: str = "timed"
     planned: dict[str, Any] | None = None
@@ -112,10 +113,16 @@ class Workload:
             object.__setattr__(self, "num_classes", models.default_num_classes(self.model))
         if isinstance(self.window, list):  # read back from JSON
             object.__setattr__(self, "window", tuple(self.window))
-        if isinstance(self.plan, list):
-            object.__setattr__(self, "plan", tuple(self.plan))
+        if isinstance(self.block_names, list):
+            object.__setattr__(self, "block_names", tuple(self.block_names))
         if self.strategy != "plan":
             self._windows()  # Offload checks each window too, as its blocks will be given them
+
+    def record_fields(self) -> dict[str, Any]:
+        """The workload's fields as a record's JSON keys name them: ``block_names`` as ``plan``."""
+        fields = dataclasses.asdict(self)
+        fields["plan"] = fields.pop("block_names")
+        return fields
 
     @property
     def name(self) -> str:
@@ -156,7 +163,7 @@ class Workload:
         if not self.runs_plan:
             raise ValueError(f"{self.strategy!r} on {self.model} takes no jaxoffload.Plan.")
         if self.planned is None:
-            see = "plan_budgets" if self.strategy == "plan" else "plan_hidden"
+            see = "plan_budgets" if self.strategy == "plan" else "hidden_offload"
             raise ValueError(f"{self.strategy!r} needs its plan: see Children.{see}.")
         return Plan.from_dict(self.planned)
 
@@ -166,9 +173,9 @@ class Workload:
         n = models.num_blocks(self.model)
         if self.runs_plan:
             return self.block_plan.strategies
-        if self.plan is not None:
-            names = self.plan
-        elif self.strategy in PLANNED_STRATEGIES:
+        if self.block_names is not None:
+            names = self.block_names
+        elif self.strategy in CHOSEN_STRATEGIES:
             raise ValueError(f"{self.strategy!r} needs a plan: see hidden_offload_workload.")
         else:
             k = n if self.blocks is None else self.blocks
@@ -198,7 +205,7 @@ class Workload:
 
     @property
     def offloaded_blocks(self) -> int | None:
-        """How many blocks offload; ``None`` for a planned strategy not yet planned."""
-        if self.strategy in PLANNED_STRATEGIES and self.plan is None and self.planned is None:
+        """How many blocks offload; ``None`` for a chosen strategy not yet chosen."""
+        if self.strategy in CHOSEN_STRATEGIES and self.block_names is None and self.planned is None:
             return None
         return sum(s.to_host for s in self.block_strategies)
