@@ -163,7 +163,7 @@ def _measure_options(strategy: str) -> dict[str, bool]:
     """What :func:`measure` times beyond the step for a strategy, after its peak is read."""
     return {
         "time_forward": strategy in COMPUTE_TWIN.values(),
-        # Twins measure the link too: a planner takes it from them.
+        # Twins measure the link too: offload-hidden's choice takes it from them.
         "probe_link": strategy in {*COMPUTE_TWIN, *COMPUTE_TWIN.values(), "plan"},
         "time_twin": strategy == "plan",
     }

@@ -46,11 +46,11 @@ class InvertedResidual(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        hidden = x.shape[-1] * self.expansion
+        expanded = x.shape[-1] * self.expansion
         y = x
         if self.expansion != 1:
-            y = self.act(self.norm()(self.conv(hidden, (1, 1))(y)))
-        y = self.conv(hidden, (3, 3), self.strides, padding=1, feature_group_count=hidden)(y)
+            y = self.act(self.norm()(self.conv(expanded, (1, 1))(y)))
+        y = self.conv(expanded, (3, 3), self.strides, padding=1, feature_group_count=expanded)(y)
         y = self.act(self.norm()(y))
         # The projection is linear: no activation after it.
         y = self.norm()(self.conv(self.features, (1, 1))(y))

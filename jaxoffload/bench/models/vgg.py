@@ -101,7 +101,7 @@ class VGG(nn.Module):
       block_strategies: one strategy value per conv block, or empty for all
         ``Store()``. Blocks under ``Lean`` and ``Offload`` are built from
         :mod:`jaxoffload.bench.layers`.
-      classifier_width: width of the two hidden dense layers.
+      classifier_width: width of the classifier's two inner dense layers.
       lean_pool: use :func:`jaxoffload._src.layers.max_pool` in blocks that are not
         lean (see ``ConvBlock``); lean blocks always pool leanly.
       norm: BatchNorm after every convolution (the ``vgg*_bn`` models).
