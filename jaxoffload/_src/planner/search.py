@@ -76,7 +76,7 @@ def default_options() -> tuple[Strategy, ...]:
     return tuple(options)
 
 
-# Runs of each whole step timed in turns: over 5, a GPU's steps spread too much to fit to
+# Runs of each whole step timed in turns: over 5, a GPU's steps spread too much to calibrate by
 # (docs/design.md, "Blocks alone are not blocks in a step"); a run costs a step, against
 # seconds to compile one.
 TIMED_RUNS = 11
