@@ -1,5 +1,6 @@
-"""Test set-up: four CPU devices for sharding tests, and the ``gpu`` marker."""
+"""Test set-up: four CPU devices for sharding tests, the ``gpu`` marker, a quiet end of xdist."""
 
+import gc
 import getpass
 import os
 import tempfile
@@ -37,3 +38,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session):
+    """Collects the run's garbage before an xdist worker says that it has finished.
+
+    Then the controller ends the run and closes each worker's gateway, and a worker still
+    running 5 s later sends itself SIGINT (execnet's ``_terminate_execution``). pytest's
+    last full collection comes after that report, at unconfigure: on a loaded machine, it
+    and jax's gc callback, which frees compiled programs, could outlast the 5 s, and the
+    SIGINT landed in the callback, printing a KeyboardInterrupt traceback from a passing
+    run. This runs inside xdist's own ``pytest_sessionfinish``, before it reports: it
+    collects here, where pytest still reports what a finalizer raises, then freezes what
+    is left, so that the collections after the report have nothing to walk.
+    """
+    gc.collect()
+    gc.freeze()
