@@ -698,8 +698,9 @@ def test_plans_are_the_same_in_two_fresh_processes():
 
     At 1.0 of the plain step's bytes both Store() x3 and Lean() x3 fit, whose steps a CPU
     times within its noise of each other: the choice between them is the planner's rule
-    for near ties, not the clock. (On CPU no budget makes a mixed plan the fastest that
-    fits: Remat() compiles larger than Store() under XLA:CPU, and Lean() is the least.)"""
+    for near ties, not the clock. (No budget gives a mixed plan on CPU to test instead:
+    under XLA:CPU Remat() compiles larger than Store() and Lean() smallest, at Store()'s
+    time, so at every budget below 1.0 that fits any plan, the plan is Lean() x3.)"""
     import json
     import pathlib
     import subprocess
