@@ -80,6 +80,38 @@ def test_plot_draws_the_envelope_and_the_budgets(peaks, tmp_path, monkeypatch):
     # Budgets are drawn only on the runtime-peak axis, where they mean something.
     budgets = [line.get_ydata()[0] for line in ax.get_lines() if line.get_linestyle() == ":"]
     assert budgets == ([5.0, 3.5] if peaks else [])
+    # Points from 2.5 to 10 GiB: the axis starts at 0, in GiB, with no note.
+    assert ax.get_ylim()[0] == 0 and ax.get_ylabel().endswith("(GiB)")
+    plt.close(figures[0])
+
+
+def test_on_cpu_the_memory_axis_spans_the_strategies_close_temps(tmp_path, monkeypatch):
+    """On CPU the strategies' compiled temps differ by a percent or so: from 0 they would be
+    dots at one height. The axis spans them instead, in MiB, and says so and why."""
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    temps = {"none": 88.41, "lean": 87.38, "remat": 88.63, "offload": 88.15}  # MiB
+    records = [
+        bench_record(
+            Workload("flax-resnet18", 8, 32, "float32", strategy),
+            step_time_ms=100.0 + n,
+            compiled_temp_bytes=int(mib * 2**20),
+            platform="cpu",
+        )
+        for n, (strategy, mib) in enumerate(temps.items())
+    ]
+    plot_records(records, tmp_path / "pareto.png")
+    ax = figures[0].axes[0]
+    bottom, top = ax.get_ylim()
+    heights = [y for dots in ax.collections for _, y in dots.get_offsets()]
+    assert sorted(heights) == pytest.approx(sorted(temps.values()), abs=1e-3)
+    assert 0 < bottom < min(heights) and max(heights) < top
+    # The points span most of the axis, not a sliver of it.
+    assert (max(heights) - min(heights)) / (top - bottom) >= 0.6
+    label = ax.get_ylabel()
+    assert "(MiB), not from 0" in label and "CPU: host and device memory are one" in label
     plt.close(figures[0])
 
 

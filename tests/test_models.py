@@ -11,7 +11,7 @@ from jaxoffload import Lean, Offload, Remat, Store
 from jaxoffload.bench import models
 from jaxoffload.bench.measure import requested_host_bytes
 from jaxoffload.bench.models import resnet
-from jaxoffload.bench.step import train_step
+from jaxoffload.bench.step import placed, train_step
 from jaxoffload.bench.workload import Workload
 
 
@@ -132,6 +132,28 @@ def test_plain_models_give_the_plain_gradient_under_every_strategy(name, dtype):
             assert rel_err(got_vars, variables) == 0.0, label
             assert rel_err(got_grads, grads) <= bound, label
             assert rel_err(got_state, state) <= bound, label
+
+
+def test_a_workload_s_initial_state_has_the_bits_that_jit_gives():
+    """placed() compiles a state's init as a program that runs once (on CPU at a lower LLVM
+    level): every strategy starts from the state that XLA's default level (3, asked for here,
+    as tests/conftest.py lowers the suite's) gives, bit for bit, for a small ResNet with its
+    BatchNorm statistics, an optimizer state and a batch."""
+    import optax
+
+    model = PLAIN["flax resnet, basic"](Store(), jnp.float32)
+    workload = Workload("flax-resnet18", 2, 32, "float32", "none")
+
+    def init():
+        x = jax.random.normal(jax.random.key(0), (2, 16, 16, 3))
+        variables = model.init({"params": jax.random.key(1)}, x[:1], True)
+        return variables, optax.sgd(1e-3, momentum=0.9).init(variables["params"]), x
+
+    got = placed(init, workload, abstract=False)
+    want = jax.jit(init).lower().compile({"xla_backend_optimization_level": 3})()
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_lean_keeps_fewer_residual_bytes_than_the_plain_model():

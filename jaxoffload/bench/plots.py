@@ -25,8 +25,10 @@ def plot_records(records: list[Record], path: pathlib.Path) -> pathlib.Path | No
     its budget and against the envelope where the line crosses it. Records of other
     frameworks (``framework`` other than ``"jax"``, such as
     ``jaxoffload/bench/torch_reference.py``'s) are drawn as squares and named
-    with their framework. Returns ``path``, or ``None`` if matplotlib is missing
-    or no record has a step time.
+    with their framework. The memory axis starts at 0, unless the points differ by less
+    than a tenth of the largest, as the strategies' compiled temps do on CPU: then it spans
+    them, and says that it does not start at 0. Returns ``path``, or ``None`` if
+    matplotlib is missing or no record has a step time.
     """
     plt = _pyplot()
     done = [r for r in records if r.step_time_ms is not None]
@@ -35,9 +37,11 @@ def plot_records(records: list[Record], path: pathlib.Path) -> pathlib.Path | No
     # Without a runtime peak (CPU), the compiled temp is the memory reading; the
     # budgets, in the planner's bytes, are then not on the axis.
     key = "peak_bytes_in_use" if all(r.peak_bytes_in_use for r in done) else "compiled_temp_bytes"
-    points = [(r.step_time_ms, getattr(r, key) / 2**30) for r in done]
     plans = [r for r in done if r.strategy == "plan"] if key == "peak_bytes_in_use" else []
-    top = 1.05 * max([y for _, y in points] + [r.budget_bytes / 2**30 for r in plans])
+    memories = [getattr(r, key) for r in done] + [r.budget_bytes for r in plans]
+    unit, scale = ("GiB", 2**30) if max(memories) >= 2**30 else ("MiB", 2**20)
+    points = [(r.step_time_ms, getattr(r, key) / scale) for r in done]
+    bottom, top = _memory_limits([m / scale for m in memories])
     fig, ax = plt.subplots(figsize=(8, 4.2), constrained_layout=True)
     budget_colors = []
     for r, (x, y) in zip(done, points):
@@ -46,22 +50,25 @@ def plot_records(records: list[Record], path: pathlib.Path) -> pathlib.Path | No
         marker = "s" if not jax_record else "*" if r.strategy == "plan" else "o"
         dot = ax.scatter(x, y, s=90 if marker == "*" else 45, marker=marker, label=label, zorder=3)
         if r in plans:
-            budget_colors.append((r.budget_bytes / 2**30, dot.get_facecolor()[0]))
+            budget_colors.append((r.budget_bytes / scale, dot.get_facecolor()[0]))
     for n, (budget, color) in enumerate(budget_colors):  # one legend entry for them all
         ax.axhline(budget, color=color, ls=":", lw=1, label=None if n else "a plan's budget")
     front = pareto_front(points)
     ax.plot(*zip(*[points[i] for i in front]), "k--", lw=1, label="Pareto front")
     uniform = uniform_points(done, key).values()
-    _plot_envelope(ax, [(m / 2**30, step) for m, step in uniform], top)
+    _plot_envelope(ax, [(m / scale, step) for m, step in uniform], top)
     first = done[0]
     _set_time_axis(ax, [x for x, _ in points])
+    memory = "runtime peak" if key == "peak_bytes_in_use" else "compiled device temp"
+    ylabel = f"{memory} ({unit})" + (", not from 0" if bottom > 0 else "")
+    if first.platform == "cpu":  # XLA:CPU keeps every buffer in one memory: nothing moves
+        ylabel += "\nCPU: host and device memory are one"
     ax.set(
         xlabel="step time (ms)",
-        ylabel=("runtime peak" if key == "peak_bytes_in_use" else "compiled device temp")
-        + " (GiB)",
+        ylabel=ylabel,
         title=f"{first.model} b{first.batch} {first.image_size}² {first.dtype}, {first.device}",
     )
-    ax.set_ylim(0, top)
+    ax.set_ylim(bottom, top)
     # Outside the axes, so that it never hides a point.
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.savefig(path, dpi=120)
@@ -179,6 +186,17 @@ def _plot_envelope(ax: Any, uniform: list[tuple[float, float]], top: float) -> N
     memories = sorted({*np.linspace(leanest, top, 200).tolist(), *(m for m, _ in uniform)})
     steps = [envelope_step(uniform, m) for m in memories]
     ax.plot(steps, memories, color="0.45", lw=1.5, zorder=2, label="uniform envelope")
+
+
+def _memory_limits(memories: list[float]) -> tuple[float, float]:
+    """The memory axis's limits: from 0, unless the memories differ by less than a tenth of
+    the largest (as the strategies' do on CPU, or at a small batch): then around them, so
+    that what differs shows."""
+    least, most = min(memories), max(memories)
+    if least < 0.9 * most:
+        return 0.0, 1.05 * most
+    margin = 0.25 * (most - least) or 0.01 * most
+    return least - margin, most + margin
 
 
 def _set_time_axis(ax: Any, times: list[float]) -> None:

@@ -22,6 +22,7 @@ __all__ = [
     "linen_model",
     "nnx_training",
     "placed",
+    "run_once",
     "sgd_step",
     "train_step",
     "training",
@@ -154,7 +155,7 @@ def placed(init, workload: Workload, *, abstract: bool):
     """
     if workload.devices == 1:
         # Eager init dispatches hundreds of small ops: jit makes it one program.
-        return jax.eval_shape(init) if abstract else jax.jit(init)()
+        return jax.eval_shape(init) if abstract else run_once(init)
     mesh = workload.mesh()
     replicated = NamedSharding(mesh, P())
 
@@ -165,11 +166,24 @@ def placed(init, workload: Workload, *, abstract: bool):
     state, batch = jax.eval_shape(init)
     shardings = jax.tree.map(lambda _: replicated, state), jax.tree.map(split, batch)
     if not abstract:
-        return jax.jit(init, out_shardings=shardings)()
+        return run_once(init, out_shardings=shardings)
     return jax.tree.map(
         lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
         (state, batch), shardings,
     )  # fmt: skip
+
+
+def run_once(init, **jit_options):
+    """``jax.jit(init, **jit_options)()``, compiled as a program that runs once.
+
+    An init draws every parameter from jax's PRNG, and on CPU most of its compile is LLVM
+    optimising those draws at XLA's default level, 3, for a program that runs once. On CPU
+    it is compiled at level 2, which gives the same bits (``tests/test_models.py`` checks
+    it) in a fraction of the compile; elsewhere as jit compiles it.
+    """
+    lowered = jax.jit(init, **jit_options).lower()
+    on_cpu = jax.default_backend() == "cpu"
+    return lowered.compile({"xla_backend_optimization_level": 2} if on_cpu else None)()
 
 
 def uniform_strategy(strategies: Sequence[Strategy]) -> Strategy:
