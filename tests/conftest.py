@@ -8,13 +8,13 @@ import tempfile
 
 # Must be set before jax initialises its backends.
 _XLA_FLAGS = ["--xla_force_host_platform_device_count=4"]
-# XLA:CPU's LLVM at level 2, not XLA's default 3: most of a cold suite's time is compiling,
-# much of it the PRNG draws of parameter inits, which level 2 compiles in a fraction of the
-# time, into programs that give the same bits (tests/test_models.py compares an init).
-# Buffers, and so every memory figure, are XLA's, above LLVM. Not where a GPU plugin is
-# installed: the GPU tests time the kernels that LLVM emits there.
+# XLA:CPU's LLVM at level 0, without its expensive passes: most of a cold suite's time is
+# compiling small programs that run for milliseconds. Buffers, and so every memory figure,
+# are XLA's, above LLVM, and the values are the same (tests/test_models.py compares an init
+# with one compiled at XLA's default). Not where a GPU plugin is installed: the GPU tests
+# time the kernels that LLVM emits there.
 if not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)):
-    _XLA_FLAGS.append("--xla_backend_optimization_level=2")
+    _XLA_FLAGS += ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
 os.environ.setdefault("XLA_FLAGS", " ".join(_XLA_FLAGS))
 # One compilation cache for the run's workers and the processes they start: many tests
 # compile the same small programs, and XLA's compiles are most of the suite's time (a fresh
