@@ -205,6 +205,9 @@ def test_an_interrupt_sent_to_the_command_alone_stops_it_at_once_keeping_what_wa
         [sys.executable, "-m", "jaxoffload", "bench", "--batch=2", "--steps=1",
          "--strategies=none,lean,remat", f"--out={out}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        # As a terminal or a scheduler starts it: a suite started in the background by a
+        # shell without job control ignores SIGINT, and its processes would inherit that.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 600

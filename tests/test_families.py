@@ -100,14 +100,7 @@ def _gradients(model, x, variables):
         )
         return jnp.sum(jnp.sin(y)), state
 
-    # Compiling is most of this file's time, and LLVM's optimisations a third of it: they buy
-    # nothing for a program run once.
-    params = variables["params"]
-    compiled = jax.jit(jax.grad(loss, has_aux=True)).lower(params).compile(_FAST_COMPILE)
-    return compiled(params)
-
-
-_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+    return jax.jit(jax.grad(loss, has_aux=True))(variables["params"])
 
 
 def _block_paths(variables, block):

@@ -24,9 +24,6 @@ from jaxoffload.bench.models import flax_convnext, flax_efficientnet
 from jaxoffload.internal import device_bytes, discover, lower_step
 
 OPTIONS = (Store(), Lean(), Remat())
-# LLVM's optimisations change how fast a program runs, not its buffers: the same bytes in a
-# fraction of the compile time.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 SIDE = 64
 FAMILIES = {
@@ -81,7 +78,7 @@ def _compiled_points(family):
     plans = _checks(paths)
     lowered = [lower_step(model, step, args, p, ()) for p in plans]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        compiled = list(pool.map(lambda low: device_bytes(low.compile(FAST_COMPILE)), lowered))
+        compiled = list(pool.map(lambda low: device_bytes(low.compile()), lowered))
     return [
         (live_bytes(blocks, p.strategies), p.outside.is_identity, False, got)
         for p, got in zip(plans, compiled)
