@@ -201,14 +201,18 @@ def test_an_interrupt_sent_to_the_command_alone_stops_it_at_once_keeping_what_wa
     measures never sees it. The command stops that child and exits within 3 s, with every
     record finished already in records.json."""
     out = tmp_path / "out"
-    command = subprocess.Popen(
-        [sys.executable, "-m", "jaxoffload", "bench", "--batch=2", "--steps=1",
-         "--strategies=none,lean,remat", f"--out={out}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        # As a terminal or a scheduler starts it: a suite started in the background by a
-        # shell without job control ignores SIGINT, and its processes would inherit that.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )  # fmt: skip
+    # Started as a terminal or a scheduler starts it, with SIGINT handled: a suite started in
+    # the background by a shell without job control ignores SIGINT, and an ignored signal
+    # stays ignored across exec (a handled one does not).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        command = subprocess.Popen(
+            [sys.executable, "-m", "jaxoffload", "bench", "--batch=2", "--steps=1",
+             "--strategies=none,lean,remat", f"--out={out}"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         deadline = time.monotonic() + 600
         # 'none' is measured and written; the next strategy's child is measuring.
