@@ -10,9 +10,8 @@ import tempfile
 _XLA_FLAGS = ["--xla_force_host_platform_device_count=4"]
 # XLA:CPU's LLVM at level 0, without its expensive passes: most of a cold suite's time is
 # compiling small programs that run for milliseconds. Buffers, and so every memory figure,
-# are XLA's, above LLVM, and the values are the same (tests/test_models.py compares an init
-# with one compiled at XLA's default). Not where a GPU plugin is installed: the GPU tests
-# time the kernels that LLVM emits there.
+# are XLA's, above LLVM; values may round otherwise, within the tests' tolerances. Not where
+# a GPU plugin is installed: the GPU tests time the kernels that LLVM emits there.
 if not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)):
     _XLA_FLAGS += ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
 os.environ.setdefault("XLA_FLAGS", " ".join(_XLA_FLAGS))
