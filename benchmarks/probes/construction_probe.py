@@ -8,7 +8,8 @@ moves only the blocks' small residuals. An ``off10`` variant can take parts of t
 away, joined by ``-``: ``nogate`` (no call's outputs wait for earlier copies), ``noanchor`` (the
 backward pass's cotangents wait for no token), ``nooutbar`` (the copies' token is no element
 of the outputs), ``bare`` (all three), ``nopack`` (every value travels alone), ``nofdo`` (the
-copies not priced for the scheduler). A ``+nocb`` suffix turns XLA's command buffers off.
+copies not priced for the scheduler), ``min1m`` (values under a MiB stay on the device: the
+construction with nothing to move). A ``+nocb`` suffix turns XLA's command buffers off.
 
 Each compiles with the in-flight limit 64 (and priced copies), runs 5 + 20 steps, traces 5
 and writes OUT/VARIANT.json (``RUN`` suffixes it): the step's median, the compiled program's
@@ -74,15 +75,18 @@ def main(variant, out):
         options["xla_gpu_enable_command_buffer"] = ""
     w = workload.Workload(model="flax-resnet50", batch=256, image_size=224, dtype="bfloat16",
                           strategy="lean")  # fmt: skip
-    strategy = Lean() if "lean" in parts else Offload(window=2, max_bytes=10_000_000)
+    min_bytes = 1 << 20 if "min1m" in parts else 0
+    strategy = (
+        Lean() if "lean" in parts else Offload(window=2, max_bytes=10_000_000, min_bytes=min_bytes)
+    )
     model = models.create("flax-resnet50", strategy=(strategy,) * 16, dtype=jnp.bfloat16,
                           num_classes=1000)  # fmt: skip
     step, state, batch, _ = bench_step.training(w, model, abstract=False)
     lowered = jax.jit(step, donate_argnums=0).lower(state, batch)
     start = time.perf_counter()
     compiled = lowered.compile(options)
-    if "lean" not in parts and "nofdo" not in parts:
-        profile = copy_cost_profile(compiled.as_text(), LINK_GBPS)
+    profile = copy_cost_profile(compiled.as_text(), LINK_GBPS)
+    if profile and "nofdo" not in parts:  # no copies, no profile
         compiled = lowered.compile({**options, "fdo_profile": profile.encode(),
                                     "xla_gpu_pgle_accuracy_checker": "PGLE_STRICTNESS_LEVEL_OFF"})  # fmt: skip
     compile_s = time.perf_counter() - start
