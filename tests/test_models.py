@@ -70,6 +70,7 @@ OPTIONS = {
     "offload, recompute": Offload(recompute=True),
     "remat-dots": Remat(jax.checkpoint_policies.dots_saveable),
     "offload, min_bytes": Offload(min_bytes=1 << 12),
+    "offload, max_bytes": Offload(window=2, max_bytes=1 << 10),
 }
 
 

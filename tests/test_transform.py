@@ -630,7 +630,7 @@ def test_calls_of_one_program_in_other_structures_share_a_selection_with_their_o
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
 
 
-def test_windows_and_caps_of_an_offload_share_its_trace_and_cut():
+def test_windows_and_caps_of_an_offload_share_its_trace_and_its_windows_its_cut():
     from jaxoffload._src import residuals
 
     residuals.SELECTIONS.clear()
@@ -640,8 +640,31 @@ def test_windows_and_caps_of_an_offload_share_its_trace_and_cut():
         for strategy in (Lean(), Offload(), Offload(window=2), Offload(max_bytes=10**9)):
             jax.grad(lambda p, x, s=strategy: wrap(f, s)(p, x)[0].sum())(params, x)
     assert _cached("selection") == 4
-    assert _cached("kept") == 2  # Lean's cut, and the cut of Offload() that the others share
+    # Lean's cut; Offload()'s, which its window shares; the cap's, which may differ.
+    assert _cached("kept") == 3
     assert _cached("differentiated") == 1
+
+
+def test_a_cap_that_leaves_what_offload_keeps_on_the_device_keeps_lean_s_cut():
+    """The offloading cut recomputes more (here the block's output) to move less: that pays
+    only where what it keeps moves. A cap that leaves it on the device keeps Lean's cut."""
+    f, params, x = _layer("residual_block")
+
+    def kept(strategy):
+        return [(r.where, r.shape) for r in saved_residuals(wrap(f, strategy), params, x)]
+
+    lean, moving = kept(Lean()), kept(Offload())
+    assert lean != moving
+    assert kept(Offload(window=2, max_bytes=64)) == lean  # only per-channel vectors fit
+    assert kept(Offload(max_bytes=10**9)) == moving  # all of it fits
+    assert kept(Offload(min_bytes=1 << 10)) == moving  # no cap: small values stay by choice
+    loss = lambda s: lambda p, x: jnp.sum(jnp.sin(wrap(f, s)(p, x)[0]))  # noqa: E731
+    want = jax.grad(loss(Store()), argnums=(0, 1))(params, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jaxoffload.OffloadWarning)  # a CPU moves nothing
+        for strategy in (Lean(), Offload(window=2, max_bytes=64)):  # Lean(): the same arithmetic
+            got = jax.grad(loss(strategy), argnums=(0, 1))(params, x)
+            assert rel_err(got, want) <= 1e-6, strategy
 
 
 _DTYPES = [jnp.float32, jnp.bfloat16, jnp.int8, jnp.int32, jnp.bool_, jnp.uint8, jnp.float16]

@@ -292,7 +292,7 @@ def _differentiate(call, dynamic, kwargs, strategy: Strategy) -> _Differentiated
 
 def _kept(differentiated: _Differentiated, strategy: Strategy, device_leaves):
     """``(saved, recomputed, recompute_flops, cut)``: what ``strategy`` keeps, and recomputes
-    in the backward pass; the same for its windows and caps, which move less, not keep less."""
+    in the backward pass; the same for its windows, not always for its caps (:func:`_cheapest`)."""
     traced = differentiated.traced
     if not strategy.cuts:
         return list(dict.fromkeys(traced.needed)), (), 0, None
@@ -342,7 +342,9 @@ def select_once(
     key, costed = (program, out_tree, tuple(sorted(device_leaves.items()))), strategy.costed()
     trace = ("differentiated", program, out_tree, True if strategy.cuts else costed)
     made = _once(trace, lambda: _differentiate(call, dynamic, kwargs, strategy))
-    kept = _once(("kept", *key, costed), lambda: _kept(made, costed, device_leaves))
+    kept = _once(
+        ("kept", *key, costed, strategy.max_bytes), lambda: _kept(made, strategy, device_leaves)
+    )
     return _once(
         ("selection", *key, strategy), lambda: _selection(made, strategy, device_leaves, kept)
     )
@@ -369,14 +371,34 @@ def _cheapest(jaxpr, needed, out_atoms, params, strategy) -> cut_lib.Cut:
 
     A lean call's inputs and outputs are kept anyway, by the layers around
     it, so they cost nothing; an offloading call moves its own, and never
-    more than a lean call would keep.
+    more than a lean call would keep. The offloading cut recomputes more to
+    move less, which pays only where what it keeps does move.
     """
     kept_anyway = params | set(jaxpr.invars) | {a for a in out_atoms if isinstance(a, jex_core.Var)}
     lean = cut_lib.cheapest_cut(jaxpr, needed, kept_anyway, max_recompute=strategy.max_recompute)
     if not strategy.to_host:
         return lean
     chosen = cut_lib.cheapest_cut(jaxpr, needed, params, max_recompute=strategy.max_recompute)
-    return lean if _bytes(chosen.saved, params) > _bytes(lean.saved, params) else chosen
+    if _bytes(chosen.saved, params) > _bytes(lean.saved, params):
+        return lean
+    # Where a cap leaves some of what the offloading cut keeps on the device, the cut that
+    # leaves less there, and on a tie the lean one, which recomputes less.
+    capped = _held_back(chosen.saved, strategy, params, kept_anyway)
+    if capped and capped >= _held_back(lean.saved, strategy, params, kept_anyway):
+        return lean
+    return chosen
+
+
+def _held_back(saved, strategy: Strategy, params, free) -> int:
+    """The bytes of ``saved`` that ``strategy`` would move but for its cap, ``free`` ones
+    aside; placed as :func:`_describe_saved` places them (``params`` stay)."""
+    sizes = [nbytes(v.aval) for v in saved]
+    movable = [
+        n for n, v in enumerate(saved)
+        if v not in params and strategy.placement(sizes[n], tuple(v.aval.shape))[0] == "pinned_host"
+    ]  # fmt: skip
+    moved = strategy.moved(tuple(sizes[n] for n in movable))
+    return sum(sizes[n] for n, go in zip(movable, moved) if not go and saved[n] not in free)
 
 
 def _describe_saved(saved, jaxpr, out_atoms, on_device, strategy, chosen):
