@@ -133,7 +133,7 @@ def test_effects_and_unknown_primitives_are_never_recomputed():
 
 
 def test_a_repeated_program_is_solved_once_and_mapped_onto_each_trace(monkeypatch):
-    from jaxoffload._src.residuals import trace_vjp
+    from jaxoffload._src.jaxprs import trace_vjp
 
     def block(x, w):
         return jnp.tanh(jnp.sin(x) @ w) * x

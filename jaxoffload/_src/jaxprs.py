@@ -1,7 +1,9 @@
-"""Jaxpr utilities: bytes and FLOPs of traced values, liveness, sub-programs, and one interpreter."""
+"""Jaxpr utilities: bytes and FLOPs of traced values, liveness, sub-programs, one interpreter,
+and the forward pass of ``jax.vjp`` traced with its residuals."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -11,6 +13,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 __all__ = [
+    "VjpTrace",
     "bind",
     "debug_info",
     "eqn_flops",
@@ -22,6 +25,7 @@ __all__ = [
     "nbytes",
     "struct_of",
     "sub_function",
+    "trace_vjp",
     "uses_after",
 ]
 
@@ -188,3 +192,73 @@ def evaluate(
     for step in jaxpr.eqns if steps is None else steps:
         env.update(zip(step.outvars, run(step, [read(v) for v in step.invars])))
     return [read(v) for v in jaxpr.outvars]
+
+
+@dataclasses.dataclass(frozen=True)
+class VjpTrace:
+    """The forward pass of ``jax.vjp(fun)``, traced with its residuals.
+
+    Attributes:
+      jaxpr: the forward pass, whose outputs are ``fun``'s flat outputs, then
+        the residuals (the leaves of the vjp function).
+      consts: its constants.
+      outputs: its first outputs: ``fun``'s.
+      residuals: the rest.
+      used: per residual, whether the backward pass really reads it.
+      backward: the backward pass, from the residuals and the cotangents.
+      vjp_tree: the pytree structure of the vjp function.
+      out_tree: the pytree structure of ``fun``'s outputs.
+    """
+
+    jaxpr: Any
+    consts: list[Any]
+    outputs: list[Any]
+    residuals: list[Any]
+    used: list[bool]
+    backward: Any
+    vjp_tree: Any
+    out_tree: Any
+
+    @property
+    def needed(self) -> list[Any]:
+        """The residuals that the backward pass reads, as variables of ``jaxpr``."""
+        return [a for a, u in zip(self.residuals, self.used) if u and isinstance(a, jex_core.Var)]
+
+
+def trace_vjp(fun: Callable[..., Any], *args: Any) -> VjpTrace:
+    """Traces ``jax.vjp(fun, *args)``'s forward pass, and which residuals its backward pass reads.
+
+    ``jax.vjp`` can keep values that the backward pass then ignores; keeping
+    them would cost memory (and moving them two transfers) for nothing.
+    """
+    trees = {}
+
+    def forward_and_residuals(*args):
+        out, vjp_fun = jax.vjp(fun, *args)
+        leaves, trees["vjp"] = jax.tree.flatten(vjp_fun)
+        trees["out"] = jax.tree.structure(out)
+        return jax.tree.leaves(out), leaves
+
+    closed = jax.make_jaxpr(forward_and_residuals)(*args)
+    jaxpr = closed.jaxpr
+    num_out = trees["out"].num_leaves
+    outputs, residuals = jaxpr.outvars[:num_out], jaxpr.outvars[num_out:]
+    cotangents = jax.tree.unflatten(
+        trees["out"],
+        [
+            struct_of(a.aval, a.aval.dtype if _is_inexact(a.aval) else jax.dtypes.float0)
+            for a in outputs
+        ],
+    )
+    structs = [struct_of(a.aval) for a in residuals]
+    vjp_tree = trees["vjp"]
+    backward = jax.make_jaxpr(lambda r, c: jax.tree.unflatten(vjp_tree, r)(c))(structs, cotangents)
+    live = live_vars(backward.jaxpr)
+    used = [v in live for v in backward.jaxpr.invars[: len(residuals)]]
+    return VjpTrace(
+        jaxpr, closed.consts, outputs, residuals, used, backward, vjp_tree, trees["out"]
+    )
+
+
+def _is_inexact(aval) -> bool:
+    return jax.dtypes.issubdtype(aval.dtype, np.inexact)

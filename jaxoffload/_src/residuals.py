@@ -16,19 +16,18 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import numpy as np
 from jax.extend import core as jex_core
 
 from jaxoffload._src import cut as cut_lib
 from jaxoffload._src import jaxprs, rewrite
 from jaxoffload._src.jaxprs import (
+    VjpTrace,
     eqn_flops,
     fingerprint,
     format_bytes,
-    live_vars,
     nbytes,
-    struct_of,
     sub_function,
+    trace_vjp,
 )
 from jaxoffload._src.strategies import Strategy
 
@@ -37,13 +36,11 @@ __all__ = [
     "OffloadedCall",
     "Residual",
     "Selection",
-    "VjpTrace",
     "check_marked",
     "describe",
     "restructured",
     "select",
     "select_once",
-    "trace_vjp",
 ]
 
 
@@ -154,76 +151,6 @@ def _count(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {prefix}"
     return f"{n} "
-
-
-@dataclasses.dataclass(frozen=True)
-class VjpTrace:
-    """The forward pass of ``jax.vjp(fun)``, traced with its residuals.
-
-    Attributes:
-      jaxpr: the forward pass, whose outputs are ``fun``'s flat outputs, then
-        the residuals (the leaves of the vjp function).
-      consts: its constants.
-      outputs: its first outputs: ``fun``'s.
-      residuals: the rest.
-      used: per residual, whether the backward pass really reads it.
-      backward: the backward pass, from the residuals and the cotangents.
-      vjp_tree: the pytree structure of the vjp function.
-      out_tree: the pytree structure of ``fun``'s outputs.
-    """
-
-    jaxpr: Any
-    consts: list[Any]
-    outputs: list[Any]
-    residuals: list[Any]
-    used: list[bool]
-    backward: Any
-    vjp_tree: Any
-    out_tree: Any
-
-    @property
-    def needed(self) -> list[Any]:
-        """The residuals that the backward pass reads, as variables of ``jaxpr``."""
-        return [a for a, u in zip(self.residuals, self.used) if u and isinstance(a, jex_core.Var)]
-
-
-def trace_vjp(fun: Callable[..., Any], *args: Any) -> VjpTrace:
-    """Traces ``jax.vjp(fun, *args)``'s forward pass, and which residuals its backward pass reads.
-
-    ``jax.vjp`` can keep values that the backward pass then ignores; keeping
-    them would cost memory (and moving them two transfers) for nothing.
-    """
-    trees = {}
-
-    def forward_and_residuals(*args):
-        out, vjp_fun = jax.vjp(fun, *args)
-        leaves, trees["vjp"] = jax.tree.flatten(vjp_fun)
-        trees["out"] = jax.tree.structure(out)
-        return jax.tree.leaves(out), leaves
-
-    closed = jax.make_jaxpr(forward_and_residuals)(*args)
-    jaxpr = closed.jaxpr
-    num_out = trees["out"].num_leaves
-    outputs, residuals = jaxpr.outvars[:num_out], jaxpr.outvars[num_out:]
-    cotangents = jax.tree.unflatten(
-        trees["out"],
-        [
-            struct_of(a.aval, a.aval.dtype if _is_inexact(a.aval) else jax.dtypes.float0)
-            for a in outputs
-        ],
-    )
-    structs = [struct_of(a.aval) for a in residuals]
-    vjp_tree = trees["vjp"]
-    backward = jax.make_jaxpr(lambda r, c: jax.tree.unflatten(vjp_tree, r)(c))(structs, cotangents)
-    live = live_vars(backward.jaxpr)
-    used = [v in live for v in backward.jaxpr.invars[: len(residuals)]]
-    return VjpTrace(
-        jaxpr, closed.consts, outputs, residuals, used, backward, vjp_tree, trees["out"]
-    )
-
-
-def _is_inexact(aval) -> bool:
-    return jax.dtypes.issubdtype(aval.dtype, np.inexact)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,36 +308,23 @@ def _cheapest(jaxpr, needed, out_atoms, params, strategy) -> cut_lib.Cut:
     chosen = cut_lib.cheapest_cut(jaxpr, needed, params, max_recompute=strategy.max_recompute)
     if _bytes(chosen.saved, params) > _bytes(lean.saved, params):
         return lean
-    # Where a cap leaves some of what the offloading cut keeps on the device, the cut that
-    # leaves less there, and on a tie the lean one, which recomputes less.
-    capped = _held_back(chosen.saved, strategy, params, kept_anyway)
-    if capped and capped >= _held_back(lean.saved, strategy, params, kept_anyway):
-        return lean
-    return chosen
+    # Where the cap leaves on the device some of what the offloading cut keeps, the cut
+    # that leaves less there, and on a tie the lean one, which recomputes less.
+    fixed = dict.fromkeys(params, "")
 
+    def held_back(cut) -> int:  # kept-anyway values aside
+        capped = _places(cut.saved, fixed, strategy, jaxpr)[1]
+        return sum(nbytes(cut.saved[n].aval) for n in capped if cut.saved[n] not in kept_anyway)
 
-def _held_back(saved, strategy: Strategy, params, free) -> int:
-    """The bytes of ``saved`` that ``strategy`` would move but for its cap, ``free`` ones
-    aside; placed as :func:`_describe_saved` places them (``params`` stay)."""
-    sizes = [nbytes(v.aval) for v in saved]
-    movable = [
-        n for n, v in enumerate(saved)
-        if v not in params and strategy.placement(sizes[n], tuple(v.aval.shape))[0] == "pinned_host"
-    ]  # fmt: skip
-    moved = strategy.moved(tuple(sizes[n] for n in movable))
-    return sum(sizes[n] for n, go in zip(movable, moved) if not go and saved[n] not in free)
+    capped = held_back(chosen)
+    return lean if capped and capped >= held_back(lean) else chosen
 
 
 def _describe_saved(saved, jaxpr, out_atoms, on_device, strategy, chosen):
     """``(residuals, to_host)``: a :class:`Residual` per saved value, and which move."""
     residuals, to_host = [], []
     outputs = {a for a in out_atoms if isinstance(a, jex_core.Var)}
-    places = [_place(v, on_device, strategy, jaxpr) for v in saved]
-    movable = [n for n, (placement, _) in enumerate(places) if placement == "pinned_host"]
-    moved = strategy.moved(tuple(nbytes(saved[n].aval) for n in movable))
-    for n, go in zip(movable, moved):
-        if not go:
-            places[n] = ("device", f"over max_bytes={strategy.max_bytes}")
+    places = _places(saved, on_device, strategy, jaxpr)[0]
     for n, v in enumerate(saved):
         placement, reason = places[n]
         if placement == "pinned_host":
@@ -423,6 +337,17 @@ def _describe_saved(saved, jaxpr, out_atoms, on_device, strategy, chosen):
             )
         )  # fmt: skip
     return residuals, to_host
+
+
+def _places(saved, on_device, strategy, jaxpr) -> tuple[list[tuple[str, str]], list[int]]:
+    """Where each of ``saved`` waits and why (:func:`_place`), and those that the cap keeps."""
+    places = [_place(v, on_device, strategy, jaxpr) for v in saved]
+    movable = [n for n, (placement, _) in enumerate(places) if placement == "pinned_host"]
+    moved = strategy.moved(tuple(nbytes(saved[n].aval) for n in movable))
+    capped = [n for n, go in zip(movable, moved) if not go]
+    for n in capped:
+        places[n] = ("device", f"over max_bytes={strategy.max_bytes}")
+    return places, capped
 
 
 def _bytes(values, free) -> int:

@@ -16,10 +16,9 @@ import jax
 from jax.extend import core as jex_core
 
 from jaxoffload._src import transform
-from jaxoffload._src.jaxprs import eqn_flops, nbytes, struct_of
+from jaxoffload._src.jaxprs import eqn_flops, nbytes, struct_of, trace_vjp
 from jaxoffload._src.planner.front import Option
 from jaxoffload._src.planner.hiding import copy_timeline, hidden_copies
-from jaxoffload._src.residuals import trace_vjp
 from jaxoffload._src.strategies import Store, Strategy
 from jaxoffload._src.timing import compile_all, timed_together, vjp_programs
 from jaxoffload._src.transfers import without_host_placement
