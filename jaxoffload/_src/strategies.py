@@ -270,7 +270,9 @@ class Offload(Strategy):
       window: how many consecutive wrapped blocks may have transfers in
         flight (see :func:`jaxoffload.offload`); 1 waits for the block's own.
       max_bytes: move at most this many bytes, the largest residuals first
-        while they fit; the rest stays on the device. With a window, a cap
+        while they fit; the rest stays on the device, and where the cap would
+        leave there what an uncapped block keeps, the block keeps
+        :class:`Lean`'s residuals instead (it recomputes less). With a window, a cap
         of what the link moves while the next blocks compute keeps the
         transfers hidden (:func:`jaxoffload.plan` sets such caps).
       fetch_window: how many blocks ahead of its own the backward pass fetches

@@ -187,7 +187,7 @@ def offload(
       window: how many consecutive wrapped calls may have transfers in
         flight; 1 waits for this call's own transfers.
       max_bytes: move at most this many bytes, the largest residuals first;
-        the rest stays on the device.
+        the rest stays on the device (as in :class:`Offload`).
       fetch_window: how many wrapped calls ahead of its own the backward pass
         fetches the residuals; ``None`` for ``window``.
       device_argnums: positional arguments kept on the device anyway
