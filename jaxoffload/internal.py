@@ -8,9 +8,7 @@ may change or go in any release, without notice or deprecation. It is the one wa
 both), so that the rest of ``_src`` can change without asking them.
 """
 
-# The host transfers' construction, and the residuals' selection, whose parts a probe takes
-# away or replaces to price them.
-from jaxoffload._src import residuals as residuals
+# The host transfers' construction, whose parts a probe takes away to price them.
 from jaxoffload._src import transfers as transfers
 
 # Reading traced programs.
@@ -85,7 +83,6 @@ __all__ = [
     "relu",
     "relu_max_pool",
     "requested_host_transfers",
-    "residuals",
     "step_flops",
     "step_ms",
     "steps_together",

@@ -630,7 +630,7 @@ def test_calls_of_one_program_in_other_structures_share_a_selection_with_their_o
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
 
 
-def test_windows_and_caps_of_an_offload_share_its_trace_and_its_windows_its_cut():
+def test_an_offload_s_windows_share_its_trace_and_cut_and_its_caps_its_trace():
     from jaxoffload._src import residuals
 
     residuals.SELECTIONS.clear()

@@ -9,8 +9,7 @@ away, joined by ``-``: ``nogate`` (no call's outputs wait for earlier copies), `
 backward pass's cotangents wait for no token), ``nooutbar`` (the copies' token is no element
 of the outputs), ``bare`` (all three), ``nopack`` (every value travels alone), ``nofdo`` (the
 copies not priced for the scheduler), ``min1m`` (values under a MiB stay on the device: the
-construction with nothing to move), ``leancut`` (each block keeps Lean's cut, not the cut that
-an offload moving every value would keep). A ``+nocb`` suffix turns XLA's command buffers off.
+construction with nothing to move). A ``+nocb`` suffix turns XLA's command buffers off.
 
 Each compiles with the in-flight limit 64 (and priced copies), runs 5 + 20 steps, traces 5
 and writes OUT/VARIANT.json (``RUN`` suffixes it): the step's median, the compiled program's
@@ -34,7 +33,7 @@ import jaxoffload
 from jaxoffload import Lean, Offload
 from jaxoffload.bench import models, workload
 from jaxoffload.bench import step as bench_step
-from jaxoffload.internal import copy_cost_profile, residuals, transfers
+from jaxoffload.internal import copy_cost_profile, transfers
 
 LINK_GBPS = float(os.environ.get("LINK_GBPS", 52.0))
 
@@ -52,11 +51,6 @@ def take_apart(parts):
         transfers.scalar_of = lambda tree: transfers.empty_token()
     if "nopack" in parts:
         transfers.PACK_BELOW = 0
-    if "leancut" in parts:
-        cheapest = residuals._cheapest
-        residuals._cheapest = lambda jaxpr, needed, out_atoms, params, strategy: cheapest(
-            jaxpr, needed, out_atoms, params, Lean(strategy.max_recompute)
-        )
 
 
 def kernel_times(folder, steps):

@@ -316,8 +316,8 @@ def _cheapest(jaxpr, needed, out_atoms, params, strategy) -> cut_lib.Cut:
         capped = _places(cut.saved, fixed, strategy, jaxpr)[1]
         return sum(nbytes(cut.saved[n].aval) for n in capped if cut.saved[n] not in kept_anyway)
 
-    capped = held_back(chosen)
-    return lean if capped and capped >= held_back(lean) else chosen
+    left = held_back(chosen)
+    return lean if left and left >= held_back(lean) else chosen
 
 
 def _describe_saved(saved, jaxpr, out_atoms, on_device, strategy, chosen):
