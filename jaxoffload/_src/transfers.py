@@ -34,6 +34,7 @@ __all__ = [
     "is_real",
     "move_out",
     "packed",
+    "put_back",
     "say_if_nothing_moves",
     "scalar_of",
     "unpacked",
@@ -178,19 +179,30 @@ def move_out(out, saved, to_host, gates, window):
     return out, saved, host, token, anchors
 
 
-def fetch(saved, host, cotangent, fetch_cotangent, anchors, fetch_window):
-    """Brings ``host``'s values back into ``saved`` once the backward pass needs them (see
-    :class:`Chain`)."""
-    saved = list(saved)
+def fetch(host, cotangent, fetch_cotangent, anchors, fetch_window):
+    """Brings ``host``'s arrays back to the device once the backward pass needs them (see
+    :class:`Chain`), still packed: :func:`put_back` places their values.
+
+    Returns ``(fetched, cotangent, anchors)``.
+    """
     if host.arrays and fetch_window == 1:
         host, cotangent = barrier_arrays((host, cotangent))
     elif host.arrays:
         host, fetch_cotangent = barrier_arrays((host, fetch_cotangent))
         anchors = [*anchors, fetch_cotangent]
-    fetched = unpacked([_put(value, _DEVICE) for value in host.arrays], host.packing)
-    for n, value in zip(host.positions, fetched):
+    return [_put(value, _DEVICE) for value in host.arrays], cotangent, anchors
+
+
+def put_back(saved, host, fetched):
+    """``saved`` with the values of ``fetched`` (:func:`fetch`'s arrays) where they came from.
+
+    Unpacking after the backward pass's recompute barrier, not before it, lets each slice
+    fuse into the kernel that reads it: a barrier's operand is a buffer of its own.
+    """
+    saved = list(saved)
+    for n, value in zip(host.positions, unpacked(fetched, host.packing)):
         saved[n] = value
-    return saved, cotangent, anchors
+    return saved
 
 
 @jax.tree_util.register_pytree_node_class

@@ -362,13 +362,14 @@ def _custom_call(traced: TracedCall, strategy: Strategy, fun) -> Any:
         if fetch_window == window:
             fetch_cotangent = token_cotangent
         with jax.named_scope("jaxoffload/to_device"):
-            saved, cotangent, anchors = transfers.fetch(
-                saved, host, cotangent, fetch_cotangent, anchors, fetch_window
+            fetched, cotangent, anchors = transfers.fetch(
+                host, cotangent, fetch_cotangent, anchors, fetch_window
             )
         if kept.recomputes:
             # Recomputed after the cotangent arrives, as jax.checkpoint does:
             # otherwise XLA merges the recomputation with the forward pass's.
-            saved, cotangent = transfers.barrier_arrays((saved, cotangent))
+            (saved, fetched), cotangent = transfers.barrier_arrays(((saved, fetched), cotangent))
+        saved = transfers.put_back(saved, host, fetched)
         vjp_fun = jax.tree.unflatten(kept.vjp_tree, kept.backward(saved))
         # Each gate's cotangent exists once this call's backward pass starts:
         # it starts the fetch of the call that gated on it.
