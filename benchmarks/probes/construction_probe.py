@@ -28,6 +28,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from overlap_probe import pipelined_ms  # beside this script
 
 import jaxoffload
 from jaxoffload import Lean, Offload
@@ -107,12 +108,15 @@ def main(variant, out):
         start = time.perf_counter()
         jax.block_until_ready(run())
         times.append((time.perf_counter() - start) * 1e3)
+    pipelined, pipelined_times = pipelined_ms(run)
     folder = os.path.join(out, "trace-" + tag)
     overlap = jaxoffload.measure_overlap(run, steps=5, warmup=1, log_dir=folder)
     record = {
         "variant": variant,
         "step_ms": sorted(times)[len(times) // 2],
         "times": times,
+        "pipelined_step_ms": pipelined,
+        "pipelined_times": pipelined_times,
         "compile_s": compile_s,
         "peak_bytes_in_use": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use"),
         "copy_starts": text.count("copy-start("),
