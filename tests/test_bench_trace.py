@@ -36,3 +36,27 @@ def test_no_timeline_no_picture(tmp_path):
         timeline={"compute": [[0.0, 1.0], [1.5, 2.5]], "d2h": [[0.5, 1.5]], "h2d": [[2.0, 2.4]]},
     )  # fmt: skip
     assert plot_timelines([gpu], tmp_path / "t.png") == tmp_path / "t.png"
+
+
+def test_each_step_is_queued_before_the_one_before_it_is_waited_for():
+    from jaxoffload.bench.measure import timed_steps
+
+    events = []
+
+    class Loss:
+        def __init__(self, n):
+            self.n = n
+
+        def block_until_ready(self):
+            events.append(("wait", self.n))
+
+    def step(state, batch):
+        events.append(("launch", state))
+        return state + 1, Loss(state)
+
+    state, loss, times = timed_steps(step, 0, None, steps=3)
+    # As a training loop dispatches: the next step is launched while the last one runs.
+    assert events == [
+        ("launch", 0), ("launch", 1), ("wait", 0), ("launch", 2), ("wait", 1), ("wait", 2)
+    ]  # fmt: skip
+    assert state == 3 and loss.n == 2 and len(times) == 3 and all(t >= 0 for t in times)

@@ -108,7 +108,7 @@ def main(variant, out):
         start = time.perf_counter()
         jax.block_until_ready(run())
         times.append((time.perf_counter() - start) * 1e3)
-    pipelined, pipelined_times = pipelined_ms(run)
+    pipelined, pipelined_times = pipelined_ms(compiled, holder, batch)
     folder = os.path.join(out, "trace-" + tag)
     overlap = jaxoffload.measure_overlap(run, steps=5, warmup=1, log_dir=folder)
     record = {

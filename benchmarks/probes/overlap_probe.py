@@ -61,19 +61,13 @@ def time_ms(fn, runs=10, warmup=3):
     return statistics.median(ts), ts
 
 
-def pipelined_ms(fn, runs=20):
-    """Each step's time from the end of the one before, with the next step queued behind it,
-    as a training loop dispatches: the host's launch of a step runs under the device's work."""
-    jax.block_until_ready(fn())
-    end, pending, ts = time.perf_counter(), fn(), []
-    for _ in range(runs):
-        queued = fn()
-        jax.block_until_ready(pending)
-        now = time.perf_counter()
-        ts.append((now - end) * 1e3)
-        end, pending = now, queued
-    jax.block_until_ready(pending)
-    return statistics.median(ts[1:]), ts
+def pipelined_ms(compiled, holder, batch, runs=20):
+    """The bench's step time: each step from the end of the one before, the next one queued."""
+    from jaxoffload.bench.measure import timed_steps
+
+    holder["state"], _, seconds = timed_steps(compiled, holder["state"], batch, runs)
+    times = [t * 1e3 for t in seconds]
+    return statistics.median(times[1:]), times
 
 
 def lines_of(folder):
@@ -246,7 +240,7 @@ def resnet50(variant, out, options):
 
     ms, times = time_ms(run, runs=10, warmup=3)
     peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
-    pipelined, pipelined_times = pipelined_ms(run)
+    pipelined, pipelined_times = pipelined_ms(compiled, holder, batch)
     rec = {
         "pipelined_step_ms": pipelined,
         "pipelined_times": pipelined_times,

@@ -48,6 +48,7 @@ __all__ = [
     "probe",
     "requested_host_bytes",
     "spatial_fields",
+    "timed_steps",
 ]
 
 
@@ -293,17 +294,28 @@ def _time_steps(compiled, state, batch, *, warmup: int, steps: int):
     for _ in range(warmup):
         state, loss = compiled(state, batch)
     loss.block_until_ready()
-    return _timed(compiled, state, batch, steps)
+    return timed_steps(compiled, state, batch, steps)
 
 
-def _timed(compiled, state, batch, steps: int):
-    """``(state, loss, times)``: ``steps`` steps, each timed to its end, in seconds."""
+def timed_steps(compiled, state, batch, steps: int):
+    """``(state, loss, times)``: ``steps`` steps, each timed from the end of the one before, in seconds.
+
+    Each step is queued before the one before it is waited for, as a training loop dispatches
+    them, so the host launches a step while the device runs the one before: the times are the
+    device's steps. A step timed alone from its launch would add the launch, and the launch's
+    spread from one process to the next (``docs/design.md``, "Copies that hide").
+    """
     times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        state, loss = compiled(state, batch)
-        loss.block_until_ready()
-        times.append(time.perf_counter() - start)
+    end = time.perf_counter()
+    state, loss = compiled(state, batch)
+    for n in range(steps):
+        running = loss
+        if n + 1 < steps:
+            state, loss = compiled(state, batch)
+        running.block_until_ready()
+        now = time.perf_counter()
+        times.append(now - end)
+        end = now
     return state, loss, times
 
 
@@ -320,7 +332,7 @@ def _time_twin(twin, twin_loss, state, batch, *, steps: int):
     """
     with without_host_placement():
         forward_ms = _forward_ms(twin_loss, state, batch, runs=steps)
-    state, loss, times = _timed(twin, state, batch, steps + 1)
+    state, loss, times = timed_steps(twin, state, batch, steps + 1)
     return (
         state,
         loss,
