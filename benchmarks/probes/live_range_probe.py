@@ -1,12 +1,13 @@
 """What is alive at a plan's compiled peak, against its compiled temporaries. A GPU probe, not a test.
 
-    python benchmarks/probes/live_range_probe.py VARIANT OUT
+    python benchmarks/probes/live_range_probe.py VARIANT OUT [option=value ...]
 
 Flax's ImageNet ResNet-50 (the bench's ``flax-resnet50``), b256, bf16, 224², its blocks under
 ``Lean()`` (VARIANT ``lean``) or a plan's JSON file (``benchmarks/probes/plans/``), compiled as
 ``overlap_probe.py`` compiles it (the in-flight limit 64, copies priced), and not run. Writes
 OUT/NAME-peak.json (the temporaries, and the jax operations alive at the peak of XLA's
-live-range dump, which counts host buffers too) and OUT/NAME-live-range.txt.gz (the dump).
+live-range dump, which counts host buffers too) and OUT/NAME-live-range.txt.gz (the dump); NAME
+is the variant's, with the XLA options given beside it.
 """
 
 import glob
@@ -26,7 +27,7 @@ os.environ["XLA_FLAGS"] = (
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from compile_probe import _peak_breakdown  # noqa: E402  (beside this script)
-from overlap_probe import copy_profile  # noqa: E402
+from overlap_probe import copy_profile, options_of  # noqa: E402
 
 import jaxoffload  # noqa: E402
 from jaxoffload import Lean  # noqa: E402
@@ -34,7 +35,7 @@ from jaxoffload.bench import models, workload  # noqa: E402
 from jaxoffload.bench import step as bench_step  # noqa: E402
 
 
-def main(variant, out):
+def main(variant, out, extra):
     w = workload.Workload(
         model="flax-resnet50", batch=256, image_size=224, dtype="bfloat16", strategy="lean"
     )
@@ -47,7 +48,7 @@ def main(variant, out):
         )
     step, state, batch, _ = bench_step.training(w, model, abstract=True)
     lowered = jax.jit(step, donate_argnums=0).lower(state, batch)
-    options = {"xla_gpu_experimental_parallel_async_compute_limit": 64}
+    options = {"xla_gpu_experimental_parallel_async_compute_limit": 64, **extra}
     compiled = lowered.compile(options)
     profile = copy_profile(compiled.as_text())
     if profile.count("costs"):  # copies to price: compile again, and dump only that program
@@ -61,10 +62,12 @@ def main(variant, out):
             }
         )
     name = os.path.basename(variant).removesuffix(".json")
+    name += "".join(f"-{k.removeprefix('xla_gpu_')}_{v}" for k, v in extra.items())
     memory = compiled.memory_analysis()
     peak, alive = _peak_breakdown(DUMP)
     record = {
         "variant": name,
+        "options": options,
         "temp_bytes": memory.temp_size_in_bytes,
         "host_temp_bytes": memory.host_temp_size_in_bytes,
         "argument_bytes": memory.argument_size_in_bytes,
@@ -81,4 +84,4 @@ def main(variant, out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], options_of(sys.argv[3:]))
