@@ -706,6 +706,32 @@ def test_a_cap_that_leaves_what_offload_keeps_on_the_device_keeps_lean_s_cut():
             assert rel_err(got, want) <= 1e-6, strategy
 
 
+def test_under_lean_s_cut_a_cap_moves_no_input_or_output_and_goes_to_the_rest():
+    """The layers around a call keep its inputs and outputs on the device: moving them would
+    free nothing, so under Lean's cut they stay, and the cap moves the largest of the rest."""
+    f, params, x = _layer("residual_block")
+    strategy = Offload(max_bytes=x.nbytes + 500)  # room for one activation, and vectors
+
+    def kept(strategy):
+        return saved_residuals(wrap(f, strategy), params, x)
+
+    capped, lean = kept(strategy), kept(Lean())
+    assert [(r.where, r.shape) for r in capped] == [(r.where, r.shape) for r in lean]
+    around = [r for r in capped if r.where == "input" or r.output]
+    assert around and all(r.placement == "device" for r in around)
+    assert all("moving it frees nothing" in r.reason for r in around)
+    moved = [r for r in capped if r.placement == "pinned_host"]
+    assert max(r.nbytes for r in moved) == x.nbytes  # an activation inside the block
+    assert "conv_general_dilated" in max(moved, key=lambda r: r.nbytes).where
+    assert sum(r.nbytes for r in moved) <= strategy.max_bytes
+    loss = lambda s: lambda p, x: jnp.sum(jnp.sin(wrap(f, s)(p, x)[0]))  # noqa: E731
+    want = jax.grad(loss(Store()), argnums=(0, 1))(params, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jaxoffload.OffloadWarning)  # a CPU moves nothing
+        for s in (Lean(), strategy):  # Lean(): the same arithmetic
+            assert rel_err(jax.grad(loss(s), argnums=(0, 1))(params, x), want) <= 1e-6, s
+
+
 _DTYPES = [jnp.float32, jnp.bfloat16, jnp.int8, jnp.int32, jnp.bool_, jnp.uint8, jnp.float16]
 
 

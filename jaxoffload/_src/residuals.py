@@ -218,22 +218,24 @@ def _differentiate(call, dynamic, kwargs, strategy: Strategy) -> _Differentiated
 
 
 def _kept(differentiated: _Differentiated, strategy: Strategy, device_leaves):
-    """``(saved, recomputed, recompute_flops, cut)``: what ``strategy`` keeps, and recomputes
-    in the backward pass; the same for its windows, not always for its caps (:func:`_cheapest`)."""
+    """``(saved, recomputed, recompute_flops, cut, stay)``: what ``strategy`` keeps, and
+    recomputes in the backward pass; the same for its windows, not always for its caps
+    (:func:`_cheapest`). ``stay`` maps the saved values that the cut keeps on the device
+    whatever the strategy's placement, to why."""
     traced = differentiated.traced
     if not strategy.cuts:
-        return list(dict.fromkeys(traced.needed)), (), 0, None
+        return list(dict.fromkeys(traced.needed)), (), 0, None, {}
     jaxpr = traced.jaxpr
     params = {jaxpr.invars[i] for i in device_leaves} | set(jaxpr.constvars)
-    chosen = _cheapest(jaxpr, traced.needed, traced.outputs, params, strategy)
-    return list(chosen.saved), chosen.recomputed, chosen.recompute_flops, chosen
+    chosen, stay = _cheapest(jaxpr, traced.needed, traced.outputs, params, strategy)
+    return list(chosen.saved), chosen.recomputed, chosen.recompute_flops, chosen, stay
 
 
 def _selection(differentiated: _Differentiated, strategy, device_leaves, kept) -> Selection:
     """The selection that keeps ``kept`` (:func:`_kept`), each saved value where ``strategy`` puts it."""
-    traced, (saved, recomputed, flops, chosen) = differentiated.traced, kept
+    traced, (saved, recomputed, flops, chosen, stay) = differentiated.traced, kept
     jaxpr, consts = traced.jaxpr, traced.consts
-    on_device = {jaxpr.invars[i]: why for i, why in device_leaves.items()}
+    on_device = {**stay, **{jaxpr.invars[i]: why for i, why in device_leaves.items()}}
     residuals, to_host = _describe_saved(saved, jaxpr, traced.outputs, on_device, strategy, chosen)
     forward = sub_function(jaxpr, consts, list(jaxpr.invars), [*traced.outputs, *saved])
     backward_eqns = [jaxpr.eqns[i] for i in recomputed]
@@ -293,8 +295,13 @@ def restructured(cotangents, like):
     return jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(cotangents))
 
 
-def _cheapest(jaxpr, needed, out_atoms, params, strategy) -> cut_lib.Cut:
-    """The cut that ``strategy`` keeps (see :func:`jaxoffload._src.cut.cheapest_cut`).
+# Why a lean cut's inputs and outputs stay on the device under an Offload's cap.
+KEPT_AROUND = "kept anyway outside the call (an input or an output): moving it frees nothing"
+
+
+def _cheapest(jaxpr, needed, out_atoms, params, strategy) -> tuple[cut_lib.Cut, dict]:
+    """The cut that ``strategy`` keeps (see :func:`jaxoffload._src.cut.cheapest_cut`), and the
+    saved values that stay on the device whatever ``strategy`` places, each with why.
 
     A lean call's inputs and outputs are kept anyway, by the layers around
     it, so they cost nothing; an offloading call moves its own, and never
@@ -304,20 +311,22 @@ def _cheapest(jaxpr, needed, out_atoms, params, strategy) -> cut_lib.Cut:
     kept_anyway = params | set(jaxpr.invars) | {a for a in out_atoms if isinstance(a, jex_core.Var)}
     lean = cut_lib.cheapest_cut(jaxpr, needed, kept_anyway, max_recompute=strategy.max_recompute)
     if not strategy.to_host:
-        return lean
+        return lean, {}
     chosen = cut_lib.cheapest_cut(jaxpr, needed, params, max_recompute=strategy.max_recompute)
     if _bytes(chosen.saved, params) > _bytes(lean.saved, params):
-        return lean
+        return lean, {}
     # Where the cap leaves on the device some of what the offloading cut keeps, the cut
-    # that leaves less there, and on a tie the lean one, which recomputes less.
+    # that leaves less there, and on a tie the lean one, which recomputes less. Under the
+    # lean cut, what the layers around keep stays, and the cap goes to the rest.
     fixed = dict.fromkeys(params, "")
+    around = {v: KEPT_AROUND for v in lean.saved if v in kept_anyway and v not in params}
 
-    def held_back(cut) -> int:  # kept-anyway values aside
-        capped = _places(cut.saved, fixed, strategy, jaxpr)[1]
+    def held_back(cut, stay) -> int:
+        capped = _places(cut.saved, {**fixed, **stay}, strategy, jaxpr)[1]
         return sum(nbytes(cut.saved[n].aval) for n in capped if cut.saved[n] not in kept_anyway)
 
-    left = held_back(chosen)
-    return lean if left and left >= held_back(lean) else chosen
+    left = held_back(chosen, {})
+    return (lean, around) if left and left >= held_back(lean, around) else (chosen, {})
 
 
 def _describe_saved(saved, jaxpr, out_atoms, on_device, strategy, chosen):

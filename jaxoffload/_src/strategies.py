@@ -272,7 +272,8 @@ class Offload(Strategy):
       max_bytes: move at most this many bytes, the largest residuals first
         while they fit; the rest stays on the device, and where the cap would
         leave there what an uncapped block keeps, the block keeps
-        :class:`Lean`'s residuals instead (it recomputes less). With a window, a cap
+        :class:`Lean`'s residuals instead (it recomputes less), and its inputs
+        and outputs, which the layers around keep, stay. With a window, a cap
         of what the link moves while the next blocks compute keeps the
         transfers hidden (:func:`jaxoffload.plan` sets such caps).
       fetch_window: how many blocks ahead of its own the backward pass fetches
