@@ -1,4 +1,5 @@
-"""Seconds to trace and to lower a plain-Flax model's training step under three mixed plans.
+"""Seconds to trace and to lower a plain-Flax model's training step under three mixed plans,
+then to trace it under uniform plans and as the plain model, each twice (caches warm the second).
 
     python benchmarks/probes/trace_time.py [MODEL] [BATCH] [IMAGE_SIZE]
 
@@ -43,3 +44,22 @@ for shift in range(3):
     print(
         f"plan {shift}: traced in {mid - start:.2f} s, lowered in {time.perf_counter() - mid:.2f} s"
     )
+
+uniform = {
+    "Store() x all, outside Store()": Plan(tuple((p, Store()) for p in paths), Store()),
+    "Store() x all, outside Lean()": Plan(tuple((p, Store()) for p in paths), Lean()),
+    "Lean() x all, outside Lean()": Plan(tuple((p, Lean()) for p in paths), Lean()),
+    "Remat() x all, outside Lean()": Plan(tuple((p, Remat()) for p in paths), Lean()),
+}
+for label, plan in uniform.items():
+    for _ in range(2):
+        start = time.perf_counter()
+        fun, arrays, donate = program(m, step, (state, b), plan, (0,))
+        jax.jit(fun, donate_argnums=donate).trace(*arrays)
+        print(f"{label}: traced in {time.perf_counter() - start:.2f} s")
+plain = linen_model(w, plannable=False)
+_, plain_state, plain_batch, _ = training(w, plain, abstract=True)
+for _ in range(2):
+    start = time.perf_counter()
+    jax.jit(lambda s, b: step(plain, s, b)).trace(plain_state, plain_batch)
+    print(f"the plain model: traced in {time.perf_counter() - start:.2f} s")
