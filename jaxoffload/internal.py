@@ -58,7 +58,6 @@ from jaxoffload._src.timing import zeros as zeros
 from jaxoffload._src.transfers import without_host_placement as without_host_placement
 
 # XLA options, and host copies priced for the scheduler.
-from jaxoffload._src.xla_options import copy_cost_profile as copy_cost_profile
 from jaxoffload._src.xla_options import with_copy_costs as with_copy_costs
 
 __all__ = [
@@ -66,7 +65,6 @@ __all__ = [
     "analyze",
     "brief",
     "compile_all",
-    "copy_cost_profile",
     "cost_blocks",
     "default_options",
     "device_bytes",

@@ -34,7 +34,7 @@ import jaxoffload
 from jaxoffload import Lean, Offload
 from jaxoffload.bench import models, workload
 from jaxoffload.bench import step as bench_step
-from jaxoffload.internal import copy_cost_profile, transfers
+from jaxoffload.internal import transfers, with_copy_costs
 
 LINK_GBPS = float(os.environ.get("LINK_GBPS", 52.0))
 
@@ -86,10 +86,9 @@ def main(variant, out):
     lowered = jax.jit(step, donate_argnums=0).lower(state, batch)
     start = time.perf_counter()
     compiled = lowered.compile(options)
-    profile = copy_cost_profile(compiled.as_text(), LINK_GBPS)
-    if profile and "nofdo" not in parts:  # no copies, no profile
-        compiled = lowered.compile({**options, "fdo_profile": profile.encode(),
-                                    "xla_gpu_pgle_accuracy_checker": "PGLE_STRICTNESS_LEVEL_OFF"})  # fmt: skip
+    priced = with_copy_costs(options, compiled.as_text(), LINK_GBPS)
+    if priced != options and "nofdo" not in parts:  # no copies, no profile
+        compiled = lowered.compile(priced)
     compile_s = time.perf_counter() - start
     text = compiled.as_text()
     tag = variant.replace("+", "_") + os.environ.get("RUN", "")

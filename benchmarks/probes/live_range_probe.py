@@ -25,43 +25,22 @@ os.environ["XLA_FLAGS"] = (
 )
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 from compile_probe import _peak_breakdown  # noqa: E402  (beside this script)
-from overlap_probe import copy_profile, options_of  # noqa: E402
+from overlap_probe import LINK_GBPS, options_of, resnet50_training  # noqa: E402
 
-import jaxoffload  # noqa: E402
-from jaxoffload import Lean  # noqa: E402
-from jaxoffload.bench import models, workload  # noqa: E402
-from jaxoffload.bench import step as bench_step  # noqa: E402
+from jaxoffload.internal import with_copy_costs  # noqa: E402
 
 
 def main(variant, out, extra):
-    w = workload.Workload(
-        model="flax-resnet50", batch=256, image_size=224, dtype="bfloat16", strategy="lean"
-    )
-    if variant.endswith(".json"):
-        plain = models.plannable_model("flax-resnet50", dtype=jnp.bfloat16, num_classes=1000)
-        model = jaxoffload.Plan.load(variant).apply(plain)
-    else:
-        model = models.create(
-            "flax-resnet50", strategy=(Lean(),) * 16, dtype=jnp.bfloat16, num_classes=1000
-        )
-    step, state, batch, _ = bench_step.training(w, model, abstract=True)
+    name, step, state, batch = resnet50_training(variant, abstract=True)
     lowered = jax.jit(step, donate_argnums=0).lower(state, batch)
     options = {"xla_gpu_experimental_parallel_async_compute_limit": 64, **extra}
     compiled = lowered.compile(options)
-    profile = copy_profile(compiled.as_text())
-    if profile.count("costs"):  # copies to price: compile again, and dump only that program
+    priced = with_copy_costs(options, compiled.as_text(), LINK_GBPS)
+    if priced != options:  # copies to price: compile again, and dump only that program
         shutil.rmtree(DUMP)
         os.makedirs(DUMP)
-        compiled = lowered.compile(
-            {
-                **options,
-                "fdo_profile": profile.encode(),
-                "xla_gpu_pgle_accuracy_checker": "PGLE_STRICTNESS_LEVEL_OFF",
-            }
-        )
-    name = os.path.basename(variant).removesuffix(".json")
+        compiled = lowered.compile(priced)
     name += "".join(f"-{k.removeprefix('xla_gpu_')}_{v}" for k, v in extra.items())
     memory = compiled.memory_analysis()
     peak, alive = _peak_breakdown(DUMP)

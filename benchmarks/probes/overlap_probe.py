@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 import jaxoffload
 from jaxoffload import Lean, Offload
-from jaxoffload.internal import copy_cost_profile, measure_link
+from jaxoffload.internal import measure_link, with_copy_costs
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 
@@ -131,12 +131,7 @@ def minimal(out):
         try:
             c = f.lower(*args).compile()
             if name.endswith("fdo"):
-                c = f.lower(*args).compile(
-                    {
-                        "fdo_profile": copy_profile(c.as_text()).encode(),
-                        "xla_gpu_pgle_accuracy_checker": "PGLE_STRICTNESS_LEVEL_OFF",
-                    }
-                )
+                c = f.lower(*args).compile(with_copy_costs({}, c.as_text(), LINK_GBPS))
             facts, text = compiled_facts(c)
             ms, _ = time_ms(lambda c=c, args=args: c(*args))
             rec = {"ms": ms, **facts}
@@ -175,12 +170,13 @@ VARIANTS = {
 }
 
 
-def copy_profile(text):
-    """Each host copy priced at its bytes over 52 GB/s (the link as measured), for fdo_profile."""
-    return copy_cost_profile(text, float(os.environ.get("LINK_GBPS", 52.0)))
+# Each host copy is priced at its bytes over this (the link as measured), for fdo_profile.
+LINK_GBPS = float(os.environ.get("LINK_GBPS", 52.0))
 
 
-def resnet50(variant, out, options):
+def resnet50_training(variant, abstract):
+    """``(name, step, state, batch)``: Flax's ResNet-50 training step (not jitted), its blocks
+    under VARIANT, a name in ``VARIANTS`` or a plan's JSON file (``plans/``)."""
     from jaxoffload.bench import models, workload
     from jaxoffload.bench import step as bench_step
 
@@ -203,22 +199,21 @@ def resnet50(variant, out, options):
             dtype=jnp.bfloat16,
             num_classes=1000,
         )
-    step, state, batch, _ = bench_step.training(w, model, abstract=False)
+    step, state, batch, _ = bench_step.training(w, model, abstract=abstract)
+    return variant, step, state, batch
+
+
+def resnet50(variant, out, options):
+    variant, step, state, batch = resnet50_training(variant, abstract=False)
     step = jax.jit(step, donate_argnums=0)
     fdo = options.pop("fdo", None)
     t = time.perf_counter()
     lowered = step.lower(state, batch)
     compiled = lowered.compile(options) if options else lowered.compile()
     if fdo:
-        profile = copy_profile(compiled.as_text())
-        print("profile entries", profile.count("costs"), flush=True)
-        compiled = lowered.compile(
-            {
-                **options,
-                "fdo_profile": profile.encode(),
-                "xla_gpu_pgle_accuracy_checker": "PGLE_STRICTNESS_LEVEL_OFF",
-            }
-        )
+        priced = with_copy_costs(options, compiled.as_text(), LINK_GBPS)
+        print("copies priced:", "fdo_profile" in priced, flush=True)
+        compiled = lowered.compile(priced)
         options["fdo"] = 1
     compile_s = time.perf_counter() - t
     if os.environ.get("PGLE"):  # jit's own path, which profiles its first runs and recompiles
