@@ -697,13 +697,17 @@ def test_a_cap_that_leaves_what_offload_keeps_on_the_device_keeps_lean_s_cut():
     assert kept(Offload(window=2, max_bytes=64)) == lean  # only per-channel vectors fit
     assert kept(Offload(max_bytes=10**9)) == moving  # all of it fits
     assert kept(Offload(min_bytes=1 << 10)) == moving  # no cap: small values stay by choice
+    _assert_gradients_match_store(f, params, x, Offload(window=2, max_bytes=64))
+
+
+def _assert_gradients_match_store(f, params, x, strategy):
+    """``strategy``'s gradients of ``f`` are Store()'s, beside Lean()'s: the same arithmetic."""
     loss = lambda s: lambda p, x: jnp.sum(jnp.sin(wrap(f, s)(p, x)[0]))  # noqa: E731
     want = jax.grad(loss(Store()), argnums=(0, 1))(params, x)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", jaxoffload.OffloadWarning)  # a CPU moves nothing
-        for strategy in (Lean(), Offload(window=2, max_bytes=64)):  # Lean(): the same arithmetic
-            got = jax.grad(loss(strategy), argnums=(0, 1))(params, x)
-            assert rel_err(got, want) <= 1e-6, strategy
+        for s in (Lean(), strategy):
+            assert rel_err(jax.grad(loss(s), argnums=(0, 1))(params, x), want) <= 1e-6, s
 
 
 def test_under_lean_s_cut_a_cap_moves_no_input_or_output_and_goes_to_the_rest():
@@ -724,12 +728,7 @@ def test_under_lean_s_cut_a_cap_moves_no_input_or_output_and_goes_to_the_rest():
     assert max(r.nbytes for r in moved) == x.nbytes  # an activation inside the block
     assert "conv_general_dilated" in max(moved, key=lambda r: r.nbytes).where
     assert sum(r.nbytes for r in moved) <= strategy.max_bytes
-    loss = lambda s: lambda p, x: jnp.sum(jnp.sin(wrap(f, s)(p, x)[0]))  # noqa: E731
-    want = jax.grad(loss(Store()), argnums=(0, 1))(params, x)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", jaxoffload.OffloadWarning)  # a CPU moves nothing
-        for s in (Lean(), strategy):  # Lean(): the same arithmetic
-            assert rel_err(jax.grad(loss(s), argnums=(0, 1))(params, x), want) <= 1e-6, s
+    _assert_gradients_match_store(f, params, x, strategy)
 
 
 _DTYPES = [jnp.float32, jnp.bfloat16, jnp.int8, jnp.int32, jnp.bool_, jnp.uint8, jnp.float16]
