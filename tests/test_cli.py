@@ -194,13 +194,9 @@ def _ended(pid: int) -> bool:
     return state in ("Z", "X")  # a zombie is dead: what is left is its exit status
 
 
-def test_an_interrupt_sent_to_the_command_alone_stops_it_at_once_keeping_what_was_measured(
-    tmp_path,
-):
-    """A scheduler's SIGINT goes to the command's process, not its group: the child that
-    measures never sees it. The command stops that child and exits within 3 s, with every
-    record finished already in records.json."""
-    out = tmp_path / "out"
+def _bench_measuring_its_second_strategy(out: pathlib.Path) -> tuple[subprocess.Popen, list[int]]:
+    """Starts ``jaxoffload bench`` in a session of its own and returns it once 'none' is
+    written and the child measuring 'lean' runs, with that child's process id."""
     # Started as a terminal or a scheduler starts it, with SIGINT handled: a suite started in
     # the background by a shell without job control ignores SIGINT, and an ignored signal
     # stays ignored across exec (a handled one does not).
@@ -213,14 +209,31 @@ def test_an_interrupt_sent_to_the_command_alone_stops_it_at_once_keeping_what_wa
         )  # fmt: skip
     finally:
         signal.signal(signal.SIGINT, previous)
+    deadline = time.monotonic() + 600
+    while not (out / "records.json").exists() or not _children_of(command.pid):
+        if command.poll() is not None or time.monotonic() > deadline:
+            command.kill()
+            raise AssertionError(("no record within 600 s", command.communicate()))
+        time.sleep(0.05)
+    return command, _children_of(command.pid)
+
+
+def _assert_they_end_within(pids: list[int], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not all(map(_ended, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(map(_ended, pids)), pids
+
+
+def test_an_interrupt_sent_to_the_command_alone_stops_it_at_once_keeping_what_was_measured(
+    tmp_path,
+):
+    """A scheduler's SIGINT goes to the command's process, not its group: the child that
+    measures never sees it. The command stops that child and exits within 3 s, with every
+    record finished already in records.json."""
+    out = tmp_path / "out"
+    command, measuring = _bench_measuring_its_second_strategy(out)
     try:
-        deadline = time.monotonic() + 600
-        # 'none' is measured and written; the next strategy's child is measuring.
-        while not (out / "records.json").exists() or not _children_of(command.pid):
-            assert command.poll() is None, command.communicate()
-            assert time.monotonic() < deadline, "no record within 600 s"
-            time.sleep(0.05)
-        measuring = _children_of(command.pid)
         os.kill(command.pid, signal.SIGINT)
         sent = time.monotonic()
         _, err = command.communicate(timeout=60)
@@ -233,10 +246,17 @@ def test_an_interrupt_sent_to_the_command_alone_stops_it_at_once_keeping_what_wa
     records = json.loads((out / "records.json").read_text())
     assert [r["strategy"] for r in records] == ["none"] and records[0]["step_time_ms"] > 0
     # The child was stopped, not left measuring for no one.
-    deadline = time.monotonic() + 3
-    while not all(map(_ended, measuring)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert all(map(_ended, measuring)), measuring
+    _assert_they_end_within(measuring, 3.0)
+
+
+def test_a_command_killed_outright_leaves_no_child_measuring(tmp_path):
+    """SIGKILL (or an interrupt that lands while a child is being started, before the
+    command knows it) gives the command no chance to stop its child: the child ends
+    with it."""
+    command, measuring = _bench_measuring_its_second_strategy(tmp_path / "out")
+    command.kill()
+    command.communicate()
+    _assert_they_end_within(measuring, 3.0)
 
 
 def test_memory_cap_fraction():

@@ -9,9 +9,11 @@ device memory away from every child.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -136,13 +138,13 @@ def _run(argv: list[str], env: dict[str, str] | None) -> Any:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **(env or {}), _PARENT: str(os.getpid())},
     )
     stdout: list[str] = []
-    reader = threading.Thread(target=lambda: stdout.extend(child.stdout), daemon=True)
-    reader.start()
-    stderr = []
+    stderr: list[str] = []
     try:
+        reader = threading.Thread(target=lambda: stdout.extend(child.stdout), daemon=True)
+        reader.start()
         for line in child.stderr:
             stderr.append(line)
             if line.startswith(("[plan]", "[fit ")):
@@ -174,6 +176,22 @@ def _stop(child: subprocess.Popen, grace_s: float = 1.0) -> None:
         child.wait()
 
 
+_PARENT = "JAXOFFLOAD_BENCH_PARENT"
+
+
+def _end_with_parent() -> None:
+    """Has Linux end this process when its parent ends.
+
+    An interrupt can reach the parent while ``Popen`` is starting this process,
+    before the parent can stop it; then only this keeps it from measuring for no one.
+    """
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if str(os.getppid()) != os.environ.get(_PARENT, str(os.getppid())):
+        raise SystemExit("the parent ended before this process started")
+
+
 def main(argv: Sequence[str]) -> None:
     """The child side: runs ``COMMAND`` on its JSON arguments and prints the result's JSON."""
     command, *args = argv
@@ -201,4 +219,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+    _end_with_parent()
     main(sys.argv[1:])
