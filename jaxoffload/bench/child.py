@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxoffload.bench import measure, planning, size_search
@@ -138,7 +138,8 @@ def _run(argv: list[str], env: dict[str, str] | None) -> Any:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, **(env or {}), _PARENT: str(os.getpid())},
+        env={**os.environ, **(env or {})},
+        preexec_fn=_ended_with(os.getpid()),
     )
     stdout: list[str] = []
     stderr: list[str] = []
@@ -176,20 +177,25 @@ def _stop(child: subprocess.Popen, grace_s: float = 1.0) -> None:
         child.wait()
 
 
-_PARENT = "JAXOFFLOAD_BENCH_PARENT"
+def _ended_with(parent: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` by which Linux ends the child (SIGTERM) when ``parent`` ends.
 
-
-def _end_with_parent() -> None:
-    """Has Linux end this process when its parent ends.
-
-    An interrupt can reach the parent while ``Popen`` is starting this process,
-    before the parent can stop it; then only this keeps it from measuring for no one.
+    An interrupt can reach the parent while ``Popen`` is starting the child, before the
+    parent can stop it, and SIGKILL gives the parent no chance at all; then only this
+    keeps the child from measuring for no one. It runs before the child's ``exec``, so
+    no import delays it. ``None`` (nothing to run) elsewhere than on Linux.
     """
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    if str(os.getppid()) != os.environ.get(_PARENT, str(os.getppid())):
-        raise SystemExit("the parent ended before this process started")
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
+    pr_set_pdeathsig = 1
+
+    def in_the_child() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent ended before the line above
+            os._exit(1)
+
+    return in_the_child
 
 
 def main(argv: Sequence[str]) -> None:
@@ -219,5 +225,4 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-    _end_with_parent()
     main(sys.argv[1:])
