@@ -9,15 +9,13 @@ device memory away from every child.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from jaxoffload.bench import measure, planning, size_search
@@ -127,19 +125,19 @@ def _json(workload: Workload) -> str:
 
 
 def _run(argv: list[str], env: dict[str, str] | None) -> Any:
-    """Runs ``python -m jaxoffload.bench.child argv`` and returns the JSON of its last stdout line.
+    """Runs :func:`main` on ``argv`` in a new process (through ``_START``) and returns the
+    JSON of its last stdout line.
 
     The child's ``[plan]`` and ``[fit ...]`` progress lines are passed on to
     this process's stderr as they come; the rest of its stderr is kept for the
     error.
     """
     child = subprocess.Popen(
-        [sys.executable, "-m", "jaxoffload.bench.child", *argv],
+        [sys.executable, "-c", _START, str(os.getpid()), *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, **(env or {})},
-        preexec_fn=_ended_with(os.getpid()),
     )
     stdout: list[str] = []
     stderr: list[str] = []
@@ -177,25 +175,20 @@ def _stop(child: subprocess.Popen, grace_s: float = 1.0) -> None:
         child.wait()
 
 
-def _ended_with(parent: int) -> Callable[[], None] | None:
-    """A ``preexec_fn`` by which Linux ends the child (SIGTERM) when ``parent`` ends.
-
-    An interrupt can reach the parent while ``Popen`` is starting the child, before the
-    parent can stop it, and SIGKILL gives the parent no chance at all; then only this
-    keeps the child from measuring for no one. It runs before the child's ``exec``, so
-    no import delays it. ``None`` (nothing to run) elsewhere than on Linux.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
-    pr_set_pdeathsig = 1
-
-    def in_the_child() -> None:
-        prctl(pr_set_pdeathsig, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent ended before the line above
-            os._exit(1)
-
-    return in_the_child
+# The child's first lines, before any import that takes seconds: on Linux the child asks to
+# be ended (SIGTERM) when its parent ends. An interrupt can reach the parent while Popen is
+# starting the child, before the parent can stop it, and SIGKILL gives the parent no chance
+# at all; then only this keeps the child from measuring for no one. (A preexec_fn would do it
+# before exec, but forks a process that JAX may have made multithreaded.)
+_START = """
+import os, runpy, sys
+if sys.platform.startswith("linux"):
+    import ctypes, signal
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv.pop(1)):  # the parent ended before the line above
+    sys.exit(1)
+runpy.run_module("jaxoffload.bench.child", run_name="__main__", alter_sys=True)
+"""
 
 
 def main(argv: Sequence[str]) -> None:
