@@ -8,7 +8,10 @@ peak, from a bench record), as :func:`jaxoffload.bench.plan_budgets`
 does, and writes OUT/planonly-MODEL.json (each budget's plan or why none
 fits, the planning time, the plans compiled). The planner's progress goes to
 stderr; one line a budget to stdout. Its step times are the planner's own, timed
-in this process: the bench measures each plan in a fresh one. A GPU tool, not a test.
+in this process: the bench measures each plan in a fresh one. With PER_ROUND=N in
+the environment, each round compiles at most N candidates per budget instead of
+``jaxoffload.plan``'s default (the file is then planonly-MODEL-perN.json). A GPU
+tool, not a test.
 """
 
 import json
@@ -25,8 +28,9 @@ w = Workload(
     model=model, batch=batch, image_size=224, dtype="bfloat16", strategy="none",
     block_costs="traced",
 )  # fmt: skip
+per_round = os.environ.get("PER_ROUND")
 start = time.perf_counter()
-results = plan_budgets(w, [int(s * peak) for s in shares])
+results = plan_budgets(w, [int(s * peak) for s in shares], per_round=per_round and int(per_round))
 record = {
     "model": model,
     "batch": batch,
@@ -35,8 +39,10 @@ record = {
     "results": results,
     "commit": os.environ.get("JAXOFFLOAD_COMMIT"),
     "wall_s": time.perf_counter() - start,
+    "per_round": per_round and int(per_round),
 }
-with open(os.path.join(os.environ["OUT"], f"planonly-{model}.json"), "w") as f:
+name = f"planonly-{model}" + (f"-per{per_round}" if per_round else "")
+with open(os.path.join(os.environ["OUT"], f"{name}.json"), "w") as f:
     json.dump(record, f, default=str)
 for share, r in zip(shares, results):
     p = r.get("planned")

@@ -101,11 +101,15 @@ def planner_of(
 
 
 def plan_budgets(
-    workload: Workload, budgets_bytes: Sequence[int], held_bytes: int = 0
+    workload: Workload,
+    budgets_bytes: Sequence[int],
+    held_bytes: int = 0,
+    per_round: int | None = None,
 ) -> list[dict[str, Any]]:
     """:func:`jaxoffload.plan` of the workload's plain-Flax model at each budget, in bytes,
     of which the process that runs the plan holds ``held_bytes`` besides the step
-    (``jaxoffload.plan(..., held_bytes=)``; :func:`budget_bytes`).
+    (``jaxoffload.plan(..., held_bytes=)``; :func:`budget_bytes`), each round compiling at
+    most ``per_round`` candidates a budget (``None``: ``jaxoffload.plan``'s default).
 
     Returns:
       One ``{"planned": Plan.to_dict()}`` per budget, or ``{"no_plan": message}``
@@ -121,7 +125,8 @@ def plan_budgets(
     say = _progress(start)
     shared = planner_of(workload, say, inputs, held_bytes)
     results = []
-    found = shared.plans_for([int(b) for b in budgets_bytes], max_rounds=3)
+    rounds = {} if per_round is None else {"per_round": per_round}
+    found = shared.plans_for([int(b) for b in budgets_bytes], max_rounds=3, **rounds)
     # The budgets are planned together: each one's planning time is theirs together.
     planning_s = time.perf_counter() - start
     for planned in found:
