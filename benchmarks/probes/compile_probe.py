@@ -23,7 +23,7 @@ import tempfile
 import time
 
 
-def _peak_breakdown(dump_dir):
+def peak_breakdown(dump_dir):
     """The jax operations alive at the device peak, from XLA's live-range dump."""
     (path,) = glob.glob(f"{dump_dir}/*after_optimizations-live-range.txt")
     lines = open(path).read().splitlines()
@@ -87,13 +87,13 @@ def _probe(name, args, dump):
         "compile_s": round(time.perf_counter() - start, 1),
     }  # fmt: skip
     if dump:
-        record["peak"], record["alive_at_peak"] = _peak_breakdown(dump)
+        record["peak"], record["alive_at_peak"] = peak_breakdown(dump)
         _clear(dump)
     if report.requested_transfers:
         twin, _ = compile_twin(workload)
         record["twin_temp_bytes"] = twin.memory_analysis().temp_size_in_bytes
         if dump:
-            record["twin_peak"], record["twin_alive_at_peak"] = _peak_breakdown(dump)
+            record["twin_peak"], record["twin_alive_at_peak"] = peak_breakdown(dump)
             _clear(dump)
     return record
 

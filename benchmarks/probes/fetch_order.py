@@ -15,7 +15,7 @@ import re
 import sys
 
 import jax
-from overlap_probe import resnet50_training  # noqa: E402  (beside this script)
+from overlap_probe import resnet50_training  # beside this script
 
 VALUE = r"%[\w#]+"
 

@@ -25,7 +25,7 @@ os.environ["XLA_FLAGS"] = (
 )
 
 import jax  # noqa: E402
-from compile_probe import _peak_breakdown  # noqa: E402  (beside this script)
+from compile_probe import peak_breakdown  # noqa: E402  (beside this script)
 from overlap_probe import LINK_GBPS, options_of, resnet50_training  # noqa: E402
 
 from jaxoffload.internal import with_copy_costs  # noqa: E402
@@ -43,7 +43,7 @@ def main(variant, out, extra):
         compiled = lowered.compile(priced)
     name += "".join(f"-{k.removeprefix('xla_gpu_')}_{v}" for k, v in extra.items())
     memory = compiled.memory_analysis()
-    peak, alive = _peak_breakdown(DUMP)
+    peak, alive = peak_breakdown(DUMP)
     record = {
         "variant": name,
         "options": options,

@@ -220,11 +220,13 @@ def queued(profile, hlo_text):
         line = re.search(rf"%{re.escape(name)} = \((.*?)\) copy-start", hlo_text).group(1)
         return "S(5)" in line.split("}, ")[0]
 
+    direction = {name: to_host(name) for name in costs}
     totals = {}
     for name, us in costs.items():
-        totals[to_host(name)] = totals.get(to_host(name), 0.0) + float(us)
+        totals[direction[name]] = totals.get(direction[name], 0.0) + float(us)
     return "\n".join(
-        f'costs {{ name: "{name}" cost_us: {totals[to_host(name)]:.3f} }}' for name in sorted(costs)
+        f'costs {{ name: "{name}" cost_us: {totals[direction[name]]:.3f} }}'
+        for name in sorted(costs)
     )
 
 

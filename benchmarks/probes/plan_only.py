@@ -28,9 +28,9 @@ w = Workload(
     model=model, batch=batch, image_size=224, dtype="bfloat16", strategy="none",
     block_costs="traced",
 )  # fmt: skip
-per_round = os.environ.get("PER_ROUND")
+per_round = int(os.environ["PER_ROUND"]) if "PER_ROUND" in os.environ else None
 start = time.perf_counter()
-results = plan_budgets(w, [int(s * peak) for s in shares], per_round=per_round and int(per_round))
+results = plan_budgets(w, [int(s * peak) for s in shares], per_round=per_round)
 record = {
     "model": model,
     "batch": batch,
@@ -39,9 +39,9 @@ record = {
     "results": results,
     "commit": os.environ.get("JAXOFFLOAD_COMMIT"),
     "wall_s": time.perf_counter() - start,
-    "per_round": per_round and int(per_round),
+    "per_round": per_round,
 }
-name = f"planonly-{model}" + (f"-per{per_round}" if per_round else "")
+name = f"planonly-{model}" + (f"-per{per_round}" if per_round is not None else "")
 with open(os.path.join(os.environ["OUT"], f"{name}.json"), "w") as f:
     json.dump(record, f, default=str)
 for share, r in zip(shares, results):

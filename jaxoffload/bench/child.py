@@ -3,8 +3,8 @@
 ``peak_bytes_in_use`` never goes down inside a process, and compiling, planning or a
 size search would count in it, so the parent runs each as this module's :func:`main`
 (``COMMAND JSON...``) in a process of its own, which ends with the parent (``_START``), and
-reads the JSON of its last line on stdout. The parent starts no device client: on a GPU, one would take its share of
-device memory away from every child.
+reads the JSON of its last line on stdout. The parent starts no device client: on a GPU,
+one would take its share of device memory away from every child.
 """
 
 from __future__ import annotations
