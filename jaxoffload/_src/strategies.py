@@ -276,9 +276,11 @@ class Offload(Strategy):
         and outputs, which the layers around keep, stay. With a window, a cap
         of what the link moves while the next blocks compute keeps the
         transfers hidden (:func:`jaxoffload.plan` sets such caps).
-      fetch_window: how many blocks ahead of its own the backward pass fetches
-        this block's residuals (1: as its own starts), each holding one more
-        block's residuals on the device; ``None`` for ``window``.
+      fetch_window: how many blocks ahead of its own the backward pass may
+        fetch this block's residuals (1: as its own starts), each holding one
+        more block's residuals on the device; ``None`` for ``window``. It is the
+        earliest a fetch starts: XLA's scheduler may start it later, and the
+        fetches take the one host link in the order it starts them.
 
     Example:
       >>> Offload(window=2)

@@ -189,7 +189,8 @@ def offload(
       max_bytes: move at most this many bytes, the largest residuals first;
         the rest stays on the device (as in :class:`Offload`).
       fetch_window: how many wrapped calls ahead of its own the backward pass
-        fetches the residuals; ``None`` for ``window``.
+        may fetch the residuals (the earliest: XLA's scheduler may start the
+        fetch later); ``None`` for ``window``.
       device_argnums: positional arguments kept on the device anyway
         (parameters): they never move.
       static_argnums: positional arguments that are not arrays, as in
