@@ -240,7 +240,9 @@ def resnet50(variant, out, options):
     if fdo:
         priced = with_copy_costs(options, compiled.as_text(), LINK_GBPS)
         if fdo == "queue" and "fdo_profile" in priced:
-            priced["fdo_profile"] = queued(priced["fdo_profile"].decode(), compiled.as_text())
+            priced["fdo_profile"] = queued(
+                priced["fdo_profile"].decode(), compiled.as_text()
+            ).encode()
         print("copies priced:", "fdo_profile" in priced, flush=True)
         compiled = lowered.compile(priced)
         options["fdo"] = fdo
