@@ -10,7 +10,7 @@ one program, each alone and together. ``resnet50``: Flax's ImageNet ResNet-50, b
 XLA options (``compiler_options``), timed and traced. Writes VARIANT.json (and traces) to OUT.
 The option ``fdo=1`` compiles again with each host copy priced at its bytes over the link, as
 the bench does; ``fdo=queue`` prices each at the link time of every copy in its direction
-(:func:`queued`).
+(:func:`queued`), and ``fdo=queue-h2d`` so only the fetches.
 """
 
 import glob
@@ -207,12 +207,13 @@ def resnet50_training(variant, abstract):
     return variant, step, state, batch
 
 
-def queued(profile, hlo_text):
+def queued(profile, hlo_text, fetches_only=False):
     """``profile`` with each host copy priced at the link time of every copy in its direction.
 
     The library prices a copy alone, so the scheduler starts each as late as its own bytes
     allow, and a small copy queues on the link behind a larger one started earlier. Priced at
-    the whole queue, each starts as early as its data (the library's windows) allows.
+    the whole queue, each starts as early as its data (the library's windows) allows. With
+    ``fetches_only``, the copies to the host keep their own price.
     """
     costs = dict(re.findall(r'name: "([^"]+)" cost_us: ([\d.]+)', profile))
 
@@ -224,9 +225,12 @@ def queued(profile, hlo_text):
     totals = {}
     for name, us in costs.items():
         totals[direction[name]] = totals.get(direction[name], 0.0) + float(us)
+
+    def price(name):
+        return costs[name] if fetches_only and direction[name] else totals[direction[name]]
+
     return "\n".join(
-        f'costs {{ name: "{name}" cost_us: {totals[direction[name]]:.3f} }}'
-        for name in sorted(costs)
+        f'costs {{ name: "{name}" cost_us: {float(price(name)):.3f} }}' for name in sorted(costs)
     )
 
 
@@ -239,9 +243,9 @@ def resnet50(variant, out, options):
     compiled = lowered.compile(options) if options else lowered.compile()
     if fdo:
         priced = with_copy_costs(options, compiled.as_text(), LINK_GBPS)
-        if fdo == "queue" and "fdo_profile" in priced:
+        if str(fdo).startswith("queue") and "fdo_profile" in priced:
             priced["fdo_profile"] = queued(
-                priced["fdo_profile"].decode(), compiled.as_text()
+                priced["fdo_profile"].decode(), compiled.as_text(), fdo == "queue-h2d"
             ).encode()
         print("copies priced:", "fdo_profile" in priced, flush=True)
         compiled = lowered.compile(priced)
