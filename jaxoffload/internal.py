@@ -30,6 +30,7 @@ from jaxoffload._src.planner.costs import cost_blocks as cost_blocks
 from jaxoffload._src.planner.costs import step_flops as step_flops
 from jaxoffload._src.planner.costs import trace_blocks as trace_blocks
 from jaxoffload._src.planner.costs import traced_blocks as traced_blocks
+from jaxoffload._src.planner.hiding import copy_timeline as copy_timeline
 from jaxoffload._src.planner.hiding import hidden_copies as hidden_copies
 from jaxoffload._src.planner.messages import summary as summary
 from jaxoffload._src.planner.program import device_bytes as device_bytes
@@ -65,6 +66,7 @@ __all__ = [
     "analyze",
     "brief",
     "compile_all",
+    "copy_timeline",
     "cost_blocks",
     "default_options",
     "device_bytes",

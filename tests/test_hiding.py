@@ -27,8 +27,9 @@ def test_the_first_blocks_move_most_and_each_copy_has_its_own_time_on_the_link()
     assert second.to_host_ms[0] == pytest.approx(first.to_host_ms[1])
     assert third.moved == 20 * MB
     assert last is None  # it ends at the turn: no compute after it
-    # Block 0's copies end at 2.8 ms, in block 2's forward pass: window 3.
-    assert first.window == 3
+    # Block 0's copies end at 2.8 ms, in block 2's forward pass: window 3. Block 1's end in
+    # the last block's: no block waits for them (a window past the last block).
+    assert first.window == 3 and second.window == 4 and third.window == 3
     # Its fetch ends as block 0's backward pass starts (6 ms after the turn) and starts
     # at 4.2 ms, after block 1's backward pass starts (4 ms): fetch window 2.
     assert first.fetch_ms == pytest.approx((6 - 80 / 45, 6.0))
@@ -77,9 +78,10 @@ def test_hidden_copies_take_turns_on_the_link_and_finish_in_time(blocks, link):
         start, end = c.to_host_ms
         assert start >= ends[i] - eps and end <= ends[-1] + eps
         assert end - start == pytest.approx(c.moved / out_rate)
-        # The window is the fewest blocks whose compute covers them.
-        assert ends[i + c.window - 1] >= end - eps
-        assert c.window == 1 or ends[i + c.window - 2] < end
+        # The block that waits for them is the first before the last whose forward pass ends
+        # after them; if none does, none waits (a window past the last block).
+        covering = [j for j in range(i, len(blocks) - 1) if ends[j] >= end]
+        assert i + c.window - 1 == (covering[0] if covering else len(blocks))
         # Fetches: after the turn, before the block's backward pass, at the link's pace,
         # started by the latest backward pass that starts in time.
         f0, f1 = c.fetch_ms

@@ -1,6 +1,7 @@
-"""XLA options for offloading steps: copies priced by their bytes, and the options compile anywhere."""
+"""XLA options for offloading steps: copies priced by their bytes on the link, and the options compile anywhere."""
 
 import pathlib
+import re
 import warnings
 
 import jax
@@ -22,6 +23,21 @@ def test_each_host_copy_of_a_real_program_is_priced_by_its_bytes():
     back = 128 * 14 * 14 * 512 * 2 / 50e3 + 5
     assert f'costs {{ name: "copy-start.104" cost_us: {to_host:.3f} }}' in lines
     assert f'costs {{ name: "copy-start.53.0" cost_us: {back:.3f} }}' in lines
+
+
+def test_each_fetch_is_priced_at_the_queue_of_fetches_and_each_copy_out_alone():
+    # The fetches share the link: each is priced at them all, so the scheduler starts each
+    # as soon as its window lets it (docs/design.md, "Copies that hide").
+    out = "%copy-start.1 = (bf16[1000,1000]{1,0:S(5)}, bf16[1000,1000]{1,0}, u32[]) copy-start"
+    back = "%copy-start.{n} = (f32[{k},1000]{{1,0}}, f32[{k},1000]{{1,0:S(5)}}, u32[]) copy-start"
+    hlo = "\n".join([out, back.format(n=2, k=1000), back.format(n=3, k=250)])
+    costs = dict(re.findall(r'name: "([^"]+)" cost_us: ([\d.]+)', copy_cost_profile(hlo, 50.0)))
+    queue = (4e6 / 50e3 + 5) + (1e6 / 50e3 + 5)  # both fetches, in µs
+    assert costs == {
+        "copy-start.1": "45.000",
+        "copy-start.2": f"{queue:.3f}",
+        "copy-start.3": f"{queue:.3f}",
+    }
 
 
 def test_a_program_without_host_copies_has_an_empty_profile():

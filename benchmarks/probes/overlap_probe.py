@@ -9,8 +9,9 @@ one program, each alone and together. ``resnet50``: Flax's ImageNet ResNet-50, b
 ``benchmarks/probes/plans/``), compiled with the given
 XLA options (``compiler_options``), timed and traced. Writes VARIANT.json (and traces) to OUT.
 The option ``fdo=1`` compiles again with each host copy priced at its bytes over the link, as
-the bench does; ``fdo=queue`` prices each at the link time of every copy in its direction
-(:func:`queued`), and ``fdo=queue-h2d`` so only the fetches.
+the bench does (since ``xla_options`` prices each fetch at every fetch's link time, what the
+records of ``call14.json`` name ``fdo=queue-h2d``); ``fdo=queue`` prices the copies to the host
+so too (:func:`queued`).
 """
 
 import glob
@@ -207,13 +208,12 @@ def resnet50_training(variant, abstract):
     return variant, step, state, batch
 
 
-def queued(profile, hlo_text, fetches_only=False):
-    """``profile`` with each host copy priced at the link time of every copy in its direction.
+def queued(profile, hlo_text):
+    """``profile`` with each copy to the host priced at the link time of every copy to the host.
 
-    The library prices a copy alone, so the scheduler starts each as late as its own bytes
-    allow, and a small copy queues on the link behind a larger one started earlier. Priced at
-    the whole queue, each starts as early as its data (the library's windows) allows. With
-    ``fetches_only``, the copies to the host keep their own price.
+    The library prices each fetch at the queue of fetches and each copy to the host alone.
+    Priced at their queue too, the copies to the host start together and slow one another
+    (``call13.json``).
     """
     costs = dict(re.findall(r'name: "([^"]+)" cost_us: ([\d.]+)', profile))
 
@@ -221,16 +221,11 @@ def queued(profile, hlo_text, fetches_only=False):
         line = re.search(rf"%{re.escape(name)} = \((.*?)\) copy-start", hlo_text).group(1)
         return "S(5)" in line.split("}, ")[0]
 
-    direction = {name: to_host(name) for name in costs}
-    totals = {}
-    for name, us in costs.items():
-        totals[direction[name]] = totals.get(direction[name], 0.0) + float(us)
-
-    def price(name):
-        return costs[name] if fetches_only and direction[name] else totals[direction[name]]
-
+    out = [name for name in costs if to_host(name)]
+    total = sum(float(costs[name]) for name in out)
     return "\n".join(
-        f'costs {{ name: "{name}" cost_us: {float(price(name)):.3f} }}' for name in sorted(costs)
+        f'costs {{ name: "{name}" cost_us: {total if name in out else float(us):.3f} }}'
+        for name, us in sorted(costs.items())
     )
 
 
@@ -243,9 +238,9 @@ def resnet50(variant, out, options):
     compiled = lowered.compile(options) if options else lowered.compile()
     if fdo:
         priced = with_copy_costs(options, compiled.as_text(), LINK_GBPS)
-        if str(fdo).startswith("queue") and "fdo_profile" in priced:
+        if fdo == "queue" and "fdo_profile" in priced:
             priced["fdo_profile"] = queued(
-                priced["fdo_profile"].decode(), compiled.as_text(), fdo == "queue-h2d"
+                priced["fdo_profile"].decode(), compiled.as_text()
             ).encode()
         print("copies priced:", "fdo_profile" in priced, flush=True)
         compiled = lowered.compile(priced)

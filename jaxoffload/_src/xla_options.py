@@ -5,6 +5,13 @@ asynchronous operations be in flight at a time by default, and prices every copy
 constant whatever its size. The first makes copies wait for one another, and calls wait for
 them; the second starts a long copy too late to hide it. ``docs/design.md`` ("Copies that
 hide") has what each option did on the measured steps.
+
+The profile prices a copy to the host at its own bytes over the link, and each fetch at
+every fetch's: the fetches share the one link, and the scheduler, which sees each alone,
+would start each as late as its own bytes allow, so that a fetch needed next queued behind
+one needed later. Priced at the queue, each fetch starts as soon as its ``Offload`` window
+lets it. Copies to the host keep their own price: priced at the queue, they started
+together and slowed one another.
 """
 
 from __future__ import annotations
@@ -97,8 +104,9 @@ def _first_device_link() -> float:
 def copy_cost_profile(hlo_text: str, link_gbps: float) -> str:
     """A latency profile (``ProfiledInstructionsProto``, text) pricing each host copy of a program.
 
-    Each ``copy-start`` to or from host memory (``S(5)``) in ``hlo_text`` costs its bytes over
-    ``link_gbps``, plus a fixed few microseconds.
+    Each ``copy-start`` to host memory (``S(5)``) in ``hlo_text`` costs its bytes over
+    ``link_gbps``, plus a fixed few microseconds; each one from host memory costs the
+    bytes of every fetch, the queue on the link (see the module's docstring).
 
     Example:
       >>> hlo = "%copy-start.3 = (bf16[1000,1000]{1,0:S(5)}, bf16[1000,1000]{1,0}, u32[]) ..."
@@ -108,9 +116,13 @@ def copy_cost_profile(hlo_text: str, link_gbps: float) -> str:
     return _profile(_host_copies(hlo_text), link_gbps)
 
 
-def _host_copies(hlo_text: str) -> list[tuple[str, str, str]]:
-    """``(name, element type, dims)`` of each ``copy-start`` to or from host memory."""
-    return [m.groups() for m in [*_COPY_START.finditer(hlo_text), *_COPY_BACK.finditer(hlo_text)]]
+def _host_copies(hlo_text: str) -> list[tuple[str, str, str, bool]]:
+    """``(name, element type, dims, is_fetch)`` of each ``copy-start`` to or from host memory."""
+    return [
+        (*m.groups(), is_fetch)
+        for pattern, is_fetch in ((_COPY_START, False), (_COPY_BACK, True))
+        for m in pattern.finditer(hlo_text)
+    ]
 
 
 def _check_link(link_gbps: float) -> None:
@@ -118,14 +130,17 @@ def _check_link(link_gbps: float) -> None:
         raise ValueError(f"link_gbps must be a positive speed, got {link_gbps!r}.")
 
 
-def _profile(copies: list[tuple[str, str, str]], link_gbps: float) -> str:
+def _profile(copies: list[tuple[str, str, str, bool]], link_gbps: float) -> str:
     _check_link(link_gbps)
-    lines = []
-    for name, dtype, dims in copies:
+    alone = {}  # name -> (µs on the link, is_fetch)
+    for name, dtype, dims, is_fetch in copies:
         size = int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
-        us = size * _itemsize(dtype) / (link_gbps * 1e3) + _COPY_OVERHEAD_US
-        lines.append(f'costs {{ name: "{name}" cost_us: {us:.3f} }}')
-    return "\n".join(sorted(set(lines)))
+        alone[name] = size * _itemsize(dtype) / (link_gbps * 1e3) + _COPY_OVERHEAD_US, is_fetch
+    queue = sum(us for us, is_fetch in alone.values() if is_fetch)
+    return "\n".join(
+        f'costs {{ name: "{name}" cost_us: {queue if is_fetch else us:.3f} }}'
+        for name, (us, is_fetch) in sorted(alone.items())
+    )
 
 
 def _itemsize(hlo_type: str) -> int:

@@ -43,7 +43,7 @@ class HiddenCopies:
       moved: the bytes that move each way: ``Offload``'s ``max_bytes``, which moves
         exactly these residuals.
       window: ``Offload``'s ``window``: the outputs of the block ``window - 1`` later wait
-        for the copies to the host.
+        for the copies to the host; past the last block, no block's do.
       fetch_window: ``Offload``'s ``fetch_window``: the fetch starts when the block
         ``fetch_window - 1`` later starts its backward pass.
       to_host_ms: when the copies to the host start and end, in ms from the forward pass's
@@ -74,7 +74,10 @@ def hidden_copies(
     so that the peak, at the turn to the backward pass, holds none of what they move. They
     take the block's largest residuals that fit in that time, as ``Offload(max_bytes=...)``
     chooses them; so the first blocks, with the most compute after them, move the most. The
-    window is the fewest blocks whose compute covers the copies. Each fetch then ends when
+    window is the fewest blocks whose compute covers the copies; copies that only the last
+    block's compute would cover are waited for by no block (a window past the last block):
+    waiting at the last block stalled the end of the forward pass on the H200, and left the
+    runtime peak where it was (``docs/design.md``, "Copies that hide"). Each fetch then ends when
     its block's backward pass starts, or when the fetch after it on the link starts, and
     starts with the backward pass of the block ``fetch_window - 1`` later; a fetch that
     would have to start before the backward pass does moves less.
@@ -96,7 +99,7 @@ def hidden_copies(
       >>> mb = 10**6
       >>> copies = hidden_copies([1, 1, 1, 1], [2, 2, 2, 2], [[60 * mb, 20 * mb]] * 4, (50, 50))
       >>> [(c.moved // mb, c.window, c.fetch_window) for c in copies if c]
-      [(80, 3, 2), (20, 3, 2), (20, 2, 2)]
+      [(80, 3, 2), (20, 4, 2), (20, 3, 2)]
     """
     n = len(forward_ms)
     if not (len(backward_ms) == len(sizes) == n):
@@ -146,9 +149,9 @@ def hidden_copies(
             continue
         start = max(ends[i], free)
         free = start + moved[i] / out_rate
-        # The fewest blocks whose compute covers the copies (the last block's, at worst),
-        # and the latest backward pass that starts the fetch in time.
-        window = next((w for w in range(1, n - i) if ends[i + w - 1] >= free), n - i)
+        # The fewest blocks before the last whose compute covers the copies, else past the
+        # last block; and the latest backward pass that starts the fetch in time.
+        window = next((w for w in range(1, n - i) if ends[i + w - 1] >= free), n - i + 1)
         fetch_window = next(
             (f for f in range(1, n - i) if starts_back[i + f - 1] <= fetches[i][0]), n - i
         )
