@@ -23,7 +23,6 @@ from jaxoffload._src.layers import relu_max_pool as relu_max_pool
 # The planner, and the steps it compiles.
 from jaxoffload._src.planner import Planner as Planner
 from jaxoffload._src.planner import default_options as default_options
-from jaxoffload._src.planner import estimate_step_ms as estimate_step_ms
 
 # What blocks cost, and the copies that the host link carries while they compute.
 from jaxoffload._src.planner.costs import cost_blocks as cost_blocks
@@ -72,7 +71,6 @@ __all__ = [
     "device_bytes",
     "discover",
     "equations",
-    "estimate_step_ms",
     "hidden_copies",
     "lower_step",
     "max_pool",
