@@ -223,9 +223,8 @@ def hidden_plan(
     each distinct block program's, timed alone on the device as :func:`jaxoffload.plan`
     times them (``workload.block_costs`` ``"timed"``), or its FLOPs at the twin's step over
     the plain step's FLOPs (``"traced"``, which compiles nothing). Blocks timed alone take
-    longer than in the step (on the H200, ResNet-50 b256's forward passes add up to 16.4 ms,
-    where the ``lean`` twin's whole forward pass takes 13.0: ``resnet50-b256-h200``),
-    and a schedule on those times moves more than the link carries: the blocks' forward
+    longer than in the step (``docs/design.md``, "Copies that hide"), and a schedule on
+    those times moves more than the link carries: the blocks' forward
     (backward) times are scaled down to the twin's forward pass (the rest of its step) where
     they add up to more. From these and the link,
     :func:`~jaxoffload._src.planner.hiding.hidden_copies` chooses what each block moves and
