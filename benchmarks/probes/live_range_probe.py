@@ -4,7 +4,8 @@
 
 Flax's ImageNet ResNet-50 (the bench's ``flax-resnet50``), b256, bf16, 224², its blocks under
 ``Lean()`` (VARIANT ``lean``) or a plan's JSON file (``benchmarks/probes/plans/``), compiled as
-``overlap_probe.py`` compiles it (the in-flight limit 64, copies priced), and not run. Writes
+``overlap_probe.py`` compiles it (the in-flight limit 64, copies priced), and not run; another
+model with ``MODEL`` and ``BATCH`` in the environment, as there. Writes
 OUT/NAME-peak.json (the temporaries, and the jax operations alive at the peak of XLA's
 live-range dump, which counts host buffers too) and OUT/NAME-live-range.txt.gz (the dump); NAME
 is the variant's, with the XLA options given beside it.

@@ -7,7 +7,9 @@
 one program, each alone and together. ``resnet50``: Flax's ImageNet ResNet-50, b256, bf16,
 224², its blocks under VARIANT (lean, off10, off40, off150, full, or a plan's JSON file, as in
 ``benchmarks/probes/plans/``), compiled with the given
-XLA options (``compiler_options``), timed and traced. Writes VARIANT.json (and traces) to OUT.
+XLA options (``compiler_options``), timed and traced; ``MODEL``, ``BATCH`` and ``IMAGE`` in the
+environment choose another plain-Flax bench model and shape. Writes VARIANT.json (and traces)
+to OUT.
 The option ``fdo=1`` compiles again with each host copy priced at its bytes over the link, as
 the bench does (since ``xla_options`` prices each fetch at every fetch's link time, what the
 records of ``call14.json`` name ``fdo=queue-h2d``); ``fdo=queue`` prices the copies to the host
@@ -181,12 +183,14 @@ LINK_GBPS = float(os.environ.get("LINK_GBPS", 52.0))
 
 def resnet50_training(variant, abstract):
     """``(name, step, state, batch)``: Flax's ResNet-50 training step (not jitted), its blocks
-    under VARIANT, a name in ``VARIANTS`` or a plan's JSON file (``plans/``)."""
+    under VARIANT, a name in ``VARIANTS`` or a plan's JSON file (``plans/``). With MODEL in
+    the environment, that plain-Flax bench model instead (``MODEL=flax-vgg19 BATCH=128``)."""
     from jaxoffload.bench import models, workload
     from jaxoffload.bench import step as bench_step
 
+    name = os.environ.get("MODEL", "flax-resnet50")
     w = workload.Workload(
-        model="flax-resnet50",
+        model=name,
         batch=int(os.environ.get("BATCH", 256)),
         image_size=int(os.environ.get("IMAGE", 224)),
         dtype="bfloat16",
@@ -194,13 +198,13 @@ def resnet50_training(variant, abstract):
     )
     if variant.endswith(".json"):  # a plan file: one strategy per block
         model = jaxoffload.Plan.load(variant).apply(
-            models.plannable_model("flax-resnet50", dtype=jnp.bfloat16, num_classes=1000)
+            models.plannable_model(name, dtype=jnp.bfloat16, num_classes=1000)
         )
         variant = os.path.basename(variant).removesuffix(".json")
     else:
         model = models.create(
-            "flax-resnet50",
-            strategy=(VARIANTS[variant],) * 16,
+            name,
+            strategy=(VARIANTS[variant],) * models.num_blocks(name),
             dtype=jnp.bfloat16,
             num_classes=1000,
         )
