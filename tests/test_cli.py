@@ -505,9 +505,8 @@ def test_offload_hidden_on_a_plain_flax_model_runs_the_link_timeline_s_schedule(
 
     ((forward, backward, sizes, link, copies),) = given
     assert link == (2.0, 3.0) and len(forward) == len(backward) == len(sizes) == 8
-    # The blocks' times fit in the twin's: its 30 ms forward pass, the 60 ms rest of its
-    # step. At the step's ms per FLOP, the backward passes alone would take more.
-    assert sum(forward) <= 30.0 and sum(backward) == pytest.approx(60.0)
+    # The blocks' times are their FLOP shares of the twin's 90 ms step.
+    assert 0 < sum(forward) + sum(backward) <= 90.0
     plan = Plan.from_dict(record.planned)
     assert [path for path, _ in plan.blocks] == [f"ResNetBlock_{i}" for i in range(8)]
     expected = [

@@ -429,7 +429,9 @@ def test_hidden_offloads_move_only_what_the_next_blocks_compute_hides():
     # block the hidden offloads' twin on the device, which moves nothing. Where its step ran
     # over the model, each byte they move costs that.
     check = hidden_choice(choices)
-    assert [s.max_bytes is not None for s in check] == [True, True, True, False]
+    # Block 2's copies would still run when it ends, beside block 1's, and only block 3's
+    # 2 MB are kept after it: they would free nothing at the peak, so it moves nothing.
+    assert [s.max_bytes is not None for s in check] == [True, True, False, False]
     assert check[-1] == Lean()
     moved = sum(b.cost(s).host_bytes for b, s in zip(sized, check) if s.max_bytes)
     assert hidden_ms_per_byte(sized, check, 6.0) == pytest.approx(6.0 / moved)

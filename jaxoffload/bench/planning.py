@@ -223,10 +223,11 @@ def hidden_plan(
     each distinct block program's, timed alone on the device as :func:`jaxoffload.plan`
     times them (``workload.block_costs`` ``"timed"``), or its FLOPs at the twin's step over
     the plain step's FLOPs (``"traced"``, which compiles nothing). Blocks timed alone take
-    longer than in the step (``docs/design.md``, "Copies that hide"), and a schedule on
-    those times moves more than the link carries: the blocks' forward
-    (backward) times are scaled down to the twin's forward pass (the rest of its step) where
-    they add up to more. From these and the link,
+    longer than in the step, and a schedule on those times moves more than the link carries;
+    their FLOP shares of the twin's step came closer to the blocks of a traced step
+    (``docs/design.md``, "Copies that hide"). So timed blocks keep their proportions, scaled
+    down to add up to their FLOP shares where they add up to more (and to no more than the
+    twin's forward pass, and the rest of its step). From these and the link,
     :func:`~jaxoffload._src.planner.hiding.hidden_copies` chooses what each block moves and
     its windows, so that the copies take turns on the link while blocks compute: a block
     that gets copies takes ``Offload(window=..., max_bytes=..., fetch_window=...)``, which
@@ -239,8 +240,8 @@ def hidden_plan(
     Args:
       workload: an ``offload-hidden`` workload of a plain-Flax linen model.
       link: ``(d2h_gbps, h2d_gbps)``, the link's measured speed each way.
-      twin_ms: the twin's forward pass and the rest of its step, in ms: what the blocks'
-        times may add up to, and the step that ``"traced"`` block costs spread over the FLOPs.
+      twin_ms: the twin's forward pass and the rest of its step, in ms: the step that the
+        blocks' FLOP shares are of.
       runs: timed runs of each block program.
     """
     say = _progress(time.perf_counter())
@@ -253,19 +254,26 @@ def hidden_plan(
             f"{len(calls)} wrapped calls; offload-hidden needs one call per block."
         )
     traces = trace_blocks(calls, (Lean(), Offload()))
-    if workload.block_costs == "traced":
+    shares = None  # each block's share of the twin's step, by its FLOPs
+    if twin_ms is not None:
         # The plain step's FLOPs against the lean twin's time: a lean step recomputes
         # elementwise work, which FLOPs do not count.
         flops = step_flops(trace_step(model, step, args, None, (0,)).jaxpr.jaxpr)
-        if twin_ms is None or not flops > 0:
+        if flops > 0:
+            shares = traced_blocks(paths, calls, traces, ms_per_flop=sum(twin_ms) / flops)
+    if workload.block_costs == "traced":
+        if shares is None:
             raise ValueError("'traced' block costs need the step's time and its FLOPs.")
-        costs = traced_blocks(paths, calls, traces, ms_per_flop=sum(twin_ms) / flops)
+        costs = shares
     else:
         costs = cost_blocks(paths, calls, traces, runs=runs, say=say)
     forward = [b.cost(Lean()).forward_ms for b in costs]
     backward = [b.cost(Lean()).backward_ms for b in costs]
-    if twin_ms is not None:
-        forward, backward = _at_most(forward, twin_ms[0]), _at_most(backward, twin_ms[1])
+    if shares is not None:
+        # At most their FLOP shares, and at most the twin's passes, which hold more than them.
+        lean = [b.cost(Lean()) for b in shares]
+        forward = _at_most(forward, min(sum(c.forward_ms for c in lean), twin_ms[0]))
+        backward = _at_most(backward, min(sum(c.backward_ms for c in lean), twin_ms[1]))
     sizes = [b.cost(Offload()).host_sizes for b in costs]
     copies = hidden_copies(forward, backward, sizes, link)
     choices = [
@@ -284,7 +292,12 @@ def hidden_plan(
 
 
 def _at_most(times: list[float], total: float) -> list[float]:
-    """``times``, scaled down to add up to ``total`` where they add up to more."""
+    """``times``, scaled down to add up to ``total`` where they add up to more.
+
+    Example:
+      >>> _at_most([2.0, 6.0], 4.0), _at_most([2.0, 6.0], 10.0)
+      ([1.0, 3.0], [2.0, 6.0])
+    """
     scale = min(1.0, total / sum(times)) if sum(times) > 0 else 1.0
     return [t * scale for t in times]
 

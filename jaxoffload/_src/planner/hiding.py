@@ -43,7 +43,7 @@ class HiddenCopies:
       moved: the bytes that move each way: ``Offload``'s ``max_bytes``, which moves
         exactly these residuals.
       window: ``Offload``'s ``window``: the outputs of the block ``window - 1`` later wait
-        for the copies to the host; past the last block, no block's do.
+        for the copies to the host.
       fetch_window: ``Offload``'s ``fetch_window``: the fetch starts when the block
         ``fetch_window - 1`` later starts its backward pass.
       to_host_ms: when the copies to the host start and end, in ms from the forward pass's
@@ -70,14 +70,15 @@ def hidden_copies(
     """Per block, the largest copies that run while blocks compute, with their windows.
 
     The blocks are taken in call order. Each block's copies to the host start when it has
-    run and the copies before it are done, and must be done by the end of the forward pass,
-    so that the peak, at the turn to the backward pass, holds none of what they move. They
-    take the block's largest residuals that fit in that time, as ``Offload(max_bytes=...)``
-    chooses them; so the first blocks, with the most compute after them, move the most. The
-    window is the fewest blocks whose compute covers the copies; copies that only the last
-    block's compute would cover are waited for by no block (a window past the last block):
-    waiting at the last block stalled the end of the forward pass on the H200, and left the
-    runtime peak where it was (``docs/design.md``, "Copies that hide"). Each fetch then ends when
+    run and the copies before it are done, and the block ``window - 1`` later waits for them.
+    They take the block's largest residuals that fit, as ``Offload(max_bytes=...)`` chooses
+    them, so that the copies free device memory at the peak, at the turn to the backward
+    pass: they must be done by the turn, and while a copy is still running its residuals stay
+    on the device, so at the end of every block the blocks after it must keep at least what
+    is still in flight (each block keeps what it may move). Otherwise the peak falls only by
+    what those later blocks keep (``docs/design.md``, "Copies that hide"). The first blocks,
+    with the most compute and the most kept bytes after them, move the most. The window is
+    the fewest blocks whose compute covers the copies. Each fetch then ends when
     its block's backward pass starts, or when the fetch after it on the link starts, and
     starts with the backward pass of the block ``fetch_window - 1`` later; a fetch that
     would have to start before the backward pass does moves less.
@@ -99,7 +100,7 @@ def hidden_copies(
       >>> mb = 10**6
       >>> copies = hidden_copies([1, 1, 1, 1], [2, 2, 2, 2], [[60 * mb, 20 * mb]] * 4, (50, 50))
       >>> [(c.moved // mb, c.window, c.fetch_window) for c in copies if c]
-      [(80, 3, 2), (20, 4, 2), (20, 3, 2)]
+      [(80, 3, 2), (20, 3, 2), (20, 2, 2)]
     """
     n = len(forward_ms)
     if not (len(backward_ms) == len(sizes) == n):
@@ -118,16 +119,27 @@ def hidden_copies(
 
     least = [least_share * sum(s) for s in sizes]
 
-    # Copies to the host, in call order: each as large as the time left before the turn.
+    # Copies to the host, in call order: each as large as the time left before the turn,
+    # and as what the blocks after each block still running it keep.
+    kept_after = [sum(map(sum, sizes[g + 1 :])) for g in range(n)]
+    in_flight = [0] * n  # bytes whose copies still run when each block ends
     moved = [0] * n
     free = 0.0
     for i in range(n):
         start = max(ends[i], free)
-        moved[i] = _largest_under(sizes[i], (turn - start) * out_rate)
-        if moved[i] and moved[i] >= least[i]:
-            free = start + moved[i] / out_rate
-        else:
-            moved[i] = 0
+        cap = (turn - start) * out_rate
+        while (m := _largest_under(sizes[i], cap)) > 0:
+            # Until the block that waits for it has run, the copy holds its bytes here.
+            waiting = _waiting_block(ends, i, start + m / out_rate)
+            room = min((kept_after[g] - in_flight[g] for g in range(i, waiting)), default=m)
+            if m <= room:
+                break
+            cap = m - 1  # the next smaller choice, which ends sooner
+        if m and m >= least[i]:
+            moved[i] = m
+            free = start + m / out_rate
+            for g in range(i, _waiting_block(ends, i, free)):
+                in_flight[g] += m
 
     # Fetches, from the one needed last: each ends as late as the link allows.
     fetches: list[tuple[float, float]] = [(0.0, 0.0)] * n
@@ -149,9 +161,9 @@ def hidden_copies(
             continue
         start = max(ends[i], free)
         free = start + moved[i] / out_rate
-        # The fewest blocks before the last whose compute covers the copies, else past the
-        # last block; and the latest backward pass that starts the fetch in time.
-        window = next((w for w in range(1, n - i) if ends[i + w - 1] >= free), n - i + 1)
+        # The fewest blocks whose compute covers the copies, and the latest backward pass
+        # that starts the fetch in time.
+        window = _waiting_block(ends, i, free) - i + 1
         fetch_window = next(
             (f for f in range(1, n - i) if starts_back[i + f - 1] <= fetches[i][0]), n - i
         )
@@ -213,6 +225,12 @@ def copy_timeline(
             link_from = arrived[i] = start + moved[i] / back_rate
         clock = max(clock, arrived.get(j, 0.0)) + backward_ms[j]
     return forward, clock
+
+
+def _waiting_block(ends: Sequence[float], i: int, done: float) -> int:
+    """The first block from ``i`` on whose forward pass ends once a copy is ``done``: the one
+    that waits for it (the last block, at worst)."""
+    return next((g for g in range(i, len(ends)) if ends[g] >= done), len(ends) - 1)
 
 
 def _largest_under(sizes: Sequence[int], cap: float) -> int:
