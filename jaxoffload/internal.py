@@ -58,6 +58,7 @@ from jaxoffload._src.timing import zeros as zeros
 from jaxoffload._src.transfers import without_host_placement as without_host_placement
 
 # XLA options, and host copies priced for the scheduler.
+from jaxoffload._src.xla_options import host_copies as host_copies
 from jaxoffload._src.xla_options import with_copy_costs as with_copy_costs
 
 __all__ = [
@@ -72,6 +73,7 @@ __all__ = [
     "discover",
     "equations",
     "hidden_copies",
+    "host_copies",
     "lower_step",
     "max_pool",
     "measure_link",

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 import jaxoffload
 from jaxoffload import Lean, Offload
-from jaxoffload.internal import measure_link, with_copy_costs
+from jaxoffload.internal import host_copies, measure_link, with_copy_costs
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 
@@ -220,12 +220,7 @@ def queued(profile, hlo_text):
     (``call13.json``).
     """
     costs = dict(re.findall(r'name: "([^"]+)" cost_us: ([\d.]+)', profile))
-
-    def to_host(name):  # the copy's destination, its tuple's first shape, is in host memory
-        line = re.search(rf"%{re.escape(name)} = \((.*?)\) copy-start", hlo_text).group(1)
-        return "S(5)" in line.split("}, ")[0]
-
-    out = [name for name in costs if to_host(name)]
+    out = {name for name, _, _, is_fetch in host_copies(hlo_text) if not is_fetch}
     total = sum(float(costs[name]) for name in out)
     return "\n".join(
         f'costs {{ name: "{name}" cost_us: {total if name in out else float(us):.3f} }}'

@@ -22,7 +22,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ASYNC_IN_FLIGHT", "compiler_options", "copy_cost_profile", "with_copy_costs"]
+__all__ = [
+    "ASYNC_IN_FLIGHT",
+    "compiler_options",
+    "copy_cost_profile",
+    "host_copies",
+    "with_copy_costs",
+]
 
 # Asynchronous operations the scheduler may keep in flight: host copies among them.
 ASYNC_IN_FLIGHT = 64
@@ -80,7 +86,7 @@ def with_copy_costs(
     """
     if not (link_gbps is None or callable(link_gbps)):
         _check_link(link_gbps)  # refused where given, copies or not
-    copies = _host_copies(hlo_text)
+    copies = host_copies(hlo_text)
     if not copies:
         return options
     if link_gbps is None:
@@ -113,10 +119,10 @@ def copy_cost_profile(hlo_text: str, link_gbps: float) -> str:
       >>> copy_cost_profile(hlo, link_gbps=50.0)
       'costs { name: "copy-start.3" cost_us: 45.000 }'
     """
-    return _profile(_host_copies(hlo_text), link_gbps)
+    return _profile(host_copies(hlo_text), link_gbps)
 
 
-def _host_copies(hlo_text: str) -> list[tuple[str, str, str, bool]]:
+def host_copies(hlo_text: str) -> list[tuple[str, str, str, bool]]:
     """``(name, element type, dims, is_fetch)`` of each ``copy-start`` to or from host memory."""
     return [
         (*m.groups(), is_fetch)

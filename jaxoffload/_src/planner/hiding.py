@@ -115,13 +115,13 @@ def hidden_copies(
         raise ValueError(f"link must be two positive speeds in GB/s, got {link!r}.")
     ends = list(itertools.accumulate(forward_ms))  # each block's forward pass ends
     turn = ends[-1] if n else 0.0
-    starts_back = _starts_back(backward_ms)  # each block's backward pass starts
+    starts_back = _after(backward_ms)  # each block's backward pass starts
 
     least = [least_share * sum(s) for s in sizes]
 
     # Copies to the host, in call order: each as large as the time left before the turn,
     # and as what the blocks after each block still running it keep.
-    kept_after = [sum(map(sum, sizes[g + 1 :])) for g in range(n)]
+    kept_after = _after([sum(s) for s in sizes])
     in_flight = [0] * n  # bytes whose copies still run when each block ends
     moved = [0] * n
     free = 0.0
@@ -138,7 +138,7 @@ def hidden_copies(
         if m and m >= least[i]:
             moved[i] = m
             free = start + m / out_rate
-            for g in range(i, _waiting_block(ends, i, free)):
+            for g in range(i, waiting):
                 in_flight[g] += m
 
     # Fetches, from the one needed last: each ends as late as the link allows.
@@ -240,10 +240,11 @@ def _largest_under(sizes: Sequence[int], cap: float) -> int:
     return sum(s for s, g in zip(sizes, go) if g)
 
 
-def _starts_back(backward_ms: Sequence[float]) -> list[float]:
-    """When each block's backward pass starts, from the backward pass's start: the last first."""
-    n, total, out = len(backward_ms), 0.0, [0.0] * len(backward_ms)
+def _after(values: Sequence[float]) -> list[float]:
+    """Per block, the sum of the values of the blocks after it: of their backward passes, when
+    its own starts (the last block's first); of their kept bytes, what the peak holds after it."""
+    n, total, out = len(values), 0.0, [0.0] * len(values)
     for j in reversed(range(n)):
         out[j] = total
-        total += backward_ms[j]
+        total += values[j]
     return out
