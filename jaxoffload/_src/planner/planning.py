@@ -41,7 +41,7 @@ def plan(
     donate_argnums: int | Sequence[int] = (),
     runs: int = 5,
     max_rounds: int = 3,
-    per_round: int = 4,
+    per_round: int = 2,
     block_costs: str = "timed",
     progress: bool | Callable[[str], None] = True,
     held_bytes: int | None = None,
@@ -97,8 +97,8 @@ def plan(
         donates, as in its ``jax.jit``: the compiled checks do the same.
       runs: timed runs per block and option.
       max_rounds: rounds of compiled checks per budget.
-      per_round: the candidates that one round compiles at once, each on a
-        thread of its own.
+      per_round: the candidates that one round compiles for each budget; the
+        budgets' candidates compile at once, each on a thread of its own.
       block_costs: ``"timed"``, each distinct block program compiled and timed
         alone under each option; or ``"traced"``, its times from its traced
         FLOPs at the plain step's measured ms per FLOP, which compiles no

@@ -37,7 +37,7 @@ OVERSTATED_MARGIN = 0.03
 
 
 def plans_for(
-    planner, budgets: Sequence, *, max_rounds: int = 3, per_round: int = 4
+    planner, budgets: Sequence, *, max_rounds: int = 3, per_round: int = 2
 ) -> list[Plan | NoPlanFits]:
     """For each budget, the fastest plan whose compiled step fits it, or why none does.
 
