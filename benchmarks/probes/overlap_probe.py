@@ -14,7 +14,9 @@ The option ``fdo=1`` compiles again with each host copy priced at its bytes over
 the bench does (since ``xla_options`` prices each fetch at every fetch's link time, what the
 records of ``call14.json`` name ``fdo=queue-h2d``); ``fdo=queue`` prices the copies to the host
 so too (:func:`queued`); ``fdo=ahead`` prices each at the copies to the host before it and its
-own (:func:`ahead`).
+own (:func:`ahead`); ``fdo=fetches`` prices the fetches alone (:func:`fetches_only`); ``fdo=tiny`` and
+``fdo=huge`` price every copy to the host at 1 µs and at 100 ms (:func:`out_at`), as
+``copy_start_probe.py`` compiles them.
 """
 
 import glob
@@ -245,6 +247,40 @@ def ahead(profile, hlo_text):
     )
 
 
+def fetches_only(profile, hlo_text):
+    """``profile`` without its copies to the host: the scheduler's default prices them."""
+    out = {name for name, _, _, is_fetch in host_copies(hlo_text) if not is_fetch}
+    return "\n".join(
+        line
+        for line in profile.split("\n")
+        if re.search(r'name: "([^"]+)"', line).group(1) not in out
+    )
+
+
+def out_at(us):
+    """A repricing that prices every copy to the host at ``us`` µs, the fetches as they were."""
+
+    def reprice(profile, hlo_text):
+        out = {name for name, _, _, is_fetch in host_copies(hlo_text) if not is_fetch}
+        return "\n".join(
+            re.sub(r"cost_us: [\d.]+", f"cost_us: {us:.3f}", line)
+            if re.search(r'name: "([^"]+)"', line).group(1) in out
+            else line
+            for line in profile.split("\n")
+        )
+
+    return reprice
+
+
+REPRICINGS = {
+    "queue": queued,
+    "ahead": ahead,
+    "fetches": fetches_only,
+    "tiny": out_at(1.0),
+    "huge": out_at(100_000.0),
+}
+
+
 def resnet50(variant, out, options):
     variant, step, state, batch = resnet50_training(variant, abstract=False)
     step = jax.jit(step, donate_argnums=0)
@@ -254,8 +290,8 @@ def resnet50(variant, out, options):
     compiled = lowered.compile(options) if options else lowered.compile()
     if fdo:
         priced = with_copy_costs(options, compiled.as_text(), LINK_GBPS)
-        if fdo in ("queue", "ahead") and "fdo_profile" in priced:
-            reprice = queued if fdo == "queue" else ahead
+        if fdo in REPRICINGS and "fdo_profile" in priced:
+            reprice = REPRICINGS[fdo]
             priced["fdo_profile"] = reprice(
                 priced["fdo_profile"].decode(), compiled.as_text()
             ).encode()

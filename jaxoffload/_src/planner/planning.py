@@ -41,7 +41,7 @@ def plan(
     donate_argnums: int | Sequence[int] = (),
     runs: int = 5,
     max_rounds: int = 3,
-    per_round: int = 2,
+    per_round: int | None = None,
     block_costs: str = "timed",
     progress: bool | Callable[[str], None] = True,
     held_bytes: int | None = None,
@@ -99,6 +99,8 @@ def plan(
       max_rounds: rounds of compiled checks per budget.
       per_round: the candidates that one round compiles for each budget; the
         budgets' candidates compile at once, each on a thread of its own.
+        ``None``: four for one budget, two each for several
+        (:func:`~jaxoffload._src.planner.rounds.per_budget`).
       block_costs: ``"timed"``, each distinct block program compiled and timed
         alone under each option; or ``"traced"``, its times from its traced
         FLOPs at the plain step's measured ms per FLOP, which compiles no
@@ -149,7 +151,7 @@ def plan(
     )  # fmt: skip
     budgets, many = check_budgets(budget, "the plain step's memory")
     max_rounds = checks.integer("max_rounds", max_rounds, minimum=1, example=3)
-    per_round = checks.integer("per_round", per_round, minimum=1, example=4)
+    per_round = checks.integer("per_round", per_round, minimum=1, none=True, example=4)
     held_bytes = checks.integer("held_bytes", held_bytes, minimum=0, none=True, meaning="bytes")
     given = held_bytes is not None
     # Read before planning allocates anything of its own: what the training loop holds.

@@ -20,7 +20,7 @@ from jaxoffload._src.planner.peak import PeakModel
 from jaxoffload._src.planner.plan import Plan
 from jaxoffload._src.strategies import Store, brief
 
-__all__ = ["plans_for"]
+__all__ = ["per_budget", "plans_for"]
 
 # Where a round looks for a budget: the first candidates that the model of compiled bytes
 # says fit the budget, and 5% less or more, as the model is off by a few percent.
@@ -34,19 +34,37 @@ TIMED_WITHIN = 0.05
 # proposed (of those that move bytes, or of those that do not), and this share more, cannot
 # fit it; the first round, with nothing proposed yet, rules out none.
 OVERSTATED_MARGIN = 0.03
+# The candidates a round compiles by default, in all, and at least for each budget: a
+# round's compiles run at once, but its candidates are traced one after another.
+ROUND_CANDIDATES = 4
+LEAST_PER_BUDGET = 2
+
+
+def per_budget(budgets: int) -> int:
+    """The candidates that a round compiles for each of ``budgets`` by default.
+
+    One budget takes four, so that a round brackets it from both sides; several take two
+    each, so that the candidates traced one after another do not outgrow the compiles
+    (``docs/design.md``, "Planning for a budget", has the planning times behind this).
+
+    Example:
+      >>> [per_budget(n) for n in (1, 2, 3)]
+      [4, 2, 2]
+    """
+    return max(LEAST_PER_BUDGET, ROUND_CANDIDATES // budgets)
 
 
 def plans_for(
-    planner, budgets: Sequence, *, max_rounds: int = 3, per_round: int = 2
+    planner, budgets: Sequence, *, max_rounds: int = 3, per_round: int | None = None
 ) -> list[Plan | NoPlanFits]:
     """For each budget, the fastest plan whose compiled step fits it, or why none does.
 
     The candidates are the front's plans and the uniform ones compiled to check
     the model, fastest by the model first. For each budget, between the fastest
     compiled one that fits and the slowest faster one that does not, a round
-    compiles up to ``per_round``: those that the model of compiled bytes says fit
-    the budget, or nearly, and candidates evenly spaced between the two, a
-    search that does not trust the model. Where the front has no candidate left
+    compiles up to ``per_round`` (by default :func:`per_budget`): those that the
+    model of compiled bytes says fit the budget, or nearly, and candidates evenly
+    spaced between the two, a search that does not trust the model. Where the front has no candidate left
     between them, the round walks from the one that fits towards a faster one
     instead, block by block (:func:`_between`): the compiled step, not the
     model, then says where on that path the budget falls. After the first
@@ -61,6 +79,7 @@ def plans_for(
     holds besides its arguments, ``planner.held_bytes``; a share is of the plain
     step's peak as the process sees it (:func:`~jaxoffload._src.planner.budget.plan_budget`).
     """
+    per_round = per_round or per_budget(len(budgets))
     held = planner.held_bytes
     # The plain step compiles only for a share: at sizes far past the device's memory, a
     # size search plans for bytes without it.

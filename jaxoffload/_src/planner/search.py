@@ -436,7 +436,7 @@ class Planner:
         """The step's time by the model: the anchor's measured, with each block's change added."""
         return self.step_ms(self.anchor) + self.ms(candidate) - self.ms(self.anchor)
 
-    def plan_for(self, budget, *, max_rounds: int = 3, per_round: int = 2) -> Plan:
+    def plan_for(self, budget, *, max_rounds: int = 3, per_round: int | None = None) -> Plan:
         """The fastest plan whose compiled step fits ``budget`` beside :attr:`held_bytes`
         (:func:`~jaxoffload._src.planner.budget.plan_budget`: bytes, or a share of the plain
         step's peak as the process sees it).
@@ -449,7 +449,7 @@ class Planner:
         return found
 
     def plans_for(
-        self, budgets: Sequence, *, max_rounds: int = 3, per_round: int = 2
+        self, budgets: Sequence, *, max_rounds: int = 3, per_round: int | None = None
     ) -> list[Plan | NoPlanFits]:
         """For each budget, the fastest plan whose compiled step fits it, or why none does:
         the rounds of :func:`~jaxoffload._src.planner.rounds.plans_for`."""

@@ -1,0 +1,68 @@
+"""Where XLA's scheduler puts each host copy's start, under different prices. A GPU probe.
+
+    python benchmarks/probes/copy_start_probe.py PLAN.json OUT
+
+Compiles Flax's ResNet-50 b256 step under the plan (``MODEL``/``BATCH`` as in
+``overlap_probe.py``) with the in-flight limit of 64, once unpriced and then with each copy to
+the host priced at its own bytes over the link (``own``), at 1 µs (``tiny``) and at 100 ms
+(``huge``), fetches at the queue as the library prices them; no step runs. For each copy it
+writes where its start and done sit in the scheduled program (instruction index) and the
+index of the instruction that makes the copied value: OUT/copy-starts-PLAN.json.
+"""
+
+import json
+import os
+import re
+import sys
+import time
+
+import jax
+
+sys.path.insert(0, os.path.dirname(__file__))
+from overlap_probe import LINK_GBPS, out_at, resnet50_training  # noqa: E402
+
+from jaxoffload.internal import host_copies, with_copy_costs  # noqa: E402
+
+LIMIT = {"xla_gpu_experimental_parallel_async_compute_limit": 64}
+
+
+def placements(text):
+    body = text[text.index("\nENTRY") :].split("\n")
+    where = {}
+    for i, line in enumerate(body):
+        m = re.match(r"\s*(?:ROOT )?(%[\w.\-]+) = ", line)
+        if m:
+            where[m.group(1)] = i
+    out = []
+    for name, dtype, dims, is_fetch in host_copies(text):
+        start = where["%" + name]
+        src = re.search(r"copy-start\((%[\w.\-]+)\)", body[start]).group(1)
+        done = next(i for i, line in enumerate(body) if f"copy-done(%{name})" in line)
+        out.append(
+            {"copy": name, "shape": f"{dtype}[{dims}]", "fetch": is_fetch,
+             "made": where.get(src), "start": start, "done": done}
+        )  # fmt: skip
+    return out
+
+
+plan, out = sys.argv[1], sys.argv[2]
+variant, step, state, batch = resnet50_training(plan, abstract=True)
+lowered = jax.jit(step, donate_argnums=0).lower(state, batch)
+record = {}
+t = time.perf_counter()
+first = lowered.compile(LIMIT).as_text()
+record["unpriced"] = {"compile_s": time.perf_counter() - t, "copies": placements(first)}
+priced = with_copy_costs(dict(LIMIT), first, LINK_GBPS)
+prices = (("own", None), ("tiny", 1.0), ("huge", 100_000.0)) if "fdo_profile" in priced else ()
+for label, us in prices:
+    options = dict(priced)
+    if us is not None:
+        options["fdo_profile"] = out_at(us)(priced["fdo_profile"].decode(), first).encode()
+    t = time.perf_counter()
+    text = lowered.compile(options).as_text()
+    record[label] = {"compile_s": time.perf_counter() - t, "copies": placements(text)}
+for label, r in record.items():
+    d2h = [(c["made"], c["start"], c["done"]) for c in r["copies"] if not c["fetch"]]
+    print(label, f"{r['compile_s']:.1f} s", "to host (made, start, done):", d2h, flush=True)
+with open(os.path.join(out, f"copy-starts-{variant}.json"), "w") as f:
+    json.dump(record, f, indent=1)
