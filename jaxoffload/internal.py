@@ -25,10 +25,12 @@ from jaxoffload._src.planner import Planner as Planner
 from jaxoffload._src.planner import default_options as default_options
 
 # What blocks cost, and the copies that the host link carries while they compute.
+from jaxoffload._src.planner.costs import cap_sizes as cap_sizes
 from jaxoffload._src.planner.costs import cost_blocks as cost_blocks
 from jaxoffload._src.planner.costs import step_flops as step_flops
 from jaxoffload._src.planner.costs import trace_blocks as trace_blocks
 from jaxoffload._src.planner.costs import traced_blocks as traced_blocks
+from jaxoffload._src.planner.costs import with_traced_caps as with_traced_caps
 from jaxoffload._src.planner.hiding import copy_timeline as copy_timeline
 from jaxoffload._src.planner.hiding import hidden_copies as hidden_copies
 from jaxoffload._src.planner.messages import summary as summary
@@ -65,6 +67,7 @@ __all__ = [
     "Planner",
     "analyze",
     "brief",
+    "cap_sizes",
     "compile_all",
     "copy_timeline",
     "cost_blocks",
@@ -94,6 +97,7 @@ __all__ = [
     "transfers",
     "vjp_programs",
     "with_copy_costs",
+    "with_traced_caps",
     "with_twin",
     "without_host_placement",
     "zeros",

@@ -520,10 +520,13 @@ def test_offload_hidden_on_a_plain_flax_model_runs_the_link_timeline_s_schedule(
     assert expected[-1] == Lean() and expected[0].to_host
     assert record.strategy == "offload-hidden" and record.block_costs == "traced"
     assert record.plan_choices == [brief(s) for s in expected] and record.plan_outside == "Lean()"
-    # The caps move what the schedule moves: the planned step asks for exactly those bytes.
+    # The caps are what the schedule moves; the planned step moves at most that. A cap that
+    # covers a block's lean residuals may keep the offloading cut, which moves other values:
+    # the plan's estimate counts what each cap's own trace moves.
     moved = sum(c.moved for c in copies if c is not None)
     assert record.plan_moved_bytes == moved > 0
-    assert requested_host_bytes(dataclasses.replace(hidden, planned=record.planned)) == moved
+    requested = requested_host_bytes(dataclasses.replace(hidden, planned=record.planned))
+    assert 0 < requested <= moved
     # Every copy runs while blocks compute: the blocks' time is their compute alone.
     assert record.plan_estimated_step_ms == pytest.approx(sum(forward) + sum(backward))
 

@@ -20,7 +20,13 @@ from jaxoffload._src.planner.calibration import (
     hidden_ms_per_byte,
     time_errors,
 )
-from jaxoffload._src.planner.costs import block_options
+from jaxoffload._src.planner.costs import (
+    block_options,
+    cap_sizes,
+    trace_blocks,
+    traced_blocks,
+    with_traced_caps,
+)
 from jaxoffload._src.strategies import brief
 from tests.helpers import host_device_puts, normal, rel_err
 
@@ -405,6 +411,10 @@ def test_hidden_offloads_move_only_what_the_next_blocks_compute_hides():
             b.output_bytes,
             {
                 **b.costs,
+                # A cap chooses among the residuals that Lean()'s cut keeps inside the block.
+                Lean(): dataclasses.replace(
+                    b.costs[Lean()], inner_sizes=(1_500_000, 400_000, 100_000)
+                ),
                 Offload(): dataclasses.replace(
                     b.costs[Offload()], host_sizes=(1_500_000, 400_000, 100_000)
                 ),
@@ -453,6 +463,7 @@ def test_hidden_offloads_that_would_move_only_crumbs_are_no_options():
             b,
             costs={
                 **b.costs,
+                Lean(): dataclasses.replace(b.costs[Lean()], inner_sizes=(4_000_000, 4_000)),
                 Offload(): dataclasses.replace(
                     b.costs[Offload()], host_bytes=4_004_000, host_sizes=(4_000_000, 4_000)
                 ),
@@ -463,6 +474,37 @@ def test_hidden_offloads_that_would_move_only_crumbs_are_no_options():
     choices = block_options(crumbs, options, (2.0, 2.0))
     assert not [o for c in choices for o in c if o.strategy.max_bytes is not None]
     assert hidden_choice(choices) is None
+
+
+def test_a_capped_offload_costs_what_its_own_trace_moves():
+    """A cap that leaves some of the offloading cut on the device takes Lean()'s cut and
+    moves the largest of its residuals inside the block, each alone. The uncapped trace packs
+    its values into one buffer and moves the block's input too: read from it, a cap of one
+    residual would move nothing."""
+
+    def block(w, x):
+        h = jax.nn.relu(x @ w)
+        return x + jnp.sin(jax.nn.relu(h @ w)) @ w
+
+    layer = jaxoffload.offload(block, device_argnums=0)
+    step = jax.grad(lambda w, x: layer(w, layer(w, x)).sum())
+    w, x = jnp.ones((64, 64)) / 64, jnp.ones((32, 64))
+    calls = jaxoffload.offloaded_calls(step, w, x)
+    blocks = traced_blocks(
+        ["a", "b"], calls, trace_blocks(calls, (Lean(), Offload())), ms_per_flop=1e-9
+    )
+    sizes = cap_sizes(blocks[0], Offload())
+    assert sizes == blocks[0].cost(Lean()).inner_sizes == (x.nbytes, x.nbytes)
+    assert blocks[0].cost(Offload()).host_sizes == (3 * x.nbytes,)  # packed, the input in it
+    one, both = Offload(window=2, max_bytes=x.nbytes), Offload(max_bytes=2 * x.nbytes)
+    assert blocks[0].cost(one).host_bytes == 0  # the packed buffer is over the cap
+    traced = with_traced_caps(blocks, calls, [[one, one], [both, None]])
+    assert traced[0].cost(one).host_bytes == x.nbytes
+    assert traced[0].cost(one).input_bytes == x.nbytes  # the layers around keep it
+    assert traced[0].cost(both).host_bytes == 2 * x.nbytes
+    assert traced[0].cost(both).device_bytes == 0
+    assert traced[1].cost(both).host_bytes == 0  # not traced for block b: the uncapped sizes
+    assert traced[0].cost(one).forward_ms == blocks[0].cost(Offload()).forward_ms
 
 
 class _FakePlanner(planner.Planner):

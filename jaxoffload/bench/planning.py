@@ -22,6 +22,7 @@ from jaxoffload.bench.step import linen_model, nnx_training, train_step, trainin
 from jaxoffload.bench.workload import Workload
 from jaxoffload.internal import (
     Planner,
+    cap_sizes,
     copy_timeline,
     cost_blocks,
     discover,
@@ -31,6 +32,7 @@ from jaxoffload.internal import (
     trace_blocks,
     trace_step,
     traced_blocks,
+    with_traced_caps,
     zeros,
 )
 
@@ -274,17 +276,22 @@ def hidden_plan(
         lean = [b.cost(Lean()) for b in shares]
         forward = _at_most(forward, min(sum(c.forward_ms for c in lean), twin_ms[0]))
         backward = _at_most(backward, min(sum(c.backward_ms for c in lean), twin_ms[1]))
-    sizes = [b.cost(Offload()).host_sizes for b in costs]
+    sizes = [cap_sizes(b, Offload()) for b in costs]
     copies = hidden_copies(forward, backward, sizes, link)
     choices = [
         Lean() if c is None else Offload().with_cap(c.window, c.moved, c.fetch_window)
         for c in copies
     ]
-    moved = [0 if c is None else c.moved for c in copies]
+    # What each cap moves, as its own trace says: the schedule's sizes are the lean cut's.
+    costs = with_traced_caps(costs, calls, [choices])
+    moved = [b.cost(s).host_bytes if s.to_host else 0 for b, s in zip(costs, choices)]
     windows = [1 if c is None else c.window for c in copies]
     fetch_windows = [1 if c is None else c.fetch_window for c in copies]
     estimated = sum(copy_timeline(forward, backward, moved, windows, fetch_windows, link))
-    notes = [_hidden_note(c, f, b, sum(s)) for c, f, b, s in zip(copies, forward, backward, sizes)]
+    notes = [
+        _hidden_note(c, m, f, b, sum(s))
+        for c, m, f, b, s in zip(copies, moved, forward, backward, sizes)
+    ]
     plan = Plan(tuple(zip(paths, choices)), Lean(), estimated_step_ms=estimated, notes=tuple(notes))
     say(f"{sum(moved) / 1e6:.1f} MB move each way, on {sum(map(bool, moved))} blocks")
     print(plan, file=sys.stderr)
@@ -302,14 +309,15 @@ def _at_most(times: list[float], total: float) -> list[float]:
     return [t * scale for t in times]
 
 
-def _hidden_note(copies, forward_ms: float, backward_ms: float, movable: int) -> str:
-    """What one block computes, and what of its residuals moves when, as a plan's note."""
+def _hidden_note(copies, moved: int, forward_ms: float, backward_ms: float, movable: int) -> str:
+    """What one block computes, and what of its residuals moves when, as a plan's note:
+    ``moved`` as its cap's trace says, ``copies`` the schedule."""
     compute = f"Lean() compute {forward_ms:.2f} + {backward_ms:.2f} ms"
     if copies is None:
         return f"{compute}; none of its {movable / 1e6:.2f} MB of residuals hides"
     (out, out_end), (back, back_end) = copies.to_host_ms, copies.fetch_ms
     return (
-        f"{compute}; moves {copies.moved / 1e6:.2f} of {movable / 1e6:.2f} MB: to the host at "
+        f"{compute}; moves {moved / 1e6:.2f} of {movable / 1e6:.2f} MB: to the host at "
         f"{out:.2f}-{out_end:.2f} ms of the forward pass, back at {back:.2f}-{back_end:.2f} ms "
         "of the backward pass"
     )

@@ -19,7 +19,7 @@ from jaxoffload._src import transform
 from jaxoffload._src.jaxprs import eqn_flops, nbytes, struct_of, trace_vjp
 from jaxoffload._src.planner.front import Option
 from jaxoffload._src.planner.hiding import copy_timeline, hidden_copies
-from jaxoffload._src.strategies import Store, Strategy
+from jaxoffload._src.strategies import Lean, Store, Strategy
 from jaxoffload._src.timing import compile_all, timed_together, vjp_programs
 from jaxoffload._src.transfers import without_host_placement
 
@@ -27,12 +27,17 @@ __all__ = [
     "BlockCost",
     "BlockCosts",
     "block_options",
+    "cap_key",
+    "cap_sizes",
     "cost_blocks",
     "estimate_step_ms",
+    "hidden_offloads",
     "rescaled",
     "step_flops",
     "trace_blocks",
     "traced_blocks",
+    "traced_options",
+    "with_traced_caps",
 ]
 
 
@@ -51,6 +56,8 @@ class BlockCost:
       backward_ms: its backward pass, recomputation included, transfers not.
       host_sizes: the sizes of the residuals in host memory, largest first.
       spread: how far its timed runs fell apart, over their median.
+      inner_sizes: the sizes of its residuals other than its input, its outputs and
+        scalars, each alone, largest first: under ``Lean()``, what a byte cap chooses among.
     """
 
     device_bytes: int
@@ -62,23 +69,33 @@ class BlockCost:
     backward_ms: float
     host_sizes: tuple[int, ...] = ()
     spread: float = 0.0
+    inner_sizes: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockCosts:
-    """One plannable block: its path, the sizes at its edges, and its cost under each strategy."""
+    """One plannable block: its path, the sizes at its edges, and its cost under each strategy.
+
+    ``capped`` holds byte-capped strategies as traced (:func:`with_traced_caps`), by
+    :func:`cap_key`: a cap may change the block's cut, so what it moves and keeps is read
+    from its own trace, not from the uncapped one.
+    """
 
     path: str
     input_bytes: int
     output_bytes: int
     costs: dict[Strategy, BlockCost]
     size: float = 0.0  # what its times scale with (see rescaled)
+    capped: dict[Strategy, BlockCost] = dataclasses.field(default_factory=dict)
 
     def cost(self, strategy: Strategy) -> BlockCost:
-        """The cost under ``strategy``: as measured, with what a byte cap leaves on the device."""
+        """The cost under ``strategy``: as measured, with what a byte cap leaves on the device
+        as traced, or else as the uncapped trace's largest residuals under the cap."""
         cost = self.costs[strategy.costed()]
         if strategy.max_bytes is None:
             return cost
+        if cap_key(strategy) in self.capped:
+            return self.capped[cap_key(strategy)]
         moved = [size for size, go in zip(cost.host_sizes, strategy.moved(cost.host_sizes)) if go]
         return dataclasses.replace(
             cost,
@@ -86,6 +103,49 @@ class BlockCosts:
             host_bytes=sum(moved),
             host_sizes=tuple(moved),
         )
+
+
+def cap_key(strategy: Strategy) -> Strategy:
+    """What decides a capped strategy's residuals: the strategy without its windows."""
+    return dataclasses.replace(strategy, window=1, fetch_window=None)
+
+
+def cap_sizes(block: BlockCosts, strategy: Strategy) -> tuple[int, ...]:
+    """The residual sizes that a byte cap of ``strategy`` chooses among, largest first.
+
+    A cap that leaves some of the offloading cut's residuals on the device keeps
+    ``Lean()``'s cut, whose residuals inside the block it then moves, the largest first
+    (``_src/residuals.py``, ``_cheapest``); without ``Lean()``'s trace, the offloading
+    cut's.
+    """
+    lean = block.costs.get(Lean(strategy.max_recompute)) if strategy.cuts else None
+    if lean is None:
+        return block.cost(strategy.costed()).host_sizes
+    return tuple(x for x in lean.inner_sizes if x >= strategy.min_bytes)
+
+
+def with_traced_caps(
+    blocks: Sequence[BlockCosts], calls, strategies: Sequence[Sequence[Strategy | None]]
+) -> list[BlockCosts]:
+    """``blocks``, with the cost of each byte-capped strategy of ``strategies`` (one list
+    per block, entries ``None`` where nothing is capped) traced on its call, timed as its
+    uncapped one."""
+    out = []
+    for i, (block, call) in enumerate(zip(blocks, calls)):
+        capped = dict(block.capped)
+        for listed in strategies:
+            s = listed[i]
+            if getattr(s, "max_bytes", None) is None or cap_key(s) in capped:
+                continue
+            timed = block.costs[s.costed()]
+            t = _trace(call, cap_key(s))
+            capped[cap_key(s)] = BlockCost(
+                t.device, t.kept_input, t.kept_output, t.host,
+                max(0, block.costs[Store()].device_bytes - t.device) if s.recomputes else 0,
+                timed.forward_ms, timed.backward_ms, t.host_sizes, timed.spread, t.inner_sizes,
+            )  # fmt: skip
+        out.append(dataclasses.replace(block, capped=capped))
+    return out
 
 
 def estimate_step_ms(
@@ -131,7 +191,9 @@ class _Traced:
     ``device``: residuals on the device other than its input and outputs;
     ``kept_input``, ``kept_output``: its input and outputs, where kept;
     ``host``: residuals in host memory, of ``host_sizes``, largest first;
-    ``flops``: its matrix products' and convolutions' FLOPs, forward and backward.
+    ``flops``: its matrix products' and convolutions' FLOPs, forward and backward;
+    ``inner_sizes``: its residuals on the device other than its input, its outputs and
+    scalars, largest first.
     """
 
     device: int
@@ -140,6 +202,7 @@ class _Traced:
     host: int
     host_sizes: tuple[int, ...]
     flops: int
+    inner_sizes: tuple[int, ...] = ()
 
 
 def trace_blocks(calls, options) -> dict[tuple, dict[Strategy, _Traced]]:
@@ -159,7 +222,7 @@ def _trace(call, strategy: Strategy) -> _Traced:
     traced = trace_vjp(fun, *[struct_of(v.aval, rebind=True) for v in call.forward.jaxpr.invars])
     inputs = {v: k for k, v in enumerate(traced.jaxpr.invars)}
     device = kept_input = kept_output = host = 0
-    sizes = []
+    sizes, inner = [], []
     for v in dict.fromkeys(traced.needed):
         if inputs.get(v, -1) in call.device_inputs:
             continue
@@ -173,8 +236,16 @@ def _trace(call, strategy: Strategy) -> _Traced:
             kept_output += size
         else:
             device += size
+            if v.aval.shape:
+                inner.append(size)
     flops = step_flops(traced.jaxpr) + step_flops(traced.backward.jaxpr)
-    return _Traced(device, kept_input, kept_output, host, tuple(sorted(sizes, reverse=True)), flops)
+    return _Traced(
+        device, kept_input, kept_output, host, _largest_first(sizes), flops, _largest_first(inner)
+    )
+
+
+def _largest_first(sizes) -> tuple[int, ...]:
+    return tuple(sorted(sizes, reverse=True))
 
 
 def cost_blocks(paths, calls, traces, *, runs, say) -> list[BlockCosts]:
@@ -286,6 +357,7 @@ def _block_costs(traced: dict[Strategy, _Traced], times) -> dict[Strategy, Block
             *times[s][:2],
             t.host_sizes,
             times[s][2],
+            t.inner_sizes,
         )  # fmt: skip
         for s, t in ((s, traced[s]) for s in times)
     }
@@ -332,6 +404,7 @@ def block_options(
     link: tuple[float, float] | None,
     hidden_ms_per_byte: float = 0.0,
     untied: frozenset[Strategy] = frozenset(),
+    hidden: Sequence[Sequence[Strategy | None]] | None = None,
 ) -> list[list[Option]]:
     """Per block, its options with what each keeps and costs: the front's input.
 
@@ -346,9 +419,11 @@ def block_options(
     was measured to cost. Options of one block
     within their timing noise count as equally fast, but for the kinds in
     ``untied``, whose whole steps ran apart from the plain one's: their small per-block
-    differences are real.
+    differences are real. ``hidden`` gives those offloads (:func:`hidden_offloads`), whose
+    capped costs ``blocks`` may hold as traced (:func:`with_traced_caps`); ``None`` chooses them here.
     """
-    hidden = _hidden_offloads(blocks, options, link) if link is not None else []
+    if hidden is None:
+        hidden = hidden_offloads(blocks, options, link)
     choices = []
     for i in range(len(blocks)):
         strategies = list(dict.fromkeys(options)) + [h[i] for h in hidden if h[i] is not None]
@@ -358,6 +433,14 @@ def block_options(
         noise = max(blocks[i].cost(o.strategy).spread for o in options_i)
         choices.append(_ties_as_equal(options_i, max(TIE, noise), untied))
     return choices
+
+
+def traced_options(blocks, calls, options, link, hidden_ms_per_byte=0.0, untied=frozenset()):
+    """``(blocks, choices)``: :func:`block_options` with each hidden offload's cap traced on
+    its block's call (:func:`with_traced_caps`), and the blocks that now hold those costs."""
+    hidden = hidden_offloads(blocks, options, link)
+    blocks = with_traced_caps(blocks, calls, hidden)
+    return blocks, block_options(blocks, options, link, hidden_ms_per_byte, untied, hidden)
 
 
 # Options of one block within this share of its fastest, or within the spread of its
@@ -376,18 +459,21 @@ def _ties_as_equal(options: list[Option], margin: float, untied=frozenset()) -> 
     ]
 
 
-def _hidden_offloads(blocks, options, link) -> list[list[Strategy | None]]:
-    """Per offloading option, each block's hidden offload of it (``None`` where none hides).
+def hidden_offloads(blocks, options, link) -> list[list[Strategy | None]]:
+    """Per offloading option, each block's hidden offload of it (``None`` where none hides);
+    none without a link.
 
     The blocks around a block are costed as plain ones: their own choices are not known yet.
     """
+    if link is None:
+        return []
     forward = [b.cost(Store()).forward_ms for b in blocks]
     backward = [b.cost(Store()).backward_ms for b in blocks]
     hidden = []
     for base in options:
         if not base.to_host:
             continue
-        copies = hidden_copies(forward, backward, [b.cost(base).host_sizes for b in blocks], link)
+        copies = hidden_copies(forward, backward, [cap_sizes(b, base) for b in blocks], link)
         hidden.append(
             [
                 None if c is None else base.with_cap(c.window, c.moved, c.fetch_window)

@@ -34,12 +34,12 @@ from jaxoffload._src.planner.calibration import (
 )
 from jaxoffload._src.planner.costs import (
     TIE,
-    block_options,
     cost_blocks,
     rescaled,
     step_flops,
     trace_blocks,
     traced_blocks,
+    traced_options,
 )
 from jaxoffload._src.planner.front import front
 from jaxoffload._src.planner.messages import note, summary
@@ -142,6 +142,7 @@ class Planner:
         say("tracing the step to find the plannable blocks")
         self.paths, calls = discover(model, step, args, blocks)
         check_discovered(self.paths, calls, nnx_model=isinstance(model, nnx.Module))
+        self.calls = calls
         self.compiled: dict[Plan, int] = {}  # every plan compiled, for every budget
         self.compile_s: dict[Plan, float] = {}  # what each took to compile, to budget time by
         self.plain_may_fit = plain_may_fit
@@ -267,8 +268,8 @@ class Planner:
 
     def _put_on_front(self, model: PeakModel | None = None) -> None:
         """The front of the blocks' options, their kept bytes weighed by ``model`` if given."""
-        self.choices = block_options(
-            self.blocks, self.options, self.link, self.hidden_ms_per_byte, self.untied
+        self.blocks, self.choices = traced_options(
+            self.blocks, self.calls, self.options, self.link, self.hidden_ms_per_byte, self.untied
         )
         if model is not None:
             self.choices = weighed(self.choices, self.blocks, model)
