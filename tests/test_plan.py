@@ -505,6 +505,15 @@ def test_a_capped_offload_costs_what_its_own_trace_moves():
     assert traced[0].cost(both).device_bytes == 0
     assert traced[1].cost(both).host_bytes == 0  # not traced for block b: the uncapped sizes
     assert traced[0].cost(one).forward_ms == blocks[0].cost(Offload()).forward_ms
+    # Calibrated times reach the traced caps: their times are the uncapped strategy's.
+    slower = dataclasses.replace(
+        traced[0],
+        costs={
+            **traced[0].costs,
+            Offload(): dataclasses.replace(traced[0].costs[Offload()], backward_ms=9.0),
+        },
+    )
+    assert slower.cost(one).backward_ms == 9.0 and slower.cost(one).host_bytes == x.nbytes
 
 
 class _FakePlanner(planner.Planner):

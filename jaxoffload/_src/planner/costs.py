@@ -94,8 +94,9 @@ class BlockCosts:
         cost = self.costs[strategy.costed()]
         if strategy.max_bytes is None:
             return cost
-        if cap_key(strategy) in self.capped:
-            return self.capped[cap_key(strategy)]
+        if cap_key(strategy) in self.capped:  # its bytes as traced, its times as calibrated
+            times = {k: getattr(cost, k) for k in ("forward_ms", "backward_ms", "spread")}
+            return dataclasses.replace(self.capped[cap_key(strategy)], **times)
         moved = [size for size, go in zip(cost.host_sizes, strategy.moved(cost.host_sizes)) if go]
         return dataclasses.replace(
             cost,
@@ -127,9 +128,9 @@ def cap_sizes(block: BlockCosts, strategy: Strategy) -> tuple[int, ...]:
 def with_traced_caps(
     blocks: Sequence[BlockCosts], calls, strategies: Sequence[Sequence[Strategy | None]]
 ) -> list[BlockCosts]:
-    """``blocks``, with the cost of each byte-capped strategy of ``strategies`` (one list
-    per block, entries ``None`` where nothing is capped) traced on its call, timed as its
-    uncapped one."""
+    """``blocks``, with the bytes of each byte-capped strategy of ``strategies`` (one list
+    per block, entries ``None`` where nothing is capped) traced on its call; its times are
+    its uncapped one's (:meth:`BlockCosts.cost`)."""
     out = []
     for i, (block, call) in enumerate(zip(blocks, calls)):
         capped = dict(block.capped)
