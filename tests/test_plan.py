@@ -25,6 +25,7 @@ from jaxoffload._src.planner.costs import (
     cap_sizes,
     trace_blocks,
     traced_blocks,
+    traced_options,
     with_traced_caps,
 )
 from jaxoffload._src.strategies import brief
@@ -514,6 +515,9 @@ def test_a_capped_offload_costs_what_its_own_trace_moves():
         },
     )
     assert slower.cost(one).backward_ms == 9.0 and slower.cost(one).host_bytes == x.nbytes
+    # A cap among the planner's options is traced too.
+    _, choices = traced_options(blocks, calls, (Lean(), one), (2.0, 2.0))
+    assert next(o for o in choices[0] if o.strategy == one).moved_bytes == x.nbytes
 
 
 class _FakePlanner(planner.Planner):

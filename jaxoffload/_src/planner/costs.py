@@ -138,12 +138,11 @@ def with_traced_caps(
             s = listed[i]
             if getattr(s, "max_bytes", None) is None or cap_key(s) in capped:
                 continue
-            timed = block.costs[s.costed()]
             t = _trace(call, cap_key(s))
             capped[cap_key(s)] = BlockCost(
                 t.device, t.kept_input, t.kept_output, t.host,
                 max(0, block.costs[Store()].device_bytes - t.device) if s.recomputes else 0,
-                timed.forward_ms, timed.backward_ms, t.host_sizes, timed.spread, t.inner_sizes,
+                0.0, 0.0, t.host_sizes, 0.0, t.inner_sizes,
             )  # fmt: skip
         out.append(dataclasses.replace(block, capped=capped))
     return out
@@ -437,10 +436,12 @@ def block_options(
 
 
 def traced_options(blocks, calls, options, link, hidden_ms_per_byte=0.0, untied=frozenset()):
-    """``(blocks, choices)``: :func:`block_options` with each hidden offload's cap traced on
-    its block's call (:func:`with_traced_caps`), and the blocks that now hold those costs."""
+    """``(blocks, choices)``: :func:`block_options` with each byte cap among the options and
+    the hidden offloads traced on each block's call (:func:`with_traced_caps`), and the
+    blocks that now hold those costs."""
     hidden = hidden_offloads(blocks, options, link)
-    blocks = with_traced_caps(blocks, calls, hidden)
+    capped = [[s] * len(blocks) for s in options if s.max_bytes is not None]
+    blocks = with_traced_caps(blocks, calls, [*hidden, *capped])
     return blocks, block_options(blocks, options, link, hidden_ms_per_byte, untied, hidden)
 
 
