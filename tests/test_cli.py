@@ -527,6 +527,9 @@ def test_offload_hidden_on_a_plain_flax_model_runs_the_link_timeline_s_schedule(
     assert record.plan_moved_bytes == moved > 0
     requested = requested_host_bytes(dataclasses.replace(hidden, planned=record.planned))
     assert 0 < requested <= moved
+    # The plan's notes say what each cap's trace moves: what the planned step asks for.
+    noted = [float(m) for n in plan.notes for m in re.findall(r"moves ([\d.]+) of", n)]
+    assert sum(noted) == pytest.approx(requested / 1e6, abs=0.01 * len(noted))
     # Every copy runs while blocks compute: the blocks' time is their compute alone.
     assert record.plan_estimated_step_ms == pytest.approx(sum(forward) + sum(backward))
 
