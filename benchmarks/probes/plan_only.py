@@ -5,12 +5,13 @@
 Plans the bench's plain-Flax MODEL at BATCH (224², bf16, ``--block-costs traced``)
 for each share in SHARES (``0.75,0.5,0.35``) of PEAK_BYTES (Store's runtime
 peak, from a bench record), as :func:`jaxoffload.bench.plan_budgets`
-does, and writes OUT/planonly-MODEL.json (each budget's plan or why none
-fits, the planning time, the plans compiled). The planner's progress goes to
+does, and writes a record to OUT (each budget's plan or why none
+fits, the planning time, the plans compiled), named for MODEL and SHARES
+(``planonly-flax-resnet50-0.75-0.5-0.35.json``). The planner's progress goes to
 stderr; one line a budget to stdout. Its step times are the planner's own, timed
 in this process: the bench measures each plan in a fresh one. With PER_ROUND=N in
 the environment, each round compiles at most N candidates per budget instead of
-``jaxoffload.plan``'s default (the file is then planonly-MODEL-perN.json). A GPU
+``jaxoffload.plan``'s default (the file's name then ends ``-perN``). A GPU
 tool, not a test.
 """
 
@@ -41,7 +42,9 @@ record = {
     "wall_s": time.perf_counter() - start,
     "per_round": per_round,
 }
-name = f"planonly-{model}" + (f"-per{per_round}" if per_round is not None else "")
+# Named for its budgets too, so that one OUT holds the runs of several.
+name = f"planonly-{model}-" + "-".join(map(str, shares))
+name += f"-per{per_round}" if per_round is not None else ""
 with open(os.path.join(os.environ["OUT"], f"{name}.json"), "w") as f:
     json.dump(record, f, default=str)
 for share, r in zip(shares, results):
