@@ -64,9 +64,9 @@ def plans_for(
     compiled one that fits and the slowest faster one that does not, a round
     compiles up to ``per_round`` (by default :func:`per_budget`): those that the
     model of compiled bytes says fit the budget, or nearly, and candidates evenly
-    spaced between the two, a search that does not trust the model. Where the front has no candidate left
-    between them, the round walks from the one that fits towards a faster one
-    instead, block by block (:func:`_between`): the compiled step, not the
+    spaced between the two, a search that does not trust the model. Where the front
+    has no candidate left between them, the round walks from the one that fits
+    towards a faster one instead, block by block (:func:`_between`): the compiled step, not the
     model, then says where on that path the budget falls. After the first
     round, a candidate that the model puts over the budget by more than it has
     overstated any plan that it proposed and that compiled (and
