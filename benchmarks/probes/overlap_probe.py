@@ -21,6 +21,7 @@ own (:func:`ahead`); ``fdo=fetches`` prices the fetches alone (:func:`fetches_on
 
 import glob
 import gzip
+import itertools
 import json
 import os
 import re
@@ -215,6 +216,22 @@ def resnet50_training(variant, abstract):
     return variant, step, state, batch
 
 
+def _costs(profile):
+    """A profile's costs, ``{name: µs}``."""
+    return {n: float(us) for n, us in re.findall(r'name: "([^"]+)" cost_us: ([\d.]+)', profile)}
+
+
+def _copies_out(hlo_text):
+    """The copies to the host of a program, in its order."""
+    return [name for name, _, _, is_fetch in host_copies(hlo_text) if not is_fetch]
+
+
+def _profile_of(costs):
+    return "\n".join(
+        f'costs {{ name: "{name}" cost_us: {us:.3f} }}' for name, us in sorted(costs.items())
+    )
+
+
 def queued(profile, hlo_text):
     """``profile`` with each copy to the host priced at the link time of every copy to the host.
 
@@ -222,52 +239,29 @@ def queued(profile, hlo_text):
     Priced at their queue too, the copies to the host start together and slow one another
     (``call13.json``).
     """
-    costs = dict(re.findall(r'name: "([^"]+)" cost_us: ([\d.]+)', profile))
-    out = {name for name, _, _, is_fetch in host_copies(hlo_text) if not is_fetch}
-    total = sum(float(costs[name]) for name in out)
-    return "\n".join(
-        f'costs {{ name: "{name}" cost_us: {total if name in out else float(us):.3f} }}'
-        for name, us in sorted(costs.items())
-    )
+    costs, out = _costs(profile), _copies_out(hlo_text)
+    return _profile_of({**costs, **dict.fromkeys(out, sum(costs[n] for n in out))})
 
 
 def ahead(profile, hlo_text):
     """``profile`` with each copy to the host priced at the link time of the copies to the host
     before it in the program and its own: the queue it joins when each starts at its producer.
     """
-    costs = dict(re.findall(r'name: "([^"]+)" cost_us: ([\d.]+)', profile))
-    queue, priced = 0.0, {}
-    for name, _, _, is_fetch in host_copies(hlo_text):
-        if not is_fetch:
-            queue += float(costs[name])
-            priced[name] = queue
-    return "\n".join(
-        f'costs {{ name: "{name}" cost_us: {priced.get(name, float(us)):.3f} }}'
-        for name, us in sorted(costs.items())
-    )
+    costs, out = _costs(profile), _copies_out(hlo_text)
+    return _profile_of({**costs, **dict(zip(out, itertools.accumulate(costs[n] for n in out)))})
 
 
 def fetches_only(profile, hlo_text):
     """``profile`` without its copies to the host: the scheduler's default prices them."""
-    out = {name for name, _, _, is_fetch in host_copies(hlo_text) if not is_fetch}
-    return "\n".join(
-        line
-        for line in profile.split("\n")
-        if re.search(r'name: "([^"]+)"', line).group(1) not in out
-    )
+    out = set(_copies_out(hlo_text))
+    return _profile_of({n: us for n, us in _costs(profile).items() if n not in out})
 
 
 def out_at(us):
     """A repricing that prices every copy to the host at ``us`` µs, the fetches as they were."""
 
     def reprice(profile, hlo_text):
-        out = {name for name, _, _, is_fetch in host_copies(hlo_text) if not is_fetch}
-        return "\n".join(
-            re.sub(r"cost_us: [\d.]+", f"cost_us: {us:.3f}", line)
-            if re.search(r'name: "([^"]+)"', line).group(1) in out
-            else line
-            for line in profile.split("\n")
-        )
+        return _profile_of({**_costs(profile), **dict.fromkeys(_copies_out(hlo_text), us)})
 
     return reprice
 

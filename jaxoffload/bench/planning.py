@@ -127,8 +127,7 @@ def plan_budgets(
     say = _progress(start)
     shared = planner_of(workload, say, inputs, held_bytes)
     results = []
-    rounds = {} if per_round is None else {"per_round": per_round}
-    found = shared.plans_for([int(b) for b in budgets_bytes], max_rounds=3, **rounds)
+    found = shared.plans_for([int(b) for b in budgets_bytes], max_rounds=3, per_round=per_round)
     # The budgets are planned together: each one's planning time is theirs together.
     planning_s = time.perf_counter() - start
     for planned in found:
