@@ -34,6 +34,7 @@ from jaxoffload._src.planner.costs import with_traced_caps as with_traced_caps
 from jaxoffload._src.planner.hiding import copy_timeline as copy_timeline
 from jaxoffload._src.planner.hiding import hidden_copies as hidden_copies
 from jaxoffload._src.planner.messages import summary as summary
+from jaxoffload._src.planner.peak import compiled_points as compiled_points
 from jaxoffload._src.planner.program import device_bytes as device_bytes
 from jaxoffload._src.planner.program import discover as discover
 from jaxoffload._src.planner.program import lower_step as lower_step
@@ -69,6 +70,7 @@ __all__ = [
     "brief",
     "cap_sizes",
     "compile_all",
+    "compiled_points",
     "copy_timeline",
     "cost_blocks",
     "default_options",

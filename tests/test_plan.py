@@ -16,6 +16,7 @@ from jaxoffload._src.planner import BlockCost, BlockCosts, estimate_peak_bytes, 
 from jaxoffload._src.planner import search as planner
 from jaxoffload._src.planner.calibration import (
     calibrated,
+    exposed_ms_per_byte,
     hidden_choice,
     hidden_ms_per_byte,
     time_errors,
@@ -28,6 +29,7 @@ from jaxoffload._src.planner.costs import (
     traced_options,
     with_traced_caps,
 )
+from jaxoffload._src.planner.peak import compiled_points
 from jaxoffload._src.strategies import brief
 from tests.helpers import host_device_puts, normal, rel_err
 
@@ -209,7 +211,7 @@ def test_the_planner_gives_every_plan_it_compiled_with_what_its_model_said(share
 
     made, lines = shared_planner
     made.plan_for(1.0, max_rounds=3)
-    points = json.loads(json.dumps(made.compiled_points()))  # plain JSON
+    points = json.loads(json.dumps(compiled_points(made)))  # plain JSON
     assert points["paths"] == list(PATHS)
     assert len(points["blocks"]) == len(PATHS)
     assert all(set(b) == {brief(s) for s in made.options} for b in points["blocks"])
@@ -650,6 +652,36 @@ def test_a_model_that_has_proved_itself_spares_the_compiles_it_rules_out(monkeyp
     same, doubting = search()
     assert found == same == trusting.plans[fastest_fit]
     assert trusting.compiles < doubting.compiles
+
+
+def test_the_hidden_offloads_check_compiles_beside_the_first_round_and_its_price_can_reopen_the_search():
+    """Until a step shows what hidden offloads cost, they are priced as copies that do not hide
+    (their link time), and their check compiles with the first round's candidates instead of
+    before them. Once it has run, the price it measured may put a faster candidate on the front
+    within the budget, which a later round compiles and the search returns."""
+    compiled = [100, 90, 80, 70, 60, 50, 40, 30]
+    made = _FakePlanner(compiled, compiled)
+    hidden = Plan((("Block_0", Offload(window=2, max_bytes=10)),), Lean())
+    made.plans.append(hidden)
+    made.truth[hidden] = made.guess[hidden] = 45
+    made.unpriced, batches = [hidden], []
+    fast = made.ms
+
+    def compile(candidates):
+        batches.append(list(candidates))
+        _FakePlanner.compile(made, candidates)
+
+    def price_hidden():  # the check ran as fast as the fastest plan: hidden copies are free
+        assert hidden in made.compiled
+        made.ms = lambda c: -1.0 if c == hidden else fast(c)
+        made.front = [*made.front, len(made.plans) - 1]
+        made.unpriced = []
+
+    made.compile, made.price_hidden = compile, price_hidden
+    assert made.plan_for(50, max_rounds=3) == hidden
+    assert batches[0][0] == hidden and len(batches[0]) > 1  # beside the first round's plans
+    assert all(hidden not in b for b in batches[1:])  # compiled once
+    assert exposed_ms_per_byte((50.0, 25.0)) == pytest.approx(1 / 50e6 + 1 / 25e6)
 
 
 class _AdditivePlanner(planner.Planner):

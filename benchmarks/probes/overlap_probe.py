@@ -16,7 +16,8 @@ records of ``call14.json`` name ``fdo=queue-h2d``); ``fdo=queue`` prices the cop
 so too (:func:`queued`); ``fdo=ahead`` prices each at the copies to the host before it and its
 own (:func:`ahead`); ``fdo=fetches`` prices the fetches alone (:func:`fetches_only`); ``fdo=tiny`` and
 ``fdo=huge`` price every copy to the host at 1 µs and at 100 ms (:func:`out_at`), as
-``copy_start_probe.py`` compiles them.
+``copy_start_probe.py`` compiles them; ``fdo=vast`` at 10 s, and ``fdo=vastall`` every copy both
+ways at 10 s (:func:`all_at`).
 """
 
 import glob
@@ -266,12 +267,28 @@ def out_at(us):
     return reprice
 
 
+def all_at(us):
+    """A repricing that prices every host copy, both ways, at ``us`` µs."""
+
+    def reprice(profile, hlo_text):
+        copies = [name for name, *_ in host_copies(hlo_text)]
+        return _profile_of({**_costs(profile), **dict.fromkeys(copies, us)})
+
+    return reprice
+
+
+# The scheduler costs an instruction missing from the profile at its own fallback units, about
+# a thousand "µs" or more a kernel: a copy priced at its real µs looks covered by one kernel.
+# "vast" prices the copies to the host past any stretch of kernels, so that each starts as soon
+# as the construction lets it; "vastall" prices the fetches so too.
 REPRICINGS = {
     "queue": queued,
     "ahead": ahead,
     "fetches": fetches_only,
     "tiny": out_at(1.0),
     "huge": out_at(100_000.0),
+    "vast": out_at(1e7),
+    "vastall": all_at(1e7),
 }
 
 

@@ -23,6 +23,7 @@ from jaxoffload.bench.workload import Workload
 from jaxoffload.internal import (
     Planner,
     cap_sizes,
+    compiled_points,
     copy_timeline,
     cost_blocks,
     discover,
@@ -119,7 +120,7 @@ def plan_budgets(
       every budget took (they are planned together, from the model and its abstract
       arguments built, as :func:`jaxoffload.plan` is given them), and ``planned_budgets``;
       the first also with ``planner_points``, every plan compiled
-      (:meth:`~jaxoffload._src.planner.search.Planner.compiled_points`).
+      (:func:`~jaxoffload._src.planner.peak.compiled_points`).
     """
     inputs = planning_inputs(workload)
     # Planning is what jaxoffload.plan does, from the model and arguments that a user has.
@@ -142,7 +143,7 @@ def plan_budgets(
         results[-1].update(planning_s=planning_s, planned_budgets=len(budgets_bytes))
         print(results[-1].get("no_plan") or Plan.from_dict(results[-1]["planned"]), file=sys.stderr)
     # What was compiled, once, with the first budget's result: for calibrating byte models offline.
-    results[0]["planner_points"] = shared.compiled_points()
+    results[0]["planner_points"] = compiled_points(shared)
     return results
 
 

@@ -18,6 +18,7 @@ from jaxoffload._src.strategies import Store, Strategy, brief
 
 __all__ = [
     "calibrated",
+    "exposed_ms_per_byte",
     "hidden_choice",
     "hidden_ms_per_byte",
     "time_errors",
@@ -150,3 +151,14 @@ def hidden_ms_per_byte(
     model, where their step ran ``error_ms`` over it (a measured, not a modelled, overlap)."""
     moved = sum(b.cost(s).host_bytes for b, s in zip(blocks, strategies) if s.max_bytes)
     return max(0.0, error_ms) / moved if moved else 0.0
+
+
+def exposed_ms_per_byte(link: tuple[float, float] | None) -> float:
+    """What a byte moved each way costs where none of its copies hides: its time on the link
+    out and back, in ms (``0`` without a link).
+
+    Example:
+      >>> round(exposed_ms_per_byte((50.0, 50.0)) * 1e9)  # 1 GB: 20 ms each way
+      40
+    """
+    return 0.0 if link is None else sum(1e-6 / gbps for gbps in link)

@@ -30,6 +30,7 @@ from jaxoffload._src.strategies import Store, Strategy, brief
 __all__ = [
     "PeakModel",
     "category",
+    "compiled_points",
     "estimate_peak_bytes",
     "calibrate_peak",
     "kept_bytes",
@@ -271,3 +272,32 @@ def _least_squares(points, scale: float, free: Sequence[str], start: PeakModel, 
         if error(model) < error(best):
             best = model
     return best
+
+
+def compiled_points(planner) -> dict:
+    """Every plan that ``planner`` compiled so far, with what its model said of it: to
+    calibrate other models of compiled bytes by, offline, and to see where planning's time went.
+
+    ``blocks``: per block, each option's kept bytes (its device residuals and inputs, as
+    traced); ``plans``: per compiled plan, its blocks' strategies and the code outside them
+    (as :func:`~jaxoffload._src.strategies.brief` writes them), its compiled bytes, the
+    model's prediction from the other plans, the uncalibrated peak model, its compile in
+    seconds, and its step in ms where it was timed.
+    """
+    blocks = [
+        {brief(s): c.device_bytes + c.input_bytes for s, c in b.costs.items()}
+        for b in planner.blocks
+    ]
+    plans = [
+        {
+            "strategies": [brief(s) for s in c.strategies],
+            "outside": brief(c.outside),
+            "compiled_bytes": got,
+            "predicted_bytes": planner.predict(c) if len(planner.compiled) > 1 else None,
+            "model_bytes": planner.model_bytes(c),
+            "compile_s": planner.compile_s.get(c),
+            "step_ms": planner.measured_ms.get(c),
+        }
+        for c, got in planner.compiled.items()
+    ]
+    return {"paths": list(planner.paths), "blocks": blocks, "plans": plans}

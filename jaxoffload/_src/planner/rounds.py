@@ -111,13 +111,21 @@ def plans_for(
             for t in targets
         ]
         batch = list(dict.fromkeys(c for chosen in probes for c in chosen))
-        if not batch:
+        # The hidden offloads' check compiles beside the first round; once it has run, their
+        # price may put faster candidates on the front.
+        unpriced = list(planner.unpriced)
+        if not batch and not unpriced:
             break
         candidates = sorted(set(candidates) | set(batch), key=by_model)
-        compiling = " and ".join(summary(c.strategies) for c in batch)
-        planner.say(f"round {round_}: compiling {compiling}")
+        compiling = " and ".join(summary(c.strategies) for c in batch) or "nothing"
+        check = ", and the hidden offloads' check" if unpriced else ""
+        planner.say(f"round {round_}: compiling {compiling}{check}")
         said.update({c: planner.peak_bytes(model, c) for c in batch})
-        planner.compile(batch)
+        planner.compile([*unpriced, *batch])  # the longest compile first
+        if unpriced:
+            planner.price_hidden()
+            front = {planner.candidate(point) for point in planner.front}
+            candidates = sorted(set(candidates) | front | set(unpriced), key=by_model)
         model = planner.peak_model()  # through the plans just compiled too
     best = {t: _best_fit(planner, candidates, t) for t in targets}
     to_time = {t: _to_time(planner, b, t) for t, b in best.items() if isinstance(b, Plan)}

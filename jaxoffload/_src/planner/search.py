@@ -27,6 +27,7 @@ from jaxoffload._src.planner.arguments import BLOCK_COSTS
 from jaxoffload._src.planner.budget import devices_of
 from jaxoffload._src.planner.calibration import (
     calibrated,
+    exposed_ms_per_byte,
     hidden_choice,
     hidden_ms_per_byte,
     time_errors,
@@ -95,6 +96,7 @@ class Planner:
 
     held_bytes: int | None = None  # a class default too: stand-in planners skip __init__
     plain_may_fit = True  # a size search says where the plain step is known over the budget
+    unpriced: Sequence[Plan] = ()  # the hidden offloads' check, until price_hidden has run it
 
     def __init__(
         self,
@@ -180,19 +182,22 @@ class Planner:
             else:
                 say(f"costing {len(traces)} distinct block programs by their FLOPs")
                 self.blocks = traced_blocks(self.paths, calls, traces, ms_per_flop=per_flop)
-        self.hidden_ms_per_byte = 0.0 if measured is None else measured.hidden_ms_per_byte
+        self.hidden_ms_per_byte = (
+            exposed_ms_per_byte(self.link) if measured is None else measured.hidden_ms_per_byte
+        )
         self.untied = frozenset() if measured is None else measured.untied
         # At another size, the byte weights that the measured planner calibrated.
         self.prior = None if measured is None else measured.peak_model()
         self._put_on_front(self.prior)
         # Measured costs are checked against whole steps: every block under each option (of
-        # those that move bytes, the first: the others are link-bound variants of it), every
-        # block that has one under a hidden offload, and _byte_checks' plans.
+        # those that move bytes, the first: the others are link-bound variants of it), and
+        # _byte_checks' plans. Every block that has one under a hidden offload is checked
+        # beside the first round (price_hidden); until then, hidden copies cost their link time.
         uniform = [] if measured is not None else self._uniform_checks()
         choice = hidden_choice(self.choices) if uniform else None
-        hidden = None if choice is None else Plan(tuple(zip(self.paths, choice)), Lean())
+        self.unpriced = [] if choice is None else [Plan(tuple(zip(self.paths, choice)), Lean())]
         stored = self._byte_checks() if uniform else []
-        self.checks = list(dict.fromkeys([*uniform, *stored, *([hidden] if hidden else [])]))
+        self.checks = list(dict.fromkeys([*uniform, *stored]))
         # How little a step keeps: the uniform checks say; at another size, the front's
         # leanest plan and the measured size's least, as the model may misjudge which is
         # leaner away from where it was calibrated (design §10), unless the caller knows better.
@@ -220,7 +225,10 @@ class Planner:
         )
         if compile_plain:
             self.compile([self.plain])
-        self.compile(firsts)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            compiling = pool.submit(self.compile, firsts)
+            self._lower(self.unpriced)  # the checks were lowered already: one thread traces
+            compiling.result()
         least = min(self.compiled, key=self.compiled.__getitem__)
         # The step time that the model's estimates start from: the plain step's, or the
         # least plan's where the plain step is too large to run here.
@@ -236,7 +244,7 @@ class Planner:
             f"{summary(least.strategies)}"
         )
         if uniform and math.isfinite(plain_ms):
-            self._calibrate(uniform, hidden)
+            self._calibrate(uniform)
 
     def _ms_per_flop(self, plain_jaxpr) -> float | None:
         """The plain step's measured ms over the FLOPs of its matrix products and
@@ -275,10 +283,10 @@ class Planner:
             self.choices = weighed(self.choices, self.blocks, model)
         self.front = front(self.choices)
 
-    def _calibrate(self, uniform: Sequence[Plan], hidden: Plan | None) -> None:
+    def _calibrate(self, uniform: Sequence[Plan]) -> None:
         """Calibrates the blocks' times to the uniform steps that compute without moving
-        (:func:`~jaxoffload._src.planner.calibration.time_errors`), their bytes to every plan
-        compiled, and charges hidden offloads what ``hidden``'s step ran over the model."""
+        (:func:`~jaxoffload._src.planner.calibration.time_errors`), and their bytes to every
+        plan compiled."""
         plans = [
             p
             for p in dict.fromkeys(uniform)
@@ -294,14 +302,25 @@ class Planner:
                 self.say(line)
             self.blocks = calibrated(self.blocks, errors)
         self._put_on_front(self.peak_model())
-        if hidden is not None and math.isfinite(self.step_ms(hidden)):
-            error = self.step_ms(hidden) - self.estimated_ms(hidden)
-            self.say(f"hidden offloads: {self.step_ms(hidden):.1f} ms, {error:+.1f} over the model")
-            noise = TIE * self.step_ms(self.plain)
-            self.hidden_ms_per_byte = hidden_ms_per_byte(
-                self.blocks, hidden.strategies, error - noise
-            )
-            self._put_on_front(self.peak_model())
+
+    def price_hidden(self) -> None:
+        """Charges hidden offloads what the step of :attr:`unpriced`, compiled by now, ran over
+        the model of copies that hide, and puts it among the checks."""
+        for hidden in self.unpriced:
+            if math.isfinite(self.step_ms(hidden)):
+                self.hidden_ms_per_byte = 0.0
+                self._put_on_front()
+                error = self.step_ms(hidden) - self.estimated_ms(hidden)
+                self.say(
+                    f"hidden offloads: {self.step_ms(hidden):.1f} ms, {error:+.1f} over the model"
+                )
+                noise = TIE * self.step_ms(self.plain)
+                self.hidden_ms_per_byte = hidden_ms_per_byte(
+                    self.blocks, hidden.strategies, error - noise
+                )
+            self.checks.append(hidden)
+        self.unpriced = []
+        self._put_on_front(self.peak_model())
 
     def candidate(self, point) -> Plan:
         """The plan of a point on the front, the code outside the blocks lean."""
@@ -337,30 +356,6 @@ class Planner:
     def predict(self, candidate: Plan) -> int:
         """The compiled bytes that the model calibrated to the other compiled plans predicts."""
         return self.peak_bytes(self.peak_model(without=candidate), candidate)
-
-    def compiled_points(self) -> dict[str, Any]:
-        """Every plan compiled so far, with what the model said of it: to calibrate other models
-        of compiled bytes by, offline. ``blocks``: per block, each option's kept bytes (its
-        device residuals and inputs, as traced); ``plans``: per compiled plan, its blocks'
-        strategies and the code outside them (as :func:`~jaxoffload._src.strategies.brief`
-        writes them), its compiled bytes, the model's prediction from the other plans, the
-        uncalibrated peak model, and its step in ms where it was timed."""
-        blocks = [
-            {brief(s): c.device_bytes + c.input_bytes for s, c in b.costs.items()}
-            for b in self.blocks
-        ]
-        plans = [
-            {
-                "strategies": [brief(s) for s in c.strategies],
-                "outside": brief(c.outside),
-                "compiled_bytes": got,
-                "predicted_bytes": self.predict(c) if len(self.compiled) > 1 else None,
-                "model_bytes": self.model_bytes(c),
-                "step_ms": self.measured_ms.get(c),
-            }
-            for c, got in self.compiled.items()
-        ]
-        return {"paths": list(self.paths), "blocks": blocks, "plans": plans}
 
     def _lower(self, candidates: Sequence[Plan]) -> None:
         """Traces and lowers the candidates not compiled or lowered yet, for a later compile."""
