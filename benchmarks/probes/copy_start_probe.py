@@ -8,8 +8,14 @@ the host priced at its own bytes over the link (``own``), at 1 µs (``tiny``) an
 (``huge``), fetches at the queue as the library prices them; no step runs. For each copy it
 writes where its start and done sit in the scheduled program (instruction index) and the
 index of the instruction that makes the copied value: OUT/copy-starts-PLAN.json.
+
+    python benchmarks/probes/copy_start_probe.py --hlo OUT.json HLO.txt.gz ...
+
+reads the same placements from programs that ``overlap_probe.py`` kept (its ``hlo-*.txt.gz``),
+one entry per file, and compiles nothing (a CPU runs it).
 """
 
+import gzip
 import json
 import os
 import re
@@ -45,6 +51,11 @@ def placements(text):
     return out
 
 
+if sys.argv[1] == "--hlo":
+    kept = {os.path.basename(f): placements(gzip.open(f, "rt").read()) for f in sys.argv[3:]}
+    with open(sys.argv[2], "w") as f:
+        json.dump(kept, f, indent=1)
+    sys.exit()
 plan, out = sys.argv[1], sys.argv[2]
 variant, step, state, batch = resnet50_training(plan, abstract=True)
 lowered = jax.jit(step, donate_argnums=0).lower(state, batch)

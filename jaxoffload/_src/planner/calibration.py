@@ -158,7 +158,7 @@ def exposed_ms_per_byte(link: tuple[float, float] | None) -> float:
     out and back, in ms (``0`` without a link).
 
     Example:
-      >>> round(exposed_ms_per_byte((50.0, 50.0)) * 1e9)  # 1 GB: 20 ms each way
-      40
+      >>> round(exposed_ms_per_byte((50.0, 25.0)) * 1e9)  # a billion bytes out, then back
+      60
     """
     return 0.0 if link is None else sum(1e-6 / gbps for gbps in link)

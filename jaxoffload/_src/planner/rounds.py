@@ -117,9 +117,9 @@ def plans_for(
         if not batch and not unpriced:
             break
         candidates = sorted(set(candidates) | set(batch), key=by_model)
-        compiling = " and ".join(summary(c.strategies) for c in batch) or "nothing"
-        check = ", and the hidden offloads' check" if unpriced else ""
-        planner.say(f"round {round_}: compiling {compiling}{check}")
+        compiling = [" and ".join(summary(c.strategies) for c in batch)] if batch else []
+        compiling += ["the hidden offloads' check"] if unpriced else []
+        planner.say(f"round {round_}: compiling " + ", and ".join(compiling))
         said.update({c: planner.peak_bytes(model, c) for c in batch})
         planner.compile([*unpriced, *batch])  # the longest compile first
         if unpriced:
