@@ -12,9 +12,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
-import time
+import queue
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 from flax import nnx
@@ -33,6 +32,7 @@ from jaxoffload._src.planner.calibration import (
     time_errors,
     weighed,
 )
+from jaxoffload._src.planner.compiled import CompiledSteps
 from jaxoffload._src.planner.costs import (
     TIE,
     cost_blocks,
@@ -55,10 +55,7 @@ from jaxoffload._src.planner.peak import (
 from jaxoffload._src.planner.plan import Plan
 from jaxoffload._src.planner.program import (
     check_discovered,
-    device_bytes,
     discover,
-    program,
-    trace_step,
 )
 from jaxoffload._src.strategies import Lean, Offload, Remat, Store, Strategy, brief, check_strategy
 
@@ -77,13 +74,7 @@ def default_options() -> tuple[Strategy, ...]:
     return tuple(options)
 
 
-# Runs of each whole step timed in turns: over 5, a GPU's steps spread too much to calibrate by
-# (docs/design.md, "Blocks alone are not blocks in a step"); a run costs a step, against
-# seconds to compile one.
-TIMED_RUNS = 11
-
-
-class Planner:
+class Planner(CompiledSteps):
     """What planning measures once per model and step, and the plans it makes from it.
 
     The blocks are found by tracing the step and costed alone under each
@@ -129,12 +120,7 @@ class Planner:
         so it is neither the time reference (a step too large to run is none) nor a candidate."""
         if block_costs not in BLOCK_COSTS:
             raise ValueError(f"block_costs is one of {BLOCK_COSTS}, got {block_costs!r}.")
-        self.model, self.step, self.args, self.say = model, step, args, say
-        self.donate_argnums, self.held_bytes = donate_argnums, held_bytes
-        if run_limit is None:
-            limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
-            run_limit = int(0.9 * limit) if limit else None
-        self.run_limit = run_limit
+        self.held_bytes = held_bytes
         options = (
             default_options() if options is None else tuple(check_strategy(s) for s in options)
         )
@@ -145,15 +131,11 @@ class Planner:
         self.paths, calls = discover(model, step, args, blocks)
         check_discovered(self.paths, calls, nnx_model=isinstance(model, nnx.Module))
         self.calls = calls
-        self.compiled: dict[Plan, int] = {}  # every plan compiled, for every budget
-        self.compile_s: dict[Plan, float] = {}  # what each took to compile, to budget time by
         self.plain_may_fit = plain_may_fit
-        self.executables: dict[Plan, Any] = {}
-        self.lowered: dict[Plan, Any] = {}  # traced and lowered, not compiled yet
-        self.measured_ms: dict[Plan, float] = {}
         self._live: dict[tuple[Strategy, ...], list[dict[str, int]]] = {}
         self.plain = Plan(tuple((p, Store()) for p in self.paths))
-        self.arrays = program(model, step, args, self.plain)[1]
+        CompiledSteps.__init__(self, model, step, args, self.plain, donate_argnums, say, run_limit)
+        checking = None  # the checks' compile, where it runs while the blocks are traced
         if measured is not None:
             self.link = measured.link
             self.blocks = rescaled(measured.blocks, calls)
@@ -166,16 +148,26 @@ class Planner:
                 each = f" each, {len(devices)} devices at once" if len(devices) > 1 else ""
                 say(f"host link: {self.link[0]:.1f} GB/s out, {self.link[1]:.1f} GB/s back{each}")
             # The plain step first and alone: it autotunes the kernels that the other programs
-            # share. XLA compiles outside Python's lock: the blocks are traced meanwhile.
-            say("compiling the plain step, and tracing the blocks and the uniform plans meanwhile")
-            traced = self._traced_step(self.plain)  # only one thread traces at a time
+            # share; timed before they compile. XLA compiles outside Python's lock: the checks
+            # and the blocks are traced meanwhile, in one thread. With traced block costs nothing
+            # else runs on the device, so each check compiles once it is traced.
+            say("compiling the plain step, and tracing the checks and the blocks meanwhile")
+            traced = self._traced_step(self.plain)
             self.lowered[self.plain] = traced.lower()
-            with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                compiling = pool.submit(self.compile, [self.plain])
-                traces = trace_blocks(calls, options)
-                checks = [*self._uniform_checks(), *self._byte_checks()]
-                self._lower([c for c in checks if c != self.plain])
-                compiling.result()
+            pool, lowered = concurrent.futures.ThreadPoolExecutor(1), queue.SimpleQueue()
+            plain = pool.submit(lambda: (self.compile([self.plain]), self.step_ms(self.plain)))
+            if block_costs == "traced":
+                checking = pool.submit(self.compile, iter(lowered.get, None))
+            pool.shutdown(wait=False)  # what it was given still runs
+            try:
+                for check in [*self._uniform_checks(), *self._byte_checks()]:
+                    if check != self.plain:
+                        self._lower([check])
+                        lowered.put(check)
+            finally:
+                lowered.put(None)  # the checks' compile ends, whatever happened here
+            traces = trace_blocks(calls, options)
+            plain.result()
             per_flop = self._ms_per_flop(traced.jaxpr) if block_costs == "traced" else None
             if per_flop is None:
                 self.blocks = cost_blocks(self.paths, calls, traces, runs=runs, say=say)
@@ -215,18 +207,19 @@ class Planner:
             said = int(measured.compiled[measured.plain] * scale)
         near = said is None or self.run_limit is None or said <= 2 * self.run_limit
         compile_plain = plain_may_fit and self.plain not in self.compiled and near
-        say(
-            ("compiling the plain step and " if compile_plain else "compiling ")
-            + (
-                f"{len([c for c in self.checks if c != self.plain])} more plans to fit the model to"
-                if self.checks
-                else " and ".join(summary(c.strategies) for c in firsts)
+        if checking is None:
+            say(
+                ("compiling the plain step and " if compile_plain else "compiling ")
+                + (
+                    f"{len([c for c in self.checks if c != self.plain])} more plans to fit the model to"
+                    if self.checks
+                    else " and ".join(summary(c.strategies) for c in firsts)
+                )
             )
-        )
         if compile_plain:
             self.compile([self.plain])
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            compiling = pool.submit(self.compile, firsts)
+            compiling = checking or pool.submit(self.compile, firsts)
             self._lower(self.unpriced)  # the checks were lowered already: one thread traces
             compiling.result()
         least = min(self.compiled, key=self.compiled.__getitem__)
@@ -356,72 +349,6 @@ class Planner:
     def predict(self, candidate: Plan) -> int:
         """The compiled bytes that the model calibrated to the other compiled plans predicts."""
         return self.peak_bytes(self.peak_model(without=candidate), candidate)
-
-    def _lower(self, candidates: Sequence[Plan]) -> None:
-        """Traces and lowers the candidates not compiled or lowered yet, for a later compile."""
-        for c in dict.fromkeys(candidates):
-            if c not in self.compiled and c not in self.lowered:
-                self.lowered[c] = self._lowered_step(c)
-
-    def _lowered_step(self, candidate: Plan):
-        return self._traced_step(candidate).lower()
-
-    def _traced_step(self, candidate: Plan):
-        return trace_step(self.model, self.step, self.args, candidate, self.donate_argnums)
-
-    def compile(self, candidates: Sequence[Plan]) -> None:
-        todo = [c for c in dict.fromkeys(candidates) if c not in self.compiled]
-        if not todo:
-            return
-        start, tracing = time.perf_counter(), 0.0
-        # Those lowered already first: they compile while the others are traced.
-        todo.sort(key=lambda c: c not in self.lowered)
-
-        def lowered():  # each compiles while the next is traced
-            nonlocal tracing
-            for c in todo:
-                if c in self.lowered:
-                    yield self.lowered.pop(c)
-                    continue
-                began = time.perf_counter()
-                yield self._lowered_step(c)
-                tracing += time.perf_counter() - began
-
-        seconds = {}
-        for c, (executable, took) in zip(todo, timing.compile_timed(lowered())):
-            self.executables[c], self.compiled[c] = executable, device_bytes(executable)
-            seconds[c] = self.compile_s[c] = took
-        longest = max(seconds, key=seconds.__getitem__)
-        self.say(
-            f"compiled {len(todo)} in {time.perf_counter() - start:.1f} s, "
-            f"{tracing:.1f} s of it tracing"
-            + (
-                f"; the longest compile {seconds[longest]:.1f} s, {summary(longest.strategies)}"
-                if len(todo) > 1
-                else ""
-            )
-        )
-
-    def step_ms(self, candidate: Plan, runs: int = 3) -> float:
-        """The compiled candidate's step time, run on zeros; ``inf`` if it cannot run here."""
-        if candidate not in self.measured_ms:
-            self.measured_ms[candidate] = self._run(candidate, runs)
-        return self.measured_ms[candidate]
-
-    def _run(self, candidate: Plan, runs: int) -> float:
-        if not self.runs_here(candidate):
-            return math.inf
-        return timing.step_ms(self.executables[candidate], self.arrays, runs)
-
-    def runs_here(self, candidate: Plan) -> bool:
-        return self.run_limit is None or self.compiled[candidate] <= self.run_limit
-
-    def steps_together(self, candidates: Sequence[Plan]) -> list[tuple[float, float]]:
-        """``(ms, spread)`` of each compiled candidate's step, timed in turns."""
-        for c in candidates:
-            self.step_ms(c)  # warmed up, and its own time noted for what it says
-        executables = [self.executables[c] for c in candidates]
-        return timing.steps_together(executables, self.arrays, TIMED_RUNS)
 
     def ms(self, candidate: Plan) -> float:
         """The blocks' time in the candidate's step, by the model: each option's, ties made

@@ -1,0 +1,122 @@
+"""Steps compiled and timed: the oracle that a planner's search asks.
+
+:class:`CompiledSteps` traces, lowers and compiles a training step under plans, several at
+once, and times them on the device. The planner (:class:`~jaxoffload._src.planner.search.Planner`)
+measures and searches on top of it; tests stand in for it with stand-in bytes and times.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+
+from jaxoffload._src import timing
+from jaxoffload._src.planner.messages import summary
+from jaxoffload._src.planner.plan import Plan
+from jaxoffload._src.planner.program import device_bytes, program, trace_step
+
+__all__ = ["TIMED_RUNS", "CompiledSteps"]
+
+# Runs of each whole step timed in turns: over 5, a GPU's steps spread too much to calibrate by
+# (docs/design.md, "Blocks alone are not blocks in a step"); a run costs a step, against
+# seconds to compile one.
+TIMED_RUNS = 11
+
+
+class CompiledSteps:
+    """A training step's programs under plans: lowered, compiled (several at once, outside
+    Python's lock) and timed on the device, each once.
+
+    Attributes:
+      compiled: every plan compiled, with its device bytes (arguments and temporaries).
+      compile_s: the seconds each plan's compile took.
+      executables: each compiled plan's executable.
+      lowered: plans traced and lowered, not compiled yet.
+      measured_ms: each plan's step as timed alone (``inf`` where it cannot run here).
+      run_limit: the device bytes over which a compiled step is not run.
+    """
+
+    def __init__(self, model, step, args, plain: Plan, donate_argnums, say, run_limit=None):
+        self.model, self.step, self.args, self.say = model, step, args, say
+        self.donate_argnums = donate_argnums
+        if run_limit is None:
+            limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+            run_limit = int(0.9 * limit) if limit else None
+        self.run_limit = run_limit
+        self.compiled: dict[Plan, int] = {}
+        self.compile_s: dict[Plan, float] = {}
+        self.executables: dict[Plan, Any] = {}
+        self.lowered: dict[Plan, Any] = {}
+        self.measured_ms: dict[Plan, float] = {}
+        self.arrays = program(model, step, args, plain)[1]  # the arguments every run takes
+
+    def _lower(self, candidates: Sequence[Plan]) -> None:
+        """Traces and lowers the candidates not compiled or lowered yet, for a later compile."""
+        for c in dict.fromkeys(candidates):
+            if c not in self.compiled and c not in self.lowered:
+                self.lowered[c] = self._lowered_step(c)
+
+    def _lowered_step(self, candidate: Plan):
+        return self._traced_step(candidate).lower()
+
+    def _traced_step(self, candidate: Plan):
+        return trace_step(self.model, self.step, self.args, candidate, self.donate_argnums)
+
+    def compile(self, candidates: Iterable[Plan]) -> None:
+        """Compiles the candidates not compiled yet, several at once, each while the next is
+        traced: of a sequence, those lowered already first; an iterator that another thread
+        fills with lowered candidates compiles each as it comes."""
+        start, tracing, todo = time.perf_counter(), 0.0, []
+        if isinstance(candidates, Sequence):
+            candidates = sorted(dict.fromkeys(candidates), key=lambda c: c not in self.lowered)
+
+        def lowered():
+            nonlocal tracing
+            for c in candidates:
+                if c not in self.compiled and c not in todo:
+                    todo.append(c)
+                    began = time.perf_counter()
+                    yield self.lowered.pop(c) if c in self.lowered else self._lowered_step(c)
+                    tracing += time.perf_counter() - began
+
+        seconds = {}
+        for c, (executable, took) in zip(todo, timing.compile_timed(lowered())):
+            self.executables[c], self.compiled[c] = executable, device_bytes(executable)
+            seconds[c] = self.compile_s[c] = took
+        if not todo:
+            return
+        longest = max(seconds, key=seconds.__getitem__)
+        self.say(
+            f"compiled {len(todo)} in {time.perf_counter() - start:.1f} s, "
+            f"{tracing:.1f} s of it tracing"
+            + (
+                f"; the longest compile {seconds[longest]:.1f} s, {summary(longest.strategies)}"
+                if len(todo) > 1
+                else ""
+            )
+        )
+
+    def step_ms(self, candidate: Plan, runs: int = 3) -> float:
+        """The compiled candidate's step time, run on zeros; ``inf`` if it cannot run here."""
+        if candidate not in self.measured_ms:
+            self.measured_ms[candidate] = self._run(candidate, runs)
+        return self.measured_ms[candidate]
+
+    def _run(self, candidate: Plan, runs: int) -> float:
+        if not self.runs_here(candidate):
+            return math.inf
+        return timing.step_ms(self.executables[candidate], self.arrays, runs)
+
+    def runs_here(self, candidate: Plan) -> bool:
+        return self.run_limit is None or self.compiled[candidate] <= self.run_limit
+
+    def steps_together(self, candidates: Sequence[Plan]) -> list[tuple[float, float]]:
+        """``(ms, spread)`` of each compiled candidate's step, timed in turns."""
+        for c in candidates:
+            self.step_ms(c)  # warmed up, and its own time noted for what it says
+        executables = [self.executables[c] for c in candidates]
+        return timing.steps_together(executables, self.arrays, TIMED_RUNS)
