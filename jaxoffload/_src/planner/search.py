@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import math
 import queue
+import threading
 from collections.abc import Sequence
 
 import jax
@@ -148,26 +149,39 @@ class Planner(CompiledSteps):
                 each = f" each, {len(devices)} devices at once" if len(devices) > 1 else ""
                 say(f"host link: {self.link[0]:.1f} GB/s out, {self.link[1]:.1f} GB/s back{each}")
             # The plain step first and alone: it autotunes the kernels that the other programs
-            # share; timed before they compile. XLA compiles outside Python's lock: the checks
-            # and the blocks are traced meanwhile, in one thread. With traced block costs nothing
-            # else runs on the device, so each check compiles once it is traced.
+            # share. XLA compiles outside Python's lock, so this thread traces meanwhile: the
+            # checks first, which compile next. With traced block costs nothing else runs on
+            # the device: the plain step is timed once it is compiled and the checks are traced
+            # (with nothing else running: a tracing thread holds the lock that timed runs
+            # need), and the checks compile while the blocks are traced.
             say("compiling the plain step, and tracing the checks and the blocks meanwhile")
             traced = self._traced_step(self.plain)
             self.lowered[self.plain] = traced.lower()
+            by_flops = block_costs == "traced"
             pool, lowered = concurrent.futures.ThreadPoolExecutor(1), queue.SimpleQueue()
-            plain = pool.submit(lambda: (self.compile([self.plain]), self.step_ms(self.plain)))
-            if block_costs == "traced":
-                checking = pool.submit(self.compile, iter(lowered.get, None))
+            plain, timed = pool.submit(self.compile, [self.plain]), threading.Event()
+
+            def checks_after_plain():  # nothing more compiles if the plain step did not
+                timed.wait()
+                if plain.exception() is None:
+                    self.compile(iter(lowered.get, None))
+
+            checking = pool.submit(checks_after_plain) if by_flops else None
             pool.shutdown(wait=False)  # what it was given still runs
             try:
                 for check in [*self._uniform_checks(), *self._byte_checks()]:
                     if check != self.plain:
                         self._lower([check])
                         lowered.put(check)
+                traces = None if by_flops else trace_blocks(calls, options)
+                plain.result()
+                if by_flops:
+                    self.step_ms(self.plain)
             finally:
                 lowered.put(None)  # the checks' compile ends, whatever happened here
-            traces = trace_blocks(calls, options)
-            plain.result()
+                timed.set()
+            if traces is None:  # traced while the checks compile
+                traces = trace_blocks(calls, options)
             per_flop = self._ms_per_flop(traced.jaxpr) if block_costs == "traced" else None
             if per_flop is None:
                 self.blocks = cost_blocks(self.paths, calls, traces, runs=runs, say=say)
