@@ -73,7 +73,9 @@ def plans_for(
     :data:`OVERSTATED_MARGIN` more) is not compiled for it. A budget is done
     when no candidate is left between them that the model says is faster by
     more than the timing noise. The budgets' rounds compile together, and the
-    plan returned is the fastest of the compiled ones that fit, as timed.
+    plan returned is the fastest of the compiled ones that fit, as timed. The
+    hidden offloads' check (``planner.unpriced``) compiles with the first round;
+    the price its step measures may put faster candidates on the front.
 
     Each budget is device bytes that the compiled step fits beside what the process
     holds besides its arguments, ``planner.held_bytes``; a share is of the plain
@@ -121,7 +123,7 @@ def plans_for(
         compiling += ["the hidden offloads' check"] if unpriced else []
         planner.say(f"round {round_}: compiling " + ", and ".join(compiling))
         said.update({c: planner.peak_bytes(model, c) for c in batch})
-        planner.compile([*unpriced, *batch])  # the longest compile first
+        planner.compile([*unpriced, *batch])  # the check first: it has compiled the longest
         if unpriced:
             planner.price_hidden()
             front = {planner.candidate(point) for point in planner.front}
