@@ -654,16 +654,23 @@ def test_a_model_that_has_proved_itself_spares_the_compiles_it_rules_out(monkeyp
     assert trusting.compiles < doubting.compiles
 
 
-def test_the_hidden_offloads_check_compiles_beside_the_first_round_and_its_price_can_reopen_the_search():
+@pytest.mark.parametrize("max_rounds", [1, 3])
+def test_the_hidden_offloads_check_compiles_beside_the_first_round_and_its_price_can_reopen_the_search(
+    max_rounds,
+):
     """Until a step shows what hidden offloads cost, they are priced as copies that do not hide
     (their link time), and their check compiles with the first round's candidates instead of
-    before them. Once it has run, the price it measured may put a faster candidate on the front
-    within the budget, which a later round compiles and the search returns."""
+    before them. The price it measures may put a faster candidate on the front within the
+    budget: a later round compiles it, even where the first round was the last one asked for."""
     compiled = [100, 90, 80, 70, 60, 50, 40, 30]
     made = _FakePlanner(compiled, compiled)
     hidden = Plan((("Block_0", Offload(window=2, max_bytes=10)),), Lean())
-    made.plans.append(hidden)
-    made.truth[hidden] = made.guess[hidden] = 45
+    cheap = Plan(
+        (("Block_0", Offload(window=3, max_bytes=20)),), Lean()
+    )  # on the front once priced
+    for plan, nbytes in ((hidden, 95), (cheap, 45)):
+        made.plans.append(plan)
+        made.truth[plan] = made.guess[plan] = nbytes
     made.unpriced, batches = [hidden], []
     fast = made.ms
 
@@ -671,17 +678,48 @@ def test_the_hidden_offloads_check_compiles_beside_the_first_round_and_its_price
         batches.append(list(candidates))
         _FakePlanner.compile(made, candidates)
 
-    def price_hidden():  # the check ran as fast as the fastest plan: hidden copies are free
+    def price_hidden():  # the check ran faster than the model: hidden copies are free
         assert hidden in made.compiled
-        made.ms = lambda c: -1.0 if c == hidden else fast(c)
-        made.front = [*made.front, len(made.plans) - 1]
+        made.ms = lambda c: -1.0 if c == cheap else fast(c)
+        made.front = [*made.front, made.plans.index(cheap)]
         made.unpriced = []
 
     made.compile, made.price_hidden = compile, price_hidden
-    assert made.plan_for(50, max_rounds=3) == hidden
+    assert made.plan_for(50, max_rounds=max_rounds) == cheap
     assert batches[0][0] == hidden and len(batches[0]) > 1  # beside the first round's plans
-    assert all(hidden not in b for b in batches[1:])  # compiled once
+    assert any(cheap in b for b in batches[1:]) and all(hidden not in b for b in batches[1:])
     assert exposed_ms_per_byte((50.0, 25.0)) == pytest.approx(1 / 50e6 + 1 / 25e6)
+
+
+def test_the_hidden_offloads_are_priced_by_their_check_for_the_search_and_for_other_sizes():
+    """The real planner with offloading options, its blocks costed by their FLOPs: the checks
+    compile while the blocks are traced, the hidden offloads' check with the first round, and a
+    planner measured from this one (a size search's next size) takes the price it measured."""
+    options = (Store(), Lean(), Remat(), Offload())
+    lines = []
+    made = planner.Planner(
+        PLANNABLE, step, ARGS, options, runs=1, say=lines.append, block_costs="traced"
+    )
+    (hidden,) = made.unpriced
+    assert hidden not in made.compiled and hidden in made.lowered  # traced, not compiled yet
+    assert made.hidden_ms_per_byte == exposed_ms_per_byte(made.link) > 0
+    found = made.plan_for(1.0, max_rounds=2)
+    assert made.compiled[found] <= found.budget_bytes and not made.unpriced
+    assert hidden in made.compiled and hidden in made.checks
+    said = [next(n for n, line in enumerate(lines) if line.startswith(start)) for start in (
+        "compiling the plain step, and tracing the checks",
+        "compiling 6 more plans to fit the model to, meanwhile",
+        "round 1: compiling",
+        "hidden offloads:",
+    )]  # fmt: skip
+    assert said == sorted(said) and lines[said[2]].endswith("the hidden offloads' check")
+    # A size search's first planner has not searched: the next size's planner prices it first.
+    quiet = lambda line: None  # noqa: E731
+    first = planner.Planner(PLANNABLE, step, ARGS, options, runs=1, say=quiet, block_costs="traced")
+    assert first.unpriced
+    later = planner.Planner(PLANNABLE, step, ARGS, options, runs=1, say=quiet, measured=first)
+    assert not first.unpriced and later.hidden_ms_per_byte == first.hidden_ms_per_byte
+    assert not later.unpriced
 
 
 class _AdditivePlanner(planner.Planner):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -66,29 +66,26 @@ class CompiledSteps:
     def _traced_step(self, candidate: Plan):
         return trace_step(self.model, self.step, self.args, candidate, self.donate_argnums)
 
-    def compile(self, candidates: Iterable[Plan]) -> None:
-        """Compiles the candidates not compiled yet, several at once, each while the next is
-        traced: of a sequence, those lowered already first; an iterator that another thread
-        fills with lowered candidates compiles each as it comes."""
-        start, tracing, todo = time.perf_counter(), 0.0, []
-        if isinstance(candidates, Sequence):
-            candidates = sorted(dict.fromkeys(candidates), key=lambda c: c not in self.lowered)
+    def compile(self, candidates: Sequence[Plan]) -> None:
+        """Compiles the candidates not compiled yet, several at once: those lowered already
+        first, each of the others while the next is traced."""
+        start, tracing = time.perf_counter(), 0.0
+        todo = [c for c in dict.fromkeys(candidates) if c not in self.compiled]
+        if not todo:
+            return
+        todo.sort(key=lambda c: c not in self.lowered)
 
         def lowered():
             nonlocal tracing
-            for c in candidates:
-                if c not in self.compiled and c not in todo:
-                    todo.append(c)
-                    began = time.perf_counter()
-                    yield self.lowered.pop(c) if c in self.lowered else self._lowered_step(c)
-                    tracing += time.perf_counter() - began
+            for c in todo:
+                began = time.perf_counter()
+                yield self.lowered.pop(c) if c in self.lowered else self._lowered_step(c)
+                tracing += time.perf_counter() - began
 
         seconds = {}
         for c, (executable, took) in zip(todo, timing.compile_timed(lowered())):
             self.executables[c], self.compiled[c] = executable, device_bytes(executable)
             seconds[c] = self.compile_s[c] = took
-        if not todo:
-            return
         longest = max(seconds, key=seconds.__getitem__)
         self.say(
             f"compiled {len(todo)} in {time.perf_counter() - start:.1f} s, "

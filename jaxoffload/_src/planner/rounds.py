@@ -105,7 +105,9 @@ def plans_for(
 
     candidates = sorted(front, key=by_model)
     said: dict[Plan, int] = {}  # what the model said of each plan it proposed, before it compiled
-    for round_ in range(1, max_rounds + 1):
+    # The round that compiles the hidden offloads' check does not count: the price it measures
+    # gets a round to act on. Where no round runs, the check compiles alone, after them.
+    for round_ in range(1, max_rounds + 1 + bool(max_rounds and planner.unpriced)):
         trust = _Trust(model, _overstated(planner, said))
         probes = [
             _probes(planner, candidates, t, trust, per_round)
@@ -129,6 +131,10 @@ def plans_for(
             front = {planner.candidate(point) for point in planner.front}
             candidates = sorted(set(candidates) | front | set(unpriced), key=by_model)
         model = planner.peak_model()  # through the plans just compiled too
+    if planner.unpriced:  # no round ran
+        hidden = list(planner.unpriced)
+        planner.price_hidden()
+        candidates = sorted(set(candidates) | set(hidden), key=by_model)
     best = {t: _best_fit(planner, candidates, t) for t in targets}
     to_time = {t: _to_time(planner, b, t) for t, b in best.items() if isinstance(b, Plan)}
     # Every budget's plans timed in one turn-taking, so that each is timed once.

@@ -12,8 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
-import queue
-import threading
 from collections.abc import Sequence
 
 import jax
@@ -149,45 +147,49 @@ class Planner(CompiledSteps):
                 each = f" each, {len(devices)} devices at once" if len(devices) > 1 else ""
                 say(f"host link: {self.link[0]:.1f} GB/s out, {self.link[1]:.1f} GB/s back{each}")
             # The plain step first and alone: it autotunes the kernels that the other programs
-            # share. XLA compiles outside Python's lock, so this thread traces meanwhile: the
-            # checks first, which compile next. With traced block costs nothing else runs on
-            # the device: the plain step is timed once it is compiled and the checks are traced
-            # (with nothing else running: a tracing thread holds the lock that timed runs
-            # need), and the checks compile while the blocks are traced.
+            # share. XLA compiles outside Python's lock, so this thread traces the checks
+            # meanwhile. With traced block costs nothing else needs the device: the plain step
+            # is timed once it is compiled and the checks are traced (alone: a thread that
+            # traces holds the lock that timed runs need), and the checks then compile while
+            # the blocks are traced. Timed block costs run block programs on the device, where
+            # compiles would load it: the checks compile after them.
             say("compiling the plain step, and tracing the checks and the blocks meanwhile")
             traced = self._traced_step(self.plain)
             self.lowered[self.plain] = traced.lower()
+            checks = [c for c in [*self._uniform_checks(), *self._byte_checks()] if c != self.plain]
             by_flops = block_costs == "traced"
-            pool, lowered = concurrent.futures.ThreadPoolExecutor(1), queue.SimpleQueue()
-            plain, timed = pool.submit(self.compile, [self.plain]), threading.Event()
+            pool, ready = concurrent.futures.ThreadPoolExecutor(1), concurrent.futures.Future()
+            plain = pool.submit(self.compile, [self.plain])
 
-            def checks_after_plain():  # nothing more compiles if the plain step did not
-                timed.wait()
-                if plain.exception() is None:
-                    self.compile(iter(lowered.get, None))
+            def checks_after_plain():  # once traced, the plain step timed; not after a failure
+                if ready.result() and plain.exception() is None:
+                    self.compile(checks)
 
             checking = pool.submit(checks_after_plain) if by_flops else None
             pool.shutdown(wait=False)  # what it was given still runs
             try:
-                for check in [*self._uniform_checks(), *self._byte_checks()]:
-                    if check != self.plain:
-                        self._lower([check])
-                        lowered.put(check)
+                self._lower(checks)
                 traces = None if by_flops else trace_blocks(calls, options)
                 plain.result()
                 if by_flops:
                     self.step_ms(self.plain)
-            finally:
-                lowered.put(None)  # the checks' compile ends, whatever happened here
-                timed.set()
-            if traces is None:  # traced while the checks compile
+                    say(f"compiling {len(checks)} more plans to fit the model to, meanwhile")
+            except BaseException:
+                ready.set_result(False)
+                raise
+            ready.set_result(True)
+            if traces is None:
                 traces = trace_blocks(calls, options)
-            per_flop = self._ms_per_flop(traced.jaxpr) if block_costs == "traced" else None
+            per_flop = self._ms_per_flop(traced.jaxpr) if by_flops else None
             if per_flop is None:
+                if checking is not None:  # block programs are timed only once nothing compiles
+                    checking.result()
                 self.blocks = cost_blocks(self.paths, calls, traces, runs=runs, say=say)
             else:
                 say(f"costing {len(traces)} distinct block programs by their FLOPs")
                 self.blocks = traced_blocks(self.paths, calls, traces, ms_per_flop=per_flop)
+        if measured is not None and measured.unpriced:
+            measured.price_hidden()  # what this size's hidden offloads cost, as that size's did
         self.hidden_ms_per_byte = (
             exposed_ms_per_byte(self.link) if measured is None else measured.hidden_ms_per_byte
         )
@@ -311,8 +313,9 @@ class Planner(CompiledSteps):
         self._put_on_front(self.peak_model())
 
     def price_hidden(self) -> None:
-        """Charges hidden offloads what the step of :attr:`unpriced`, compiled by now, ran over
-        the model of copies that hide, and puts it among the checks."""
+        """Charges hidden offloads what the step of :attr:`unpriced` (compiled here if it was
+        not) ran over the model of copies that hide, and puts it among the checks."""
+        self.compile(self.unpriced)
         for hidden in self.unpriced:
             if math.isfinite(self.step_ms(hidden)):
                 self.hidden_ms_per_byte = 0.0
@@ -324,6 +327,11 @@ class Planner(CompiledSteps):
                 noise = TIE * self.step_ms(self.plain)
                 self.hidden_ms_per_byte = hidden_ms_per_byte(
                     self.blocks, hidden.strategies, error - noise
+                )
+            else:
+                self.say(
+                    "hidden offloads: their check is too large to run here; their copies "
+                    "stay priced at their link time"
                 )
             self.checks.append(hidden)
         self.unpriced = []
