@@ -103,6 +103,12 @@ def plans_for(
     def by_model(c):  # fastest first; equal times by fewer bytes, the same choice every run
         return round(planner.ms(c), 3), planner.peak_bytes(model, c)
 
+    def with_hidden_priced(candidates):  # their check compiled, its price on the front
+        checked = list(planner.unpriced)
+        planner.price_hidden()
+        front = {planner.candidate(point) for point in planner.front}
+        return sorted(set(candidates) | front | set(checked), key=by_model)
+
     candidates = sorted(front, key=by_model)
     said: dict[Plan, int] = {}  # what the model said of each plan it proposed, before it compiled
     # The round that compiles the hidden offloads' check does not count: the price it measures
@@ -127,14 +133,10 @@ def plans_for(
         said.update({c: planner.peak_bytes(model, c) for c in batch})
         planner.compile([*unpriced, *batch])  # the check first: it has compiled the longest
         if unpriced:
-            planner.price_hidden()
-            front = {planner.candidate(point) for point in planner.front}
-            candidates = sorted(set(candidates) | front | set(unpriced), key=by_model)
+            candidates = with_hidden_priced(candidates)
         model = planner.peak_model()  # through the plans just compiled too
     if planner.unpriced:  # no round ran
-        hidden = list(planner.unpriced)
-        planner.price_hidden()
-        candidates = sorted(set(candidates) | set(hidden), key=by_model)
+        candidates = with_hidden_priced(candidates)
     best = {t: _best_fit(planner, candidates, t) for t in targets}
     to_time = {t: _to_time(planner, b, t) for t, b in best.items() if isinstance(b, Plan)}
     # Every budget's plans timed in one turn-taking, so that each is timed once.

@@ -134,6 +134,12 @@ class Planner(CompiledSteps):
         self._live: dict[tuple[Strategy, ...], list[dict[str, int]]] = {}
         self.plain = Plan(tuple((p, Store()) for p in self.paths))
         CompiledSteps.__init__(self, model, step, args, self.plain, donate_argnums, say, run_limit)
+        # Measured costs are checked against whole steps: every block under each option (of
+        # those that move bytes, the first: the others are link-bound variants of it), and
+        # _byte_checks' plans. At another size, none: the measured planner's calibration holds.
+        uniform = [] if measured is not None else self._uniform_checks()
+        stored = self._byte_checks() if uniform else []
+        self.checks = list(dict.fromkeys([*uniform, *stored]))
         checking = None  # the checks' compile, where it runs while the blocks are traced
         if measured is not None:
             self.link = measured.link
@@ -156,7 +162,7 @@ class Planner(CompiledSteps):
             say("compiling the plain step, and tracing the checks and the blocks meanwhile")
             traced = self._traced_step(self.plain)
             self.lowered[self.plain] = traced.lower()
-            checks = [c for c in [*self._uniform_checks(), *self._byte_checks()] if c != self.plain]
+            checks = [c for c in self.checks if c != self.plain]
             by_flops = block_costs == "traced"
             pool, ready = concurrent.futures.ThreadPoolExecutor(1), concurrent.futures.Future()
             plain = pool.submit(self.compile, [self.plain])
@@ -197,15 +203,10 @@ class Planner(CompiledSteps):
         # At another size, the byte weights that the measured planner calibrated.
         self.prior = None if measured is None else measured.peak_model()
         self._put_on_front(self.prior)
-        # Measured costs are checked against whole steps: every block under each option (of
-        # those that move bytes, the first: the others are link-bound variants of it), and
-        # _byte_checks' plans. Every block that has one under a hidden offload is checked
-        # beside the first round (price_hidden); until then, hidden copies cost their link time.
-        uniform = [] if measured is not None else self._uniform_checks()
+        # Every block that has one under a hidden offload is checked beside the first round
+        # (price_hidden); until then, hidden copies cost their link time.
         choice = hidden_choice(self.choices) if uniform else None
         self.unpriced = [] if choice is None else [Plan(tuple(zip(self.paths, choice)), Lean())]
-        stored = self._byte_checks() if uniform else []
-        self.checks = list(dict.fromkeys([*uniform, *stored]))
         # How little a step keeps: the uniform checks say; at another size, the front's
         # leanest plan and the measured size's least, as the model may misjudge which is
         # leaner away from where it was calibrated (design §10), unless the caller knows better.
@@ -224,10 +225,11 @@ class Planner(CompiledSteps):
         near = said is None or self.run_limit is None or said <= 2 * self.run_limit
         compile_plain = plain_may_fit and self.plain not in self.compiled and near
         if checking is None:
+            more = len([c for c in self.checks if c != self.plain])
             say(
                 ("compiling the plain step and " if compile_plain else "compiling ")
                 + (
-                    f"{len([c for c in self.checks if c != self.plain])} more plans to fit the model to"
+                    f"{more} more plans to fit the model to"
                     if self.checks
                     else " and ".join(summary(c.strategies) for c in firsts)
                 )
