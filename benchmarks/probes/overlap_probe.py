@@ -17,7 +17,7 @@ so too (:func:`queued`); ``fdo=ahead`` prices each at the copies to the host bef
 own (:func:`ahead`); ``fdo=fetches`` prices the fetches alone (:func:`fetches_only`); ``fdo=tiny`` and
 ``fdo=huge`` price every copy to the host at 1 µs and at 100 ms (:func:`out_at`), as
 ``copy_start_probe.py`` compiles them; ``fdo=vast`` at 10 s, and ``fdo=vastall`` every copy both
-ways at 10 s (:func:`all_at`).
+ways at 10 s.
 """
 
 import glob
@@ -258,29 +258,20 @@ def fetches_only(profile, hlo_text):
     return _profile_of({n: us for n, us in _costs(profile).items() if n not in out})
 
 
-def out_at(us):
-    """A repricing that prices every copy to the host at ``us`` µs, the fetches as they were."""
+def out_at(us, *, fetches=False):
+    """A repricing that prices every copy to the host at ``us`` µs, and the fetches as they
+    were, or at ``us`` too with ``fetches``."""
 
     def reprice(profile, hlo_text):
-        return _profile_of({**_costs(profile), **dict.fromkeys(_copies_out(hlo_text), us)})
-
-    return reprice
-
-
-def all_at(us):
-    """A repricing that prices every host copy, both ways, at ``us`` µs."""
-
-    def reprice(profile, hlo_text):
-        copies = [name for name, *_ in host_copies(hlo_text)]
+        copies = [name for name, _, _, is_fetch in host_copies(hlo_text) if fetches or not is_fetch]
         return _profile_of({**_costs(profile), **dict.fromkeys(copies, us)})
 
     return reprice
 
 
-# The scheduler costs an instruction missing from the profile at its own fallback units, about
-# a thousand "µs" or more a kernel: a copy priced at its real µs looks covered by one kernel.
-# "vast" prices the copies to the host past any stretch of kernels, so that each starts as soon
-# as the construction lets it; "vastall" prices the fetches so too.
+# "vast" prices the copies to the host past any stretch of compute, so that each starts as soon
+# as the construction lets it; "vastall" prices the fetches so too (docs/design.md §13 says why
+# these are tried).
 REPRICINGS = {
     "queue": queued,
     "ahead": ahead,
@@ -288,7 +279,7 @@ REPRICINGS = {
     "tiny": out_at(1.0),
     "huge": out_at(100_000.0),
     "vast": out_at(1e7),
-    "vastall": all_at(1e7),
+    "vastall": out_at(1e7, fetches=True),
 }
 
 
