@@ -16,7 +16,7 @@ from helpers import bench_record, stand_in_children
 
 import jaxoffload
 from jaxoffload import Lean, Offload, Plan
-from jaxoffload.bench import cli, planning
+from jaxoffload.bench import cli, options, planning
 from jaxoffload.bench.child import Children, OutOfMemory
 from jaxoffload.bench.command import memory_cap_env
 from jaxoffload.bench.console import Progress, gradient_flags, records_table, say_notes
@@ -82,6 +82,23 @@ def test_bad_arguments_exit_with_a_message(argv, message, capsys):
         cli.main(["bench", *argv])
     assert exit.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "costs"),
+    [
+        (["--model", "flax-resnet18", "--strategies", "offload-hidden", "--budget", "0.5"],
+         ["traced", "traced"]),
+        (["--model", "resnet18", "--strategies", "offload-hidden"], ["timed"]),
+        (["--model", "flax-resnet18", "--strategies", "offload-hidden", "--budget", "0.5",
+          "--block-costs", "timed"], ["timed", "timed"]),
+    ],
+)  # fmt: skip
+def test_blocks_are_costed_by_their_traced_flops_unless_only_timing_can_cost_them(argv, costs):
+    """As jaxoffload.plan does by default; a reference model's offload-hidden times its blocks."""
+    args = cli.build_parser().parse_args(["bench", *argv])
+    fields = options.workload_fields(args, options.checked_strategies(args))
+    assert [Workload(**f).block_costs for f in fields if "block_costs" in f] == costs
 
 
 @pytest.mark.parametrize(

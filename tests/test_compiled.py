@@ -1,5 +1,6 @@
 """The planner's oracle: steps compiled several at once, each once."""
 
+import threading
 import types
 
 from jaxoffload import Lean, Plan, Store
@@ -9,10 +10,12 @@ from jaxoffload._src.planner.compiled import CompiledSteps
 class _Lowered:
     """A stand-in lowered step whose compile is noted."""
 
-    def __init__(self, name, events):
-        self.name, self.events = name, events
+    def __init__(self, name, events, wait=None):
+        self.name, self.events, self.wait = name, events, wait
 
     def compile(self):
+        if self.wait is not None:
+            self.wait.wait(timeout=5)
         self.events.append(self.name)
         memory = types.SimpleNamespace(temp_size_in_bytes=10, argument_size_in_bytes=1)
         return types.SimpleNamespace(memory_analysis=lambda: memory)
@@ -31,3 +34,30 @@ def test_each_plan_compiles_once_those_lowered_already_first():
     assert not steps.lowered and said[0].startswith("compiled 3 in ")
     steps.compile(plans)  # compiled already: nothing to do, nothing said
     assert len(events) == 3 and len(said) == 1
+
+
+def test_a_plan_compiling_in_the_background_is_waited_for_not_compiled_twice():
+    steps, events, said = CompiledSteps.__new__(CompiledSteps), [], []
+    steps.say, steps.compiled, steps.compile_s = said.append, {}, {}
+    steps.executables, steps.lowered, steps.measured_ms = {}, {}, {}
+    plans = [Plan((("Block_0", s),), Lean()) for s in (Store(), Lean())]
+    gate = threading.Event()
+
+    def lowered_step(plan):
+        events.append(f"traced {plans.index(plan)}")
+        return _Lowered(
+            f"compiled {plans.index(plan)}", events, wait=gate if plan == plans[0] else None
+        )
+
+    steps._lowered_step = lowered_step
+    steps.compile_soon([plans[0]], "the first")
+    assert events == ["traced 0"] and plans[0] in steps.in_flight  # traced here, compiling there
+    done = threading.Thread(target=steps.compile, args=(plans,))
+    done.start()
+    done.join(timeout=0.5)
+    assert done.is_alive() and plans[1] in steps.compiled  # the other compiled, the first awaited
+    gate.set()
+    done.join(timeout=5)
+    assert not done.is_alive() and set(steps.compiled) == set(plans)
+    assert events.count("traced 0") == 1 and events.count("compiled 0") == 1
+    assert any(line.startswith("the first: compiled 1 in ") for line in said)

@@ -169,7 +169,7 @@ def test_with_a_plan_the_size_is_the_largest_that_some_plan_fits():
     assert found.plan is not None and found.plan.compiled_bytes <= BUDGET
     assert found.compiled_bytes == found.plan.compiled_bytes
     # The block costs were measured once, at the start, and rescaled to every other size.
-    assert sum("timing block programs" in line for line in lines) == 1
+    assert sum("block programs by their FLOPs" in line for line in lines) == 1
 
 
 def _plannable_steps(min_speed=None, say=lambda _: None):

@@ -5,7 +5,7 @@
 
 ``minimal``: a 1 GiB copy to the host (and one back) beside independent matrix products, in
 one program, each alone and together. ``resnet50``: Flax's ImageNet ResNet-50, b256, bf16,
-224², its blocks under VARIANT (lean, off10, off40, off150, full, or a plan's JSON file, as in
+224², its blocks under VARIANT (store, lean, off10, off40, off150, full, or a plan's JSON file, as in
 ``benchmarks/probes/plans/``), compiled with the given
 XLA options (``compiler_options``), timed and traced; ``MODEL``, ``BATCH`` and ``IMAGE`` in the
 environment choose another plain-Flax bench model and shape. Writes VARIANT.json (and traces)
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxoffload
-from jaxoffload import Lean, Offload
+from jaxoffload import Lean, Offload, Store
 from jaxoffload.internal import host_copies, measure_link, with_copy_costs
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
@@ -107,11 +107,24 @@ def lines_of(folder):
     return out
 
 
+def kernel_ms(timeline):
+    """Each kind of kernel's ms in a traced step, the longest first: kernels named alike (XLA's
+    fusions, whose names end in a number) together, as ``[ms, count]``. ``kernel_diff.py``
+    compares two records by it."""
+    out = {}
+    for a in timeline:
+        if a.kind == "compute":
+            ms, count = out.get(key := re.sub(r"(_\d+)+$", "", a.name), (0.0, 0))
+            out[key] = (ms + (a.end_ns - a.start_ns) / 1e6, count + 1)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1][0]))
+
+
 def overlap_record(run, folder, steps=5):
     o = jaxoffload.measure_overlap(run, steps=steps, warmup=1, log_dir=folder)
     rec = o.fields()
     rec["summary"] = o.summary()
     rec["timeline"] = [(a.kind, a.start_ns, a.end_ns, a.name[:40], a.nbytes) for a in o.timeline]
+    rec["kernel_ms"] = kernel_ms(o.timeline)
     rec["lines"] = lines_of(folder)
     return rec
 
@@ -166,6 +179,7 @@ def minimal(out):
 
 
 VARIANTS = {
+    "store": Store(),
     "lean": Lean(),
     "off10": Offload(window=2, max_bytes=10_000_000),
     "off40": Offload(window=2, max_bytes=40_000_000),

@@ -24,6 +24,7 @@ __all__ = [
     "VGGS",
     "check_model",
     "check_workload",
+    "default_block_costs",
     "default_num_classes",
     "is_nnx",
     "is_plain",
@@ -164,7 +165,7 @@ def check_workload(
     blocks: int | None = None,
     window: int | tuple[int, ...] = 1,
     budget: float | None = None,
-    block_costs: str = "timed",
+    block_costs: str | None = None,
     micro_batch: int | None = None,
     num_devices: int = 1,
     spatial: int = 1,
@@ -172,8 +173,10 @@ def check_workload(
     """Raises ``ValueError``, in words, unless the fields make a workload the bench can run.
 
     The fields are :class:`~jaxoffload.bench.workload.Workload`'s; the sentences name
-    the command's flags where one sets the field.
+    the command's flags where one sets the field. ``block_costs=None`` is
+    :func:`default_block_costs`.
     """
+    block_costs = block_costs or default_block_costs(model, strategy)
     _check_names_and_sizes(model, batch, image_size, dtype, strategy)
     _check_splits(strategy, batch, image_size, micro_batch, num_devices, spatial)
     if (strategy == "plan") != (budget is not None):
@@ -237,6 +240,12 @@ def _check_splits(strategy, batch, image_size, micro_batch, num_devices, spatial
             f"--batch {batch} is not a multiple of --micro-batch {micro_batch}: use "
             f"{multiples_near(batch, micro_batch)}."
         )
+
+
+def default_block_costs(model: str, strategy: str) -> str:
+    """How a workload's planner costs the blocks unless told: by their traced FLOPs
+    (``"traced"``), except ``offload-hidden`` on a reference model, which only times them."""
+    return "timed" if strategy == "offload-hidden" and not is_plain(model) else "traced"
 
 
 def _check_budget_plan(model, budget, block_costs) -> None:

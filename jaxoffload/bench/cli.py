@@ -143,11 +143,12 @@ def _add_workload_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--block-costs",
         choices=BLOCK_COSTS,
-        default="timed",
+        default=None,
         help="how --budget's planner, and offload-hidden's on a plain-Flax model, cost the "
-        "blocks: each distinct block program compiled and timed alone (timed), or from its "
-        "traced FLOPs at the plain step's ms per FLOP (traced, which compiles no block "
-        "program; offload-hidden takes the 'lean' step's)",
+        "blocks: from their traced FLOPs at the plain step's ms per FLOP (traced, the "
+        "default, which compiles no block program; offload-hidden takes the 'lean' step's), "
+        "or each distinct block program compiled and timed alone (timed, which a reference "
+        "model's offload-hidden always does)",
     )
 
 

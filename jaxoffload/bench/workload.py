@@ -9,7 +9,12 @@ import jax
 
 from jaxoffload import Lean, Offload, Plan, Remat, Store, Strategy
 from jaxoffload.bench import models
-from jaxoffload.bench.catalog import ACCUMULATED_STRATEGIES, CHOSEN_STRATEGIES, check_workload
+from jaxoffload.bench.catalog import (
+    ACCUMULATED_STRATEGIES,
+    CHOSEN_STRATEGIES,
+    check_workload,
+    default_block_costs,
+)
 from jaxoffload.bench.record import label
 
 __all__ = ["STRATEGIES", "Workload"]
@@ -68,8 +73,8 @@ class Workload:
       budget: for the ``"plan"`` strategy, the budget as a share of the
         ``"none"`` run's runtime peak.
       block_costs: for ``"plan"``, and ``"offload-hidden"`` on a plain-Flax model,
-        how the planner costs the blocks: ``"timed"`` or ``"traced"`` (see
-        :func:`jaxoffload.plan`).
+        how the planner costs the blocks: ``"traced"`` or ``"timed"`` (see
+        :func:`jaxoffload.plan`); ``None``, :func:`~jaxoffload.bench.catalog.default_block_costs`.
       planned: where the blocks take a :class:`jaxoffload.Plan` (:attr:`runs_plan`), the
         plan as :meth:`~jaxoffload.Plan.to_dict` writes it; set by
         :meth:`jaxoffload.bench.child.Children.plan_budgets` for ``"plan"``, and by
@@ -96,13 +101,15 @@ class Workload:
     window: int | tuple[int, ...] = 1
     block_names: tuple[str, ...] | None = None
     budget: float | None = None
-    block_costs: str = "timed"
+    block_costs: str | None = None
     planned: dict[str, Any] | None = None
     micro_batch: int | None = None
     num_devices: int = 1
     spatial: int = 1
 
     def __post_init__(self):
+        if self.block_costs is None:
+            object.__setattr__(self, "block_costs", default_block_costs(self.model, self.strategy))
         check_workload(
             self.model, self.batch, self.image_size, self.dtype, self.strategy,
             blocks=self.blocks, window=self.window, budget=self.budget,

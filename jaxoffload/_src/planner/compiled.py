@@ -7,9 +7,11 @@ measures and searches on top of it; tests stand in for it with stand-in bytes an
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import time
-from collections.abc import Sequence
+import types
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -35,10 +37,14 @@ class CompiledSteps:
       compiled: every plan compiled, with its device bytes (arguments and temporaries).
       compile_s: the seconds each plan's compile took.
       executables: each compiled plan's executable.
+      in_flight: plans compiling in the background (:meth:`compile_soon`), each with its compile.
       lowered: plans traced and lowered, not compiled yet.
       measured_ms: each plan's step as timed alone (``inf`` where it cannot run here).
       run_limit: the device bytes over which a compiled step is not run.
     """
+
+    # A class default too: stand-in steps skip __init__.
+    in_flight: Mapping[Plan, concurrent.futures.Future] = types.MappingProxyType({})
 
     def __init__(self, model, step, args, plain: Plan, donate_argnums, say, run_limit=None):
         self.model, self.step, self.args, self.say = model, step, args, say
@@ -57,7 +63,7 @@ class CompiledSteps:
     def _lower(self, candidates: Sequence[Plan]) -> None:
         """Traces and lowers the candidates not compiled or lowered yet, for a later compile."""
         for c in dict.fromkeys(candidates):
-            if c not in self.compiled and c not in self.lowered:
+            if c not in self.compiled and c not in self.lowered and c not in self.in_flight:
                 self.lowered[c] = self._lowered_step(c)
 
     def _lowered_step(self, candidate: Plan):
@@ -68,11 +74,31 @@ class CompiledSteps:
 
     def compile(self, candidates: Sequence[Plan]) -> None:
         """Compiles the candidates not compiled yet, several at once: those lowered already
-        first, each of the others while the next is traced."""
-        start, tracing = time.perf_counter(), 0.0
+        first, each of the others while the next is traced. Those compiling in the background
+        (:meth:`compile_soon`) are waited for, not compiled twice."""
+        pending = [c for c in dict.fromkeys(candidates) if c not in self.compiled]
+        waiting = {self.in_flight[c] for c in pending if c in self.in_flight}
+        self._compile_now([c for c in pending if c not in self.in_flight])
+        for future in waiting:
+            future.result()
+
+    def compile_soon(self, candidates: Sequence[Plan], name: str) -> None:
+        """Starts compiling the candidates in a thread of their own, for a later :meth:`compile`
+        to wait for; ``name`` says what they are when they are done. They are traced here first:
+        a thread that traces holds the interpreter's lock."""
         todo = [c for c in dict.fromkeys(candidates) if c not in self.compiled]
+        todo = [c for c in todo if c not in self.in_flight]
+        if todo:
+            self._lower(todo)
+            pool = concurrent.futures.ThreadPoolExecutor(1)
+            future = pool.submit(self._compile_now, todo, name)
+            pool.shutdown(wait=False)  # what it was given still runs
+            self.in_flight = {**self.in_flight, **dict.fromkeys(todo, future)}
+
+    def _compile_now(self, todo: list[Plan], name: str | None = None) -> None:
         if not todo:
             return
+        start, tracing = time.perf_counter(), 0.0
         todo.sort(key=lambda c: c not in self.lowered)
 
         def lowered():
@@ -88,7 +114,8 @@ class CompiledSteps:
             seconds[c] = self.compile_s[c] = took
         longest = max(seconds, key=seconds.__getitem__)
         self.say(
-            f"compiled {len(todo)} in {time.perf_counter() - start:.1f} s, "
+            (f"{name}: " if name else "")
+            + f"compiled {len(todo)} in {time.perf_counter() - start:.1f} s, "
             f"{tracing:.1f} s of it tracing"
             + (
                 f"; the longest compile {seconds[longest]:.1f} s, {summary(longest.strategies)}"

@@ -193,7 +193,7 @@ def largest_size(
     plan = checks.flag("plan", plan)
     options, runs = check_planning(
         "jaxoffload.largest_size", model, step, None, blocks=blocks, options=options, runs=runs,
-        donate_argnums=donate_argnums, block_costs="timed", progress=progress, planned=plan,
+        donate_argnums=donate_argnums, block_costs="traced", progress=progress, planned=plan,
     )  # fmt: skip
     start, limit, multiple_of, smallest, tolerance, exponent, time_limit_s = check_search(
         start, limit, multiple_of, smallest, tolerance, exponent, time_limit_s

@@ -42,15 +42,17 @@ def plan(
     runs: int = 5,
     max_rounds: int = 3,
     per_round: int | None = None,
-    block_costs: str = "timed",
+    block_costs: str = "traced",
     progress: bool | Callable[[str], None] = True,
     held_bytes: int | None = None,
 ) -> Plan | list[Plan | NoPlanFits]:
     """A strategy per plannable block that fits ``budget`` at the least step time.
 
-    The costs come from the device. Each distinct block is compiled and timed
-    alone under each option, its residuals are read from traces, and the host
-    link is measured once; where anything moves, each block also gets hidden
+    The costs come from the device. The plain step is compiled and timed, and
+    its time is shared among the blocks under each option by their traced
+    FLOPs (``block_costs``), then calibrated to uniform steps compiled and
+    timed; each block's residuals are read from traces, and the host link is
+    measured once. Where anything moves, each block also gets hidden
     offloads (``Offload(window=w, max_bytes=cap)``, a cap of what the link
     moves while the next blocks compute). For every memory target, the
     fastest choice of one option per block is the front
@@ -101,10 +103,11 @@ def plan(
         budgets' candidates compile at once, each on a thread of its own.
         ``None``: four for one budget, two each for several
         (:func:`~jaxoffload._src.planner.rounds.per_budget`).
-      block_costs: ``"timed"``, each distinct block program compiled and timed
-        alone under each option; or ``"traced"``, its times from its traced
-        FLOPs at the plain step's measured ms per FLOP, which compiles no
-        block program (faster to plan; the calibration to whole steps corrects both).
+      block_costs: ``"traced"``, each block's times from its traced FLOPs at
+        the plain step's measured ms per FLOP, which compiles no block program;
+        or ``"timed"``, each distinct block program compiled and timed alone
+        under each option, which adds their compiles to planning. The
+        calibration to whole steps corrects both.
       progress: print progress to stderr, or a function that takes each line.
       held_bytes: what the training process holds on the device besides the
         step's arguments, counted in every budget. ``None`` reads this

@@ -74,8 +74,8 @@ def plans_for(
     when no candidate is left between them that the model says is faster by
     more than the timing noise. The budgets' rounds compile together, and the
     plan returned is the fastest of the compiled ones that fit, as timed. The
-    hidden offloads' check (``planner.unpriced``) compiles with the first round;
-    the price its step measures may put faster candidates on the front.
+    hidden offloads' check (``planner.unpriced``) is compiled by the end of the first
+    round; the price its step measures may put faster candidates on the front.
 
     Each budget is device bytes that the compiled step fits beside what the process
     holds besides its arguments, ``planner.held_bytes``; a share is of the plain
@@ -121,17 +121,17 @@ def plans_for(
             for t in targets
         ]
         batch = list(dict.fromkeys(c for chosen in probes for c in chosen))
-        # The hidden offloads' check compiles beside the first round; once it has run, their
-        # price may put faster candidates on the front.
+        # The first round ends with the hidden offloads' check compiled (it began beside the
+        # checks); once it has run, their price may put faster candidates on the front.
         unpriced = list(planner.unpriced)
         if not batch and not unpriced:
             break
         candidates = sorted(set(candidates) | set(batch), key=by_model)
         compiling = [" and ".join(summary(c.strategies) for c in batch)] if batch else []
-        compiling += ["the hidden offloads' check"] if unpriced else []
+        compiling += ["finishing the hidden offloads' check"] if unpriced else []
         planner.say(f"round {round_}: compiling " + ", and ".join(compiling))
         said.update({c: planner.peak_bytes(model, c) for c in batch})
-        planner.compile([*unpriced, *batch])  # the check first: it has compiled the longest
+        planner.compile([*batch, *unpriced])
         if unpriced:
             candidates = with_hidden_priced(candidates)
         model = planner.peak_model()  # through the plans just compiled too

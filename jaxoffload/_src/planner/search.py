@@ -101,7 +101,7 @@ class Planner(CompiledSteps):
         donate_argnums=(),
         measured: Planner | None = None,
         run_limit: int | None = None,
-        block_costs: str = "timed",
+        block_costs: str = "traced",
         held_bytes: int | None = None,
         firsts: Sequence[Plan] | None = None,
         plain_may_fit: bool = True,
@@ -109,9 +109,9 @@ class Planner(CompiledSteps):
         """``measured``: a Planner of the same model and step at another size, whose block
         costs are rescaled to this one's (:func:`~jaxoffload._src.planner.costs.rescaled`).
         ``run_limit``: the most compiled bytes of a step run here to be timed (90% of the
-        device's memory). ``block_costs``: ``"timed"``, each distinct block program timed
-        alone, or ``"traced"``, its times from its FLOPs at the plain step's ms per FLOP
-        (:func:`~jaxoffload._src.planner.costs.traced_blocks`). ``held_bytes``: what the
+        device's memory). ``block_costs``: ``"traced"``, a block's times from its FLOPs at
+        the plain step's ms per FLOP (:func:`~jaxoffload._src.planner.costs.traced_blocks`),
+        or ``"timed"``, each distinct block program timed alone. ``held_bytes``: what the
         process holds on the device besides the step's arguments, which every budget counts
         beside the compiled step (``None``: none). With ``measured``: ``firsts``, the plans
         compiled first (the front's leanest and the least compiled at the measured size);
@@ -145,16 +145,10 @@ class Planner(CompiledSteps):
             self.link = measured.link
             self.blocks = rescaled(measured.blocks, calls)
         else:
-            self.link = None
-            if any(s.to_host for s in options):
-                devices = devices_of(args)
-                link = timing.measure_link(devices=devices)
-                self.link = (link["d2h_gbps"], link["h2d_gbps"])
-                each = f" each, {len(devices)} devices at once" if len(devices) > 1 else ""
-                say(f"host link: {self.link[0]:.1f} GB/s out, {self.link[1]:.1f} GB/s back{each}")
             # The plain step first and alone: it autotunes the kernels that the other programs
             # share. XLA compiles outside Python's lock, so this thread traces the checks
-            # meanwhile. With traced block costs nothing else needs the device: the plain step
+            # meanwhile, and then measures the link (its copies leave the compute units to the
+            # autotuning). With traced block costs nothing else needs the device: the plain step
             # is timed once it is compiled and the checks are traced (alone: a thread that
             # traces holds the lock that timed runs need), and the checks then compile while
             # the blocks are traced. Timed block costs run block programs on the device, where
@@ -176,6 +170,7 @@ class Planner(CompiledSteps):
             try:
                 self._lower(checks)
                 traces = None if by_flops else trace_blocks(calls, options)
+                self.link = self._measure_link(options, args)
                 plain.result()
                 if by_flops:
                     self.step_ms(self.plain)
@@ -203,8 +198,8 @@ class Planner(CompiledSteps):
         # At another size, the byte weights that the measured planner calibrated.
         self.prior = None if measured is None else measured.peak_model()
         self._put_on_front(self.prior)
-        # Every block that has one under a hidden offload is checked beside the first round
-        # (price_hidden); until then, hidden copies cost their link time.
+        # Every block that has one under a hidden offload is checked before the first round
+        # ends (price_hidden); until then, hidden copies cost their link time.
         choice = hidden_choice(self.choices) if uniform else None
         self.unpriced = [] if choice is None else [Plan(tuple(zip(self.paths, choice)), Lean())]
         # How little a step keeps: the uniform checks say; at another size, the front's
@@ -238,7 +233,8 @@ class Planner(CompiledSteps):
             self.compile([self.plain])
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             compiling = checking or pool.submit(self.compile, firsts)
-            self._lower(self.unpriced)  # the checks were lowered already: one thread traces
+            # It compiles beside the checks and the first round, and only a round waits for it.
+            self.compile_soon(self.unpriced, "the hidden offloads' check")
             compiling.result()
         least = min(self.compiled, key=self.compiled.__getitem__)
         # The step time that the model's estimates start from: the plain step's, or the
@@ -256,6 +252,18 @@ class Planner(CompiledSteps):
         )
         if uniform and math.isfinite(plain_ms):
             self._calibrate(uniform)
+
+    def _measure_link(self, options, args) -> tuple[float, float] | None:
+        """The host link's ``(out, back)`` GB/s where an option moves bytes; else ``None``."""
+        if not any(s.to_host for s in options):
+            return None
+        devices = devices_of(args)
+        link = timing.measure_link(devices=devices)
+        each = f" each, {len(devices)} devices at once" if len(devices) > 1 else ""
+        self.say(
+            f"host link: {link['d2h_gbps']:.1f} GB/s out, {link['h2d_gbps']:.1f} GB/s back{each}"
+        )
+        return link["d2h_gbps"], link["h2d_gbps"]
 
     def _ms_per_flop(self, plain_jaxpr) -> float | None:
         """The plain step's measured ms over the FLOPs of its matrix products and
