@@ -17,7 +17,8 @@ so too (:func:`queued`); ``fdo=ahead`` prices each at the copies to the host bef
 own (:func:`ahead`); ``fdo=fetches`` prices the fetches alone (:func:`fetches_only`); ``fdo=tiny`` and
 ``fdo=huge`` price every copy to the host at 1 µs and at 100 ms (:func:`out_at`), as
 ``copy_start_probe.py`` compiles them; ``fdo=vast`` at 10 s, and ``fdo=vastall`` every copy both
-ways at 10 s.
+ways at 10 s; ``fdo=lat`` gives each copy the library's price as the latency from its start to
+its done rather than as its start's own cost (:func:`as_latencies`).
 """
 
 import glob
@@ -283,10 +284,32 @@ def out_at(us, *, fetches=False):
     return reprice
 
 
+def as_latencies(profile, hlo_text):
+    """``profile`` with each copy's price given as the latency from its ``copy-start`` to its
+    ``copy-done`` (the profile's ``latencies``), not as the cost of the ``copy-start`` itself:
+    XLA's profile-guided estimator counts a ``costs`` entry as the instruction's own time too,
+    so that scheduling one copy-start pays for the others' waits (docs/design.md §13)."""
+    pairs = re.findall(r"%(copy-done[\w.\-]*) = .*?copy-done\(.*?%(copy-start[\w.\-]*)", hlo_text)
+    done_of = {start: done for done, start in pairs}
+    copies = {name for name, *_ in host_copies(hlo_text)} & set(done_of)
+    costs = _costs(profile)
+    lines = [
+        f'costs {{ name: "{n}" cost_us: {us:.3f} }}'
+        for n, us in sorted(costs.items())
+        if n not in copies
+    ]
+    lines += [
+        f'latencies {{ source: "{n}" target: "{done_of[n]}" latency_us: {costs[n]:.3f} }}'
+        for n in sorted(copies & set(costs))
+    ]
+    return "\n".join(lines)
+
+
 # "vast" prices the copies to the host past any stretch of compute, so that each starts as soon
 # as the construction lets it; "vastall" prices the fetches so too (docs/design.md §13 says why
-# these are tried).
+# these are tried). "lat" gives the library's prices as latencies.
 REPRICINGS = {
+    "lat": as_latencies,
     "queue": queued,
     "ahead": ahead,
     "fetches": fetches_only,
