@@ -37,6 +37,8 @@ def test_each_plan_compiles_once_those_lowered_already_first():
 
 
 def test_a_plan_compiling_in_the_background_is_waited_for_not_compiled_twice():
+    """compile_soon traces here and compiles in a thread that leaves the shared state alone
+    (the caller may be reading it): a later compile waits for it and keeps what it made."""
     steps, events, said = CompiledSteps.__new__(CompiledSteps), [], []
     steps.say, steps.compiled, steps.compile_s = said.append, {}, {}
     steps.executables, steps.lowered, steps.measured_ms = {}, {}, {}
@@ -51,13 +53,27 @@ def test_a_plan_compiling_in_the_background_is_waited_for_not_compiled_twice():
 
     steps._lowered_step = lowered_step
     steps.compile_soon([plans[0]], "the first")
-    assert events == ["traced 0"] and plans[0] in steps.in_flight  # traced here, compiling there
+    assert events == ["traced 0"] and plans[0] in steps.in_flight and not steps.lowered
     done = threading.Thread(target=steps.compile, args=(plans,))
     done.start()
     done.join(timeout=0.5)
     assert done.is_alive() and plans[1] in steps.compiled  # the other compiled, the first awaited
+    assert plans[0] not in steps.compiled
     gate.set()
     done.join(timeout=5)
     assert not done.is_alive() and set(steps.compiled) == set(plans)
     assert events.count("traced 0") == 1 and events.count("compiled 0") == 1
     assert any(line.startswith("the first: compiled 1 in ") for line in said)
+
+
+def test_what_compiles_in_the_background_is_kept_only_by_a_compile_that_waits_for_it():
+    steps, events = CompiledSteps.__new__(CompiledSteps), []
+    steps.say, steps.compiled, steps.compile_s = (lambda line: None), {}, {}
+    steps.executables, steps.lowered, steps.measured_ms = {}, {}, {}
+    plan = Plan((("Block_0", Store()),), Lean())
+    steps._lowered_step = lambda p: _Lowered("compiled", events)
+    steps.compile_soon([plan])
+    steps.in_flight[plan].result(timeout=5)
+    assert events == ["compiled"] and not steps.compiled and not steps.executables
+    steps.compile([plan])
+    assert steps.compiled == {plan: 11} and plan in steps.compile_s and events == ["compiled"]

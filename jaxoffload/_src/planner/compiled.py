@@ -78,51 +78,62 @@ class CompiledSteps:
         (:meth:`compile_soon`) are waited for, not compiled twice."""
         pending = [c for c in dict.fromkeys(candidates) if c not in self.compiled]
         waiting = {self.in_flight[c] for c in pending if c in self.in_flight}
-        self._compile_now([c for c in pending if c not in self.in_flight])
+        todo = [c for c in pending if c not in self.in_flight]
+        todo.sort(key=lambda c: c not in self.lowered)
+        self._keep(
+            self._compiled(todo, {c: self.lowered.pop(c) for c in todo if c in self.lowered})
+        )
         for future in waiting:
-            future.result()
+            self._keep(future.result())
 
-    def compile_soon(self, candidates: Sequence[Plan], name: str) -> None:
-        """Starts compiling the candidates in a thread of their own, for a later :meth:`compile`
-        to wait for; ``name`` says what they are when they are done. They are traced here first:
-        a thread that traces holds the interpreter's lock."""
+    def compile_soon(self, candidates: Sequence[Plan], name: str | None = None) -> None:
+        """Starts compiling the candidates in a thread of their own; a later :meth:`compile`
+        waits for them and keeps what they compiled to. They are traced here first (a thread
+        that traces holds the interpreter's lock); ``name`` says what they are when done."""
         todo = [c for c in dict.fromkeys(candidates) if c not in self.compiled]
         todo = [c for c in todo if c not in self.in_flight]
         if todo:
             self._lower(todo)
+            lowered = {c: self.lowered.pop(c) for c in todo}
             pool = concurrent.futures.ThreadPoolExecutor(1)
-            future = pool.submit(self._compile_now, todo, name)
+            future = pool.submit(self._compiled, todo, lowered, name)
             pool.shutdown(wait=False)  # what it was given still runs
             self.in_flight = {**self.in_flight, **dict.fromkeys(todo, future)}
 
-    def _compile_now(self, todo: list[Plan], name: str | None = None) -> None:
+    def _compiled(self, todo: list[Plan], lowered: dict, name: str | None = None) -> list:
+        """``(plan, executable, compile seconds)`` of each of ``todo``, compiled at once, those
+        not in ``lowered`` traced here one after another. Shared state is left alone: a thread
+        of :meth:`compile_soon` runs this while the caller reads it."""
         if not todo:
-            return
+            return []
         start, tracing = time.perf_counter(), 0.0
-        todo.sort(key=lambda c: c not in self.lowered)
 
-        def lowered():
+        def each_lowered():
             nonlocal tracing
             for c in todo:
                 began = time.perf_counter()
-                yield self.lowered.pop(c) if c in self.lowered else self._lowered_step(c)
+                yield lowered[c] if c in lowered else self._lowered_step(c)
                 tracing += time.perf_counter() - began
 
-        seconds = {}
-        for c, (executable, took) in zip(todo, timing.compile_timed(lowered())):
-            self.executables[c], self.compiled[c] = executable, device_bytes(executable)
-            seconds[c] = self.compile_s[c] = took
-        longest = max(seconds, key=seconds.__getitem__)
+        done = [(c, *got) for c, got in zip(todo, timing.compile_timed(each_lowered()))]
+        longest = max(done, key=lambda d: d[2])
         self.say(
             (f"{name}: " if name else "")
             + f"compiled {len(todo)} in {time.perf_counter() - start:.1f} s, "
             f"{tracing:.1f} s of it tracing"
             + (
-                f"; the longest compile {seconds[longest]:.1f} s, {summary(longest.strategies)}"
+                f"; the longest compile {longest[2]:.1f} s, {summary(longest[0].strategies)}"
                 if len(todo) > 1
                 else ""
             )
         )
+        return done
+
+    def _keep(self, done: list) -> None:
+        """Notes what :meth:`_compiled` compiled: each executable, its bytes and seconds."""
+        for c, executable, seconds in done:
+            self.executables[c], self.compiled[c] = executable, device_bytes(executable)
+            self.compile_s[c] = seconds
 
     def step_ms(self, candidate: Plan, runs: int = 3) -> float:
         """The compiled candidate's step time, run on zeros; ``inf`` if it cannot run here."""

@@ -9,7 +9,6 @@ call that users make.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -140,7 +139,7 @@ class Planner(CompiledSteps):
         uniform = [] if measured is not None else self._uniform_checks()
         stored = self._byte_checks() if uniform else []
         self.checks = list(dict.fromkeys([*uniform, *stored]))
-        checking = None  # the checks' compile, where it runs while the blocks are traced
+        checking = False  # whether the checks compile while the blocks are traced
         if measured is not None:
             self.link = measured.link
             self.blocks = rescaled(measured.blocks, calls)
@@ -156,35 +155,24 @@ class Planner(CompiledSteps):
             say("compiling the plain step, and tracing the checks and the blocks meanwhile")
             traced = self._traced_step(self.plain)
             self.lowered[self.plain] = traced.lower()
+            self.compile_soon([self.plain])
             checks = [c for c in self.checks if c != self.plain]
             by_flops = block_costs == "traced"
-            pool, ready = concurrent.futures.ThreadPoolExecutor(1), concurrent.futures.Future()
-            plain = pool.submit(self.compile, [self.plain])
-
-            def checks_after_plain():  # once traced, the plain step timed; not after a failure
-                if ready.result() and plain.exception() is None:
-                    self.compile(checks)
-
-            checking = pool.submit(checks_after_plain) if by_flops else None
-            pool.shutdown(wait=False)  # what it was given still runs
-            try:
-                self._lower(checks)
-                traces = None if by_flops else trace_blocks(calls, options)
-                self.link = self._measure_link(options, args)
-                plain.result()
-                if by_flops:
-                    self.step_ms(self.plain)
-                    say(f"compiling {len(checks)} more plans to fit the model to, meanwhile")
-            except BaseException:
-                ready.set_result(False)
-                raise
-            ready.set_result(True)
+            self._lower(checks)
+            traces = None if by_flops else trace_blocks(calls, options)
+            self.link = self._measure_link(options, args)
+            self.compile([self.plain])
+            if by_flops:
+                self.step_ms(self.plain)
+                say(f"compiling {len(checks)} more plans to fit the model to, meanwhile")
+                self.compile_soon(checks)
+                checking = True
             if traces is None:
                 traces = trace_blocks(calls, options)
             per_flop = self._ms_per_flop(traced.jaxpr) if by_flops else None
             if per_flop is None:
-                if checking is not None:  # block programs are timed only once nothing compiles
-                    checking.result()
+                if checking:  # block programs are timed only once nothing compiles
+                    self.compile(checks)
                 self.blocks = cost_blocks(self.paths, calls, traces, runs=runs, say=say)
             else:
                 say(f"costing {len(traces)} distinct block programs by their FLOPs")
@@ -219,7 +207,7 @@ class Planner(CompiledSteps):
             said = int(measured.compiled[measured.plain] * scale)
         near = said is None or self.run_limit is None or said <= 2 * self.run_limit
         compile_plain = plain_may_fit and self.plain not in self.compiled and near
-        if checking is None:
+        if not checking:
             more = len([c for c in self.checks if c != self.plain])
             say(
                 ("compiling the plain step and " if compile_plain else "compiling ")
@@ -231,11 +219,10 @@ class Planner(CompiledSteps):
             )
         if compile_plain:
             self.compile([self.plain])
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            compiling = checking or pool.submit(self.compile, firsts)
-            # It compiles beside the checks and the first round, and only a round waits for it.
+        if self.unpriced:  # traced while the checks compile; the first round waits for it
+            self.compile_soon(firsts)
             self.compile_soon(self.unpriced, "the hidden offloads' check")
-            compiling.result()
+        self.compile(firsts)
         least = min(self.compiled, key=self.compiled.__getitem__)
         # The step time that the model's estimates start from: the plain step's, or the
         # least plan's where the plain step is too large to run here.
