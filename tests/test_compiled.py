@@ -77,3 +77,21 @@ def test_what_compiles_in_the_background_is_kept_only_by_a_compile_that_waits_fo
     assert events == ["compiled"] and not steps.compiled and not steps.executables
     steps.compile([plan])
     assert steps.compiled == {plan: 11} and plan in steps.compile_s and events == ["compiled"]
+
+
+class _Failing(_Lowered):
+    def compile(self):
+        raise RuntimeError("no room")
+
+
+def test_settle_keeps_every_background_compile_and_says_one_that_failed():
+    steps, said = CompiledSteps.__new__(CompiledSteps), []
+    steps.say, steps.compiled, steps.compile_s = said.append, {}, {}
+    steps.executables, steps.lowered, steps.measured_ms = {}, {}, {}
+    fine, failing = (Plan((("Block_0", s),), Lean()) for s in (Store(), Lean()))
+    steps._lowered_step = lambda p: (_Lowered if p == fine else _Failing)("x", [])
+    steps.compile_soon([fine])
+    steps.compile_soon([failing])
+    steps.settle()
+    assert steps.compiled == {fine: 11} and not steps.in_flight
+    assert any("failed, and nothing needed it: RuntimeError('no room')" in line for line in said)

@@ -172,6 +172,21 @@ def test_with_a_plan_the_size_is_the_largest_that_some_plan_fits():
     assert sum("block programs by their FLOPs" in line for line in lines) == 1
 
 
+def test_no_compile_outlives_a_planned_size_search():
+    """The first size's planner compiles its hidden offloads' check in the background: a search
+    that ends before any round waits for it (nothing fits) still waits for it before returning."""
+    import threading
+
+    before = set(threading.enumerate())
+    found = jaxoffload.largest_size(
+        PLANNABLE, step, args_at, budget=bytes_of(1) + 1, plan=True, start=8, smallest=8,
+        runs=1, options=(jaxoffload.Store(), Lean(), Remat(), jaxoffload.Offload()),
+        progress=False,
+    )  # fmt: skip
+    assert found.size == 0
+    assert [t for t in threading.enumerate() if t not in before and t.is_alive()] == []
+
+
 def _plannable_steps(min_speed=None, say=lambda _: None):
     return SizeSteps(PLANNABLE, step, args_at, BUDGET, True, {
         "blocks": None, "options": None, "runs": 1, "donate_argnums": (), "say": say

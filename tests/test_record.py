@@ -8,6 +8,7 @@ import pytest
 
 from jaxoffload.bench import cli
 from jaxoffload.bench.folder import earlier_records
+from jaxoffload.bench.options import BenchError
 from jaxoffload.bench.record import Record, SizeSearch
 
 RESULTS = pathlib.Path(__file__).parents[1] / "benchmarks" / "results"
@@ -84,8 +85,26 @@ def test_old_records_load_for_resume(path, tmp_path):
         argv += ["--memory-cap", str(first["memory_cap_gib"])]
     if first.get("micro_batch"):
         argv += ["--micro-batch", str(first["micro_batch"])]
+    planned = [r for r in data if r["strategy"] in ("plan", "offload-hidden")]
+    if planned:  # as they were costed: before records kept it, by timing the blocks
+        argv += ["--block-costs", planned[0].get("block_costs") or "timed"]
     args = cli.build_parser().parse_args(argv)
     kept = earlier_records(tmp_path / "records.json", args)
     assert list(kept) == [Record.from_json(r).name for r in data if "error" not in r]
     written = json.loads(json.dumps([r.to_json() for r in kept.values()]))
     assert written == [r for r in data if "error" not in r]
+
+
+def test_resume_refuses_plans_costed_otherwise_than_this_command_costs_them(tmp_path):
+    """A run's plans are costed alike: records from before traced costs were the default
+    were planned with timed ones, and resuming them with the default is refused."""
+    path = RESULTS / "earlier-front-resnet50-h200" / "records.json"
+    (tmp_path / "records.json").write_text(path.read_text())
+    first = json.loads(path.read_text())[0]
+    argv = ["bench", "--model", first["model"], "--batch", str(first["batch"]),
+            "--image-size", str(first["image_size"]), "--dtype", first["dtype"],
+            "--steps", str(first.get("steps", 3)), "--out", str(tmp_path), "--resume"]  # fmt: skip
+    args = cli.build_parser().parse_args(argv)
+    with pytest.raises(BenchError, match="planned with --block-costs timed, and this command "
+                       "plans with --block-costs traced: give --block-costs timed"):  # fmt: skip
+        earlier_records(tmp_path / "records.json", args)

@@ -5,7 +5,8 @@
 A and B are ``overlap_probe.py`` records (``store.json``, ``lean.json``: one model, two
 variants, each traced in a process of its own) with their ``kernel_ms``: each kind of kernel's
 ms in the median traced step, XLA's fusions named without their numbers. Prints each step's
-kernel busy time, and the kinds of kernel whose time differs most between them, B's minus A's.
+kernel time (the sum of its kernels' times: kernels that run at once on several streams count
+each), and the kinds of kernel whose time differs most between them, B's minus A's.
 It says where a strategy's extra time goes (``Lean()`` against ``Store()`` on a ConvNeXt, for
 instance): fusion kinds that recompute, or library kernels that run slower.
 """
@@ -36,9 +37,8 @@ def main():
                 f"{name} has no kernel_ms: a record of overlap_probe.py from before it"
             )
         total = sum(ms for ms, _ in rec["kernel_ms"].values())
-        print(
-            f"{name}: step {rec.get('pipelined_step_ms', float('nan')):.2f} ms, kernels {total:.2f} ms"
-        )
+        step = rec.get("pipelined_step_ms", float("nan"))
+        print(f"{name}: step {step:.2f} ms, kernels' times summed {total:.2f} ms")
     print(f"{'B - A ms':>9} {'A ms':>8} {'B ms':>8} {'A n':>5} {'B n':>5}  kernel")
     for kind, a_ms, b_ms, a_n, b_n in differences(a["kernel_ms"], b["kernel_ms"])[: args.top]:
         print(f"{b_ms - a_ms:+9.3f} {a_ms:8.3f} {b_ms:8.3f} {a_n:5d} {b_n:5d}  {kind[:100]}")

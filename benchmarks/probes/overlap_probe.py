@@ -109,13 +109,15 @@ def lines_of(folder):
 
 
 def kernel_ms(timeline):
-    """Each kind of kernel's ms in a traced step, the longest first: kernels named alike (XLA's
-    fusions, whose names end in a number) together, as ``[ms, count]``. ``kernel_diff.py``
-    compares two records by it."""
+    """Each kind of kernel's ms in a traced step, the longest first, as ``[ms, count]``: XLA's
+    kernels without the numbers that end their names (``loop_add_fusion_12``), a library's
+    (whose names carry tile sizes, ``128x128``) as named. ``kernel_diff.py`` compares two
+    records by it."""
     out = {}
     for a in timeline:
         if a.kind == "compute":
-            ms, count = out.get(key := re.sub(r"(_\d+)+$", "", a.name), (0.0, 0))
+            key = a.name if re.search(r"\d+x\d+", a.name) else re.sub(r"(_\d+)+$", "", a.name)
+            ms, count = out.get(key, (0.0, 0))
             out[key] = (ms + (a.end_ns - a.start_ns) / 1e6, count + 1)
     return dict(sorted(out.items(), key=lambda kv: -kv[1][0]))
 

@@ -1,6 +1,7 @@
 """The output folder: its records, rewritten whole after each, and the reference gradient.
 
-``--resume`` keeps the records of an earlier run with the same :data:`RUN_FLAGS`.
+``--resume`` keeps the records of an earlier run with the same :data:`RUN_FLAGS`, whose plans
+were costed as this run's will be (``--block-costs``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from jaxoffload.bench.catalog import ACCUMULATED_STRATEGIES, CHOSEN_STRATEGIES
+from jaxoffload.bench.catalog import (
+    ACCUMULATED_STRATEGIES,
+    CHOSEN_STRATEGIES,
+    default_block_costs,
+)
 from jaxoffload.bench.options import BenchError, dest
 from jaxoffload.bench.record import Record, records_from_json
 
@@ -105,7 +110,24 @@ def earlier_records(path: pathlib.Path, args: argparse.Namespace) -> dict[str, R
                     f"command has {flag} {ours}: give that run's arguments, or leave out --resume "
                     "to measure afresh"
                 )
+        _check_block_costs(path, r, args)
     return {r.name: r for r in records if r.error is None}
+
+
+def _check_block_costs(path: pathlib.Path, record: Record, args: argparse.Namespace) -> None:
+    """Raises if ``record`` was planned with other block costs than this command plans with:
+    a run's plans are costed alike."""
+    planned = record.strategy == "offload-hidden" or record.budget is not None
+    if record.strategy not in CHOSEN_STRATEGIES or not planned:  # a size search plans by default
+        return
+    theirs = record.block_costs or "timed"  # before records kept it, blocks were timed
+    ours = args.block_costs or default_block_costs(args.model, record.strategy)
+    if theirs != ours:
+        raise BenchError(
+            f"--resume: {path} holds {record.name!r} planned with --block-costs {theirs}, and "
+            f"this command plans with --block-costs {ours}: give --block-costs {theirs}, or "
+            "leave out --resume to measure afresh"
+        )
 
 
 def write_records(path: pathlib.Path, records: Sequence[Record]) -> None:

@@ -37,7 +37,8 @@ class CompiledSteps:
       compiled: every plan compiled, with its device bytes (arguments and temporaries).
       compile_s: the seconds each plan's compile took.
       executables: each compiled plan's executable.
-      in_flight: plans compiling in the background (:meth:`compile_soon`), each with its compile.
+      in_flight: plans compiling in the background (:meth:`compile_soon`), each with its
+        compile, until a :meth:`compile` or :meth:`settle` has waited for it.
       lowered: plans traced and lowered, not compiled yet.
       measured_ms: each plan's step as timed alone (``inf`` where it cannot run here).
       run_limit: the device bytes over which a compiled step is not run.
@@ -84,7 +85,24 @@ class CompiledSteps:
             self._compiled(todo, {c: self.lowered.pop(c) for c in todo if c in self.lowered})
         )
         for future in waiting:
+            self._landed(future)
+
+    def settle(self) -> None:
+        """Waits for every compile in the background and keeps what it made, so that none
+        outlives the search that started it; a failed one is said, not raised (nothing asked
+        for it)."""
+        for future in set(self.in_flight.values()):
+            try:
+                self._landed(future)
+            except Exception as e:  # noqa: BLE001
+                self.say(f"a compile in the background failed, and nothing needed it: {e!r}")
+
+    def _landed(self, future: concurrent.futures.Future) -> None:
+        """Keeps what a background compile made, and forgets it as in flight, failed or not."""
+        try:
             self._keep(future.result())
+        finally:
+            self.in_flight = {c: f for c, f in self.in_flight.items() if f is not future}
 
     def compile_soon(self, candidates: Sequence[Plan], name: str | None = None) -> None:
         """Starts compiling the candidates in a thread of their own; a later :meth:`compile`

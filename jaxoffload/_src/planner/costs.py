@@ -1,7 +1,7 @@
 """What each block costs under each strategy, measured on the device, and a model of the step.
 
-Each distinct block program is timed alone under each strategy
-(:mod:`jaxoffload._src.timing`), and its residuals are read from traces. The model of the
+A block program's time comes from its traced FLOPs at the plain step's ms per FLOP
+(:func:`traced_blocks`), or timed alone (:func:`cost_blocks`); its residuals, from traces. The model of the
 step's time (:func:`estimate_step_ms`) combines them; that of its peak is
 :mod:`~jaxoffload._src.planner.peak`'s.
 """

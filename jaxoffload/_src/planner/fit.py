@@ -232,47 +232,53 @@ def largest_size(
             say(f"size {size} would take about {needs:.0f} s to check, {max(left, 0):.0f} s left")
         return needs > left
 
-    say(f"searching the largest size that fits {format_bytes(budget)}")
-    size, stopped = largest_fitting(
-        bytes_at, budget, start=start, limit=limit, multiple_of=multiple_of, smallest=smallest,
-        tolerance=tolerance, exponent=exponent, out_of_time=out_of_time,
-    )  # fmt: skip
-    if stopped:
-        say(stopped)
-    for _ in range(3):
-        if size < 1:
-            break
-        confirmed = steps.confirm(size, time_limit_s - (time.perf_counter() - began))
-        if confirmed is not None:
-            peak, step_ms = confirmed
-            say(
-                f"size {size}: step {step_ms:.1f} ms, runtime peak "
-                + ("not reported by this device" if peak is None else format_bytes(peak))
-            )
-            if peak is None:
-                why = (
-                    f"no runtime peak was read: this {jax.default_backend()} device reports "
-                    "none, so the size is checked by its compiled bytes alone"
+    try:
+        say(f"searching the largest size that fits {format_bytes(budget)}")
+        size, stopped = largest_fitting(
+            bytes_at, budget, start=start, limit=limit, multiple_of=multiple_of, smallest=smallest,
+            tolerance=tolerance, exponent=exponent, out_of_time=out_of_time,
+        )  # fmt: skip
+        if stopped:
+            say(stopped)
+        steps.settle()  # a compile beside the confirming step would load its runtime peak
+        for _ in range(3):
+            if size < 1:
+                break
+            confirmed = steps.confirm(size, time_limit_s - (time.perf_counter() - began))
+            if confirmed is not None:
+                peak, step_ms = confirmed
+                say(
+                    f"size {size}: step {step_ms:.1f} ms, runtime peak "
+                    + ("not reported by this device" if peak is None else format_bytes(peak))
                 )
-                return _fit(steps, size, peak, False, step_ms, _and(stopped, why))
-            if peak <= budget:
-                return _fit(steps, size, peak, True, step_ms, stopped)
-            if steps.peak_before > budget:
-                why = (
-                    "the process's runtime peak was over the budget before the search "
-                    f"({format_bytes(steps.peak_before)}), so the step's own cannot be read"
-                )
-                return _fit(steps, size, peak, False, step_ms, _and(stopped, why))
-        size = _step_down(size, multiple_of, smallest, tolerance, steps, out_of_time)
-    fits_at, over_at = steps.bracket()
-    # Stopped before any size fitted, the stop says so: that none fits is not known.
-    why = (
-        stopped if stopped and fits_at is None else _and(stopped, _none_fits(steps.probes, budget))
-    )
-    return Fit(
-        max(size, 0), budget, None, None, False, None, None, tuple(steps.probes), why,
-        fits_at, over_at,
-    )  # fmt: skip
+                if peak is None:
+                    why = (
+                        f"no runtime peak was read: this {jax.default_backend()} device reports "
+                        "none, so the size is checked by its compiled bytes alone"
+                    )
+                    return _fit(steps, size, peak, False, step_ms, _and(stopped, why))
+                if peak <= budget:
+                    return _fit(steps, size, peak, True, step_ms, stopped)
+                if steps.peak_before > budget:
+                    why = (
+                        "the process's runtime peak was over the budget before the search "
+                        f"({format_bytes(steps.peak_before)}), so the step's own cannot be read"
+                    )
+                    return _fit(steps, size, peak, False, step_ms, _and(stopped, why))
+            size = _step_down(size, multiple_of, smallest, tolerance, steps, out_of_time)
+        fits_at, over_at = steps.bracket()
+        # Stopped before any size fitted, the stop says so: that none fits is not known.
+        why = (
+            stopped
+            if stopped and fits_at is None
+            else _and(stopped, _none_fits(steps.probes, budget))
+        )
+        return Fit(
+            max(size, 0), budget, None, None, False, None, None, tuple(steps.probes), why,
+            fits_at, over_at,
+        )  # fmt: skip
+    finally:
+        steps.settle()  # no compile outlives the search
 
 
 def _fit(steps: SizeSteps, size, peak, confirmed, step_ms, stopped) -> Fit:

@@ -188,6 +188,9 @@ def plan(
             block_costs=block_costs,
             held_bytes=held,
         )
-        if not many:
-            return planner.plan_for(budgets[0], max_rounds=max_rounds, per_round=per_round)
-        return planner.plans_for(budgets, max_rounds=max_rounds, per_round=per_round)
+        try:
+            if not many:
+                return planner.plan_for(budgets[0], max_rounds=max_rounds, per_round=per_round)
+            return planner.plans_for(budgets, max_rounds=max_rounds, per_round=per_round)
+        finally:
+            planner.settle()

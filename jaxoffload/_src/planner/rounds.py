@@ -127,9 +127,9 @@ def plans_for(
         if not batch and not unpriced:
             break
         candidates = sorted(set(candidates) | set(batch), key=by_model)
-        compiling = [" and ".join(summary(c.strategies) for c in batch)] if batch else []
-        compiling += ["finishing the hidden offloads' check"] if unpriced else []
-        planner.say(f"round {round_}: compiling " + ", and ".join(compiling))
+        doing = ["compiling " + " and ".join(summary(c.strategies) for c in batch)] if batch else []
+        doing += ["finishing the hidden offloads' check"] if unpriced else []
+        planner.say(f"round {round_}: " + ", and ".join(doing))
         said.update({c: planner.peak_bytes(model, c) for c in batch})
         planner.compile([*batch, *unpriced])
         if unpriced:

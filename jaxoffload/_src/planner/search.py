@@ -75,8 +75,8 @@ def default_options() -> tuple[Strategy, ...]:
 class Planner(CompiledSteps):
     """What planning measures once per model and step, and the plans it makes from it.
 
-    The blocks are found by tracing the step and costed alone under each
-    option (:mod:`~jaxoffload._src.planner.costs`); their times and bytes are
+    The blocks are found by tracing the step and costed under each option, by their
+    traced FLOPs or timed alone (:mod:`~jaxoffload._src.planner.costs`); their times and bytes are
     calibrated to whole compiled steps (:mod:`~jaxoffload._src.planner.calibration`),
     and their options put on the front: for every memory target, the fastest
     choice. The front proposes, the compiler says what fits, and the clock
@@ -293,6 +293,8 @@ class Planner(CompiledSteps):
         """Calibrates the blocks' times to the uniform steps that compute without moving
         (:func:`~jaxoffload._src.planner.calibration.time_errors`), and their bytes to every
         plan compiled."""
+        if any(not f.done() for f in self.in_flight.values()):  # for the log: it may load them
+            self.say("timing the uniform plans while the hidden offloads' check compiles")
         plans = [
             p
             for p in dict.fromkeys(uniform)

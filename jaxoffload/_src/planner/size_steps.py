@@ -127,6 +127,11 @@ class SizeSteps:
                 got = min(got, planner.compiled[leanest])
         return got
 
+    def settle(self) -> None:
+        """Waits for the compiles that each size's planner left in the background."""
+        for planner in self.planners.values():
+            planner.settle()
+
     def _seed(self) -> Plan:
         """The plan that each size checks first: the least compiled at the first size, of those
         whose step there kept ``min_speed`` (any, without one). A uniform plan most often, so
