@@ -63,6 +63,7 @@ REQUIRED = {
         (["--model", "resnet18", "--strategies", "offload-hidden", "--block-costs", "traced"],
          "--block-costs traced is for the plain-Flax linen models"),
         (["--strategies", "none,jax-offload"], "names none"),
+        (["--strategies", "none,plan-device"], "'plan-device' plans at each --budget"),
         (["--strategies", "grad-accum", "--batch", "100", "--micro-batch", "24"],
          "--batch 100 is not a multiple of --micro-batch 24: use 96 or 120"),
         (["--strategies", "grad-accum"], "'grad-accum' needs --micro-batch M"),
@@ -361,6 +362,41 @@ def test_planning_compiles_into_a_cold_cache_of_its_own_that_its_plans_load_from
     assert all(env["A"] == "1" for _, env in seen)
 
 
+def test_each_planned_strategy_plans_in_a_cold_cache_of_its_own_with_its_own_options(
+    monkeypatch,
+):
+    """'plan-device' plans each budget beside 'plan', with Store(), Lean() and Remat() alone,
+    in a planning process and cache of its own, from which its plans load."""
+    seen = []
+    planned = jaxoffload.Plan((("Block_0", jaxoffload.Lean()),)).to_dict()
+    children = stand_in_children(
+        plan_budgets=lambda w, budgets, held, env: (
+            seen.append((w.strategy, env[CACHE_DIR])) or [{"planned": planned}]
+        ),
+        compile=lambda w, env: seen.append((f"compile {w.name}", env[CACHE_DIR])) or {},
+        measure=lambda w, **k: Record.from_json({
+            "strategy": w.strategy, "budget": w.budget, "step_time_ms": 1.0,
+            "compiled_temp_bytes": 8, "compiled_argument_bytes": 0, "peak_bytes_in_use": 8,
+        }),
+    )  # fmt: skip
+    args = cli.build_parser().parse_args(
+        ["bench", "--model", "flax-resnet18", "--strategies", "none,plan-device", "--budget", "0.5"]
+    )
+    workloads = [Workload(**f) for f in options.workload_fields(args, ["none", "plan-device"])]
+    records = measure_all(workloads, steps=1, compile_first=True, children=children)
+    assert [r.name for r in records] == ["none", "plan@0.5", "plan-device@0.5"]
+    assert [what for what, _ in seen] == [
+        "compile none", "plan", "compile plan@0.5", "plan-device", "compile plan-device@0.5"
+    ]  # fmt: skip
+    caches = [cache for _, cache in seen]
+    assert caches[1] == caches[2] != caches[3] == caches[4] != caches[0]
+    made = []
+    monkeypatch.setattr(planning, "Planner", lambda *a, **k: made.append(a[3]))
+    for w in workloads[1:]:
+        planning.planner_of(w, print, inputs=(None, None, None, None))
+    assert made == [None, (jaxoffload.Store(), jaxoffload.Lean(), jaxoffload.Remat())]
+
+
 def _children(**methods):
     """Stand-ins for the bench's child processes (``methods``), and for the child that
     compiles each step first on a faked GPU, where the step's measurement is a stand-in too
@@ -566,6 +602,27 @@ def test_offload_hidden_s_choices_are_said_and_so_is_a_plan_that_moves_nothing()
     assert "its schedule moves 1,024.0 MiB each way" in said and "offloads nothing" not in said
     say_notes([still], console)
     assert "so it ran as Lean() on every block" in console.export_text()
+
+
+def test_a_plan_is_set_beside_the_plan_that_keeps_everything_on_the_device():
+    from rich.console import Console
+
+    console = Console(width=250, record=True, file=open(os.devnull, "w"))
+    plan = Record(
+        strategy="plan", budget=0.35, step_time_ms=49.0, device_to_host_bytes=4 * 10**8,
+        plan_choices=["Offload()", "Lean()"], plan_outside="Lean()",
+    )  # fmt: skip
+    device = dataclasses.replace(
+        plan, strategy="plan-device", step_time_ms=50.0, device_to_host_bytes=0,
+        plan_choices=["Remat()", "Lean()"],
+    )  # fmt: skip
+    say_notes([plan, device], console)
+    said = console.export_text()
+    assert (
+        "plan@0.35: Offload() x1, Lean() x1; outside the blocks Lean(); 0.980× the step of " in said
+    )
+    assert "plan-device@0.35, moving 0.40 GB each way" in said
+    assert "plan-device@0.35: Remat() x1, Lean() x1; outside the blocks Lean()\n" in said
 
 
 def test_budgets_parse_and_make_plan_workloads():

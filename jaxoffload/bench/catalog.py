@@ -18,6 +18,7 @@ __all__ = [
     "NNX_MODELS",
     "PLAIN_MODELS",
     "CHOSEN_STRATEGIES",
+    "PLANS",
     "RESNETS",
     "TASKS",
     "TO_HOST",
@@ -50,7 +51,12 @@ CHOSEN_STRATEGIES = {
     "own windows (jaxoffload.bench.planning.hidden_plan), the others Lean(); a reference "
     "model's blocks whose transfers hide move all, at one window (jaxoffload.bench.reference_hidden)",
     "plan": "the jaxoffload.plan of a budget (bench --budget)",
+    "plan-device": "the jaxoffload.plan of each --budget with options Store(), Lean() and "
+    "Remat(): nothing moves to the host, to set beside 'plan'",
 }
+# The strategies planned at each --budget, and the block strategies whose values each plans
+# with (None: jaxoffload.plan's default options, offload included).
+PLANS = {"plan": None, "plan-device": ("none", "lean", "remat")}
 
 # Strategies whose step runs another's over micro-batches, accumulating their gradients
 # (see jaxoffload.bench.step.value_and_grad): the name, and the strategy whose step each
@@ -179,9 +185,13 @@ def check_workload(
     block_costs = block_costs or default_block_costs(model, strategy)
     _check_names_and_sizes(model, batch, image_size, dtype, strategy)
     _check_splits(strategy, batch, image_size, micro_batch, num_devices, spatial)
-    if (strategy == "plan") != (budget is not None):
-        raise ValueError("the 'plan' strategy takes a budget, and only it does.")
-    if strategy == "plan":
+    if (strategy in PLANS) != (budget is not None):
+        raise ValueError(
+            f"the {strategy!r} strategy takes a budget"
+            if strategy in PLANS
+            else f"{strategy!r} takes no budget: only {' and '.join(map(repr, PLANS))} do."
+        )
+    if strategy in PLANS:
         _check_budget_plan(model, budget, block_costs)
     else:
         _check_block_strategies(model, strategy, blocks, window)

@@ -15,7 +15,12 @@ import pathlib
 from typing import Any
 
 from jaxoffload.bench import models
-from jaxoffload.bench.catalog import ACCUMULATED_STRATEGIES, CHOSEN_STRATEGIES, COMPUTE_TWIN
+from jaxoffload.bench.catalog import (
+    ACCUMULATED_STRATEGIES,
+    CHOSEN_STRATEGIES,
+    COMPUTE_TWIN,
+    PLANS,
+)
 from jaxoffload.bench.child import Children
 from jaxoffload.bench.console import (
     Progress,
@@ -168,7 +173,7 @@ def _add_needed_strategies(workloads: list[Workload], strategies: list[str], con
     for needed, why in [("none", "gradients are compared with it")] * compared + [
         (COMPUTE_TWIN[s], f"{s!r} is planned from its run")
         for s in strategies
-        if s in CHOSEN_STRATEGIES and s != "plan"
+        if s in CHOSEN_STRATEGIES and s not in PLANS
     ]:
         if needed not in strategies:
             console.print(f"note: adding the {needed!r} strategy: {why}.")
@@ -221,13 +226,14 @@ def _measure(
             f"resuming {path}: kept {', '.join(kept) or 'nothing'}; measuring "
             f"{', '.join(w.name for w in todo) or 'nothing more'}{searching if axes else ''}."
         )
-    first_plan = next((w for w in todo if w.strategy == "plan"), None)
+    first_plans = {p: next((w for w in todo if w.strategy == p), None) for p in PLANS}
     with Progress(console, total=len(todo) + len(searches)) as progress:
 
         def on_start(w):
             work = f"compile and {args.steps} steps"
-            if w is first_plan:  # every budget is planned in one process, before the first plan
-                work = f"plan at {sum(v.strategy == 'plan' for v in todo)} budgets, {work}"
+            if w is first_plans.get(w.strategy):  # its budgets are planned in one process first
+                budgets = sum(v.strategy == w.strategy for v in todo)
+                work = f"plan at {budgets} budgets, {work}"
             progress.start(f"{w.name} on {w.model}, batch {w.batch}: {work}")
 
         def on_record(records):

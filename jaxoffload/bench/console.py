@@ -6,6 +6,7 @@ import sys
 import time
 from typing import Any
 
+from jaxoffload.bench.catalog import PLANS
 from jaxoffload.bench.envelope import envelope_step, uniform_points
 from jaxoffload.bench.options import SIZE_SEARCHES
 from jaxoffload.bench.record import Record, SizeSearch
@@ -259,8 +260,22 @@ def say_notes(records: list[Record], console: Any) -> None:
             )
             console.print(
                 f"{r.name}: {choices}; outside the blocks {r.plan_outside}"
-                + (_against_envelope(r, records) if r.strategy == "plan" else _moved(r))
+                + (_against_envelope(r, records) if r.strategy in PLANS else _moved(r))
+                + _against_device_plan(r, records)
             )
+
+
+def _against_device_plan(plan: Record, records: list[Record]) -> str:
+    """A ``plan`` record's step against the ``plan-device`` one's at its budget, and what it
+    moves each way: whether offload paid there."""
+    device = next(
+        (r for r in records if r.strategy == "plan-device" and r.budget == plan.budget), None
+    )
+    if plan.strategy != "plan" or device is None or not (plan.step_time_ms and device.step_time_ms):
+        return ""
+    ratio = plan.step_time_ms / device.step_time_ms
+    moved = (plan.device_to_host_bytes or 0) / 1e9
+    return f"; {ratio:.3f}× the step of {device.name}, moving {moved:.2f} GB each way"
 
 
 def _moved(record: Record) -> str:

@@ -13,6 +13,7 @@ from jaxoffload.bench.catalog import (
     ACCUMULATED_STRATEGIES,
     BLOCK_STRATEGIES,
     CHOSEN_STRATEGIES,
+    PLANS,
     TO_HOST,
     check_workload,
     is_nnx,
@@ -31,7 +32,8 @@ __all__ = [
 ]
 
 
-# The strategies that --strategies takes: "plan" comes from --budget.
+# The strategies that --strategies takes: "plan" comes from --budget, and "plan-device",
+# given here, plans at each --budget too.
 STRATEGY_FLAGS = (
     *BLOCK_STRATEGIES,
     *(s for s in CHOSEN_STRATEGIES if s != "plan"),
@@ -85,6 +87,10 @@ def checked_strategies(args: argparse.Namespace) -> list[str]:
         )
     if args.steps < 1:
         raise BenchError(f"--steps must be at least 1, got {args.steps}")
+    if "plan-device" in strategies and not args.budget:
+        raise BenchError(
+            "'plan-device' plans at each --budget, beside 'plan': give --budget, e.g. 0.5,0.35"
+        )
     if args.window != 1 and not set(strategies) & set(TO_HOST):
         raise BenchError(
             f"--window {args.window} has no effect on {', '.join(strategies)}: only "
@@ -159,7 +165,9 @@ def workload_fields(args: argparse.Namespace, strategies: list[str]) -> list[dic
             **({"block_costs": args.block_costs} if s == "offload-hidden" else {}),
         }
         for s in strategies
+        if s not in PLANS
     ] + [
-        {**common, "strategy": "plan", "budget": b, "block_costs": args.block_costs}
+        {**common, "strategy": p, "budget": b, "block_costs": args.block_costs}
+        for p in ["plan", *(s for s in strategies if s in PLANS)]
         for b in args.budget
     ]

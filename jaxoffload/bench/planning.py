@@ -15,11 +15,11 @@ from jax.extend import core as jex_core
 
 from jaxoffload import Lean, NoPlanFits, Offload, OffloadedCall, Plan, offloaded_calls
 from jaxoffload.bench import models
-from jaxoffload.bench.catalog import COMPUTE_TWIN
+from jaxoffload.bench.catalog import COMPUTE_TWIN, PLANS
 from jaxoffload.bench.record import Record
 from jaxoffload.bench.reference_hidden import choose_hidden_offload
 from jaxoffload.bench.step import linen_model, nnx_training, train_step, training
-from jaxoffload.bench.workload import Workload
+from jaxoffload.bench.workload import STRATEGIES, Workload
 from jaxoffload.internal import (
     Planner,
     cap_sizes,
@@ -86,14 +86,16 @@ def planner_of(
 ) -> Planner:
     """The :class:`~jaxoffload._src.planner.search.Planner` of the workload's plain-Flax
     model and training step (``inputs``, by default :func:`planning_inputs`), as ``bench
-    --budget`` plans it: the state donated, ``workload.block_costs``, and ``held_bytes``
-    counted in every budget beside the compiled step."""
+    --budget`` plans it: the state donated, ``workload.block_costs``, ``held_bytes``
+    counted in every budget beside the compiled step, and the options of its strategy in
+    :data:`~jaxoffload.bench.catalog.PLANS`."""
     model, step, args, blocks = planning_inputs(workload) if inputs is None else inputs
+    names = PLANS.get(workload.strategy)
     return Planner(
         model,
         step,
         args,
-        None,
+        None if names is None else tuple(STRATEGIES[n] for n in names),
         blocks=blocks,
         runs=5,
         say=say,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
+from jaxoffload.bench.catalog import PLANS
 from jaxoffload.bench.envelope import envelope_step, pareto_front, uniform_points
 from jaxoffload.bench.options import SIZE_SEARCHES
 from jaxoffload.bench.record import Record
@@ -37,7 +38,7 @@ def plot_records(records: list[Record], path: pathlib.Path) -> pathlib.Path | No
     # Without a runtime peak (CPU), the compiled temp is the memory reading; the
     # budgets, in the planner's bytes, are then not on the axis.
     key = "peak_bytes_in_use" if all(r.peak_bytes_in_use for r in done) else "compiled_temp_bytes"
-    plans = [r for r in done if r.strategy == "plan"] if key == "peak_bytes_in_use" else []
+    plans = [r for r in done if r.strategy in PLANS] if key == "peak_bytes_in_use" else []
     memories = [getattr(r, key) for r in done] + [r.budget_bytes for r in plans]
     unit, scale = ("GiB", 2**30) if max(memories) >= 2**30 else ("MiB", 2**20)
     points = [(r.step_time_ms, getattr(r, key) / scale) for r in done]
@@ -47,7 +48,7 @@ def plot_records(records: list[Record], path: pathlib.Path) -> pathlib.Path | No
     for r, (x, y) in zip(done, points):
         jax_record = r.framework in ("jax", None)
         label = r.name if jax_record else f"{r.framework} {r.strategy}"
-        marker = "s" if not jax_record else "*" if r.strategy == "plan" else "o"
+        marker = "s" if not jax_record else "*" if r.strategy in PLANS else "o"
         dot = ax.scatter(x, y, s=90 if marker == "*" else 45, marker=marker, label=label, zorder=3)
         if r in plans:
             budget_colors.append((r.budget_bytes / scale, dot.get_facecolor()[0]))
@@ -96,7 +97,7 @@ def plot_sizes(records: list[Record], axis: str, path: pathlib.Path) -> pathlib.
     fig, ax = plt.subplots(figsize=(6, 4.2), constrained_layout=True)
     for r, search in found:
         x, y = search.size, getattr(search, speed)
-        star = r.strategy == "plan"
+        star = r.strategy in PLANS
         ax.scatter(x, y, s=90 if star else 45, marker="*" if star else "o", zorder=3)
         ax.annotate(r.name, (x, y), xytext=(5, 3), textcoords="offset points", fontsize="small")
     label = axis.replace("_", " ")

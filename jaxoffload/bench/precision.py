@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxoffload.bench.catalog import PLANS
 from jaxoffload.bench.gradients import gradient_at, relative_error
 from jaxoffload.bench.measure import device_fields
 from jaxoffload.bench.record import Record
@@ -54,7 +55,7 @@ def _small(record: Record, batch: int) -> Workload | None:
     strategy = record.strategy
     if record.step_time_ms is None or record.micro_batch is not None:
         return None
-    if strategy not in STRATEGIES and strategy != "plan":
+    if strategy not in STRATEGIES and strategy not in PLANS:
         return None
     return Workload(
         model=record.model,

@@ -305,7 +305,9 @@ def records_from_json(data: Any) -> list[Record]:
 
 def label(strategy: str, budget: float | None) -> str:
     """A strategy's name in the table and in messages, with its budget for plans: ``plan@0.5``."""
-    return f"plan@{budget:g}" if strategy == "plan" and budget is not None else strategy
+    return (
+        f"{strategy}@{budget:g}" if strategy.startswith("plan") and budget is not None else strategy
+    )
 
 
 _BOOKKEEPING = frozenset({"searches", "search_errors", "extra", "nulls"})

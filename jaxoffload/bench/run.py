@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxoffload.bench.catalog import ACCUMULATED_STRATEGIES, COMPUTE_TWIN
+from jaxoffload.bench.catalog import ACCUMULATED_STRATEGIES, COMPUTE_TWIN, PLANS
 from jaxoffload.bench.child import Children, OutOfMemory
 from jaxoffload.bench.measure import cache_env
 from jaxoffload.bench.planning import budget_bytes, compute_ms, hidden_budget
@@ -81,15 +81,16 @@ def measure_all(
     kept = {(r.strategy, r.budget): r for r in measured}
     records: list[Record] = []
     with tempfile.TemporaryDirectory() as folder:
-        cache = planned = None
+        cache, planned = None, dict.fromkeys(PLANS)
         if compile_first:
             cache = cache_env(os.path.join(folder, "compiled"))
-            # Planning compiles into a cache of its own, cold as a user's, from which the
+            # Each planning compiles into a cache of its own, cold as a user's, from which the
             # plans it returns are loaded rather than compiled again.
-            planned = cache_env(os.path.join(folder, "planned"))
-        budget_plans = _BudgetPlans(
-            workloads, kept, {**(env or {}), **planned} if planned else env, children
-        )
+            planned = {p: cache_env(os.path.join(folder, p)) for p in PLANS}
+        budget_plans = {
+            p: _BudgetPlans(p, workloads, kept, {**(env or {}), **(c or {})}, children)
+            for p, c in planned.items()
+        }
         reference = reference or os.path.join(folder, "reference_gradient.npz")
         for w in workloads:
             record = kept.get((w.strategy, w.budget))
@@ -99,11 +100,11 @@ def measure_all(
                 record = _plan_and_measure(
                     w,
                     records,
-                    budget_plans,
+                    budget_plans.get(w.strategy),
                     steps=steps,
                     reference=reference,
                     env=env,
-                    cache=planned if w.strategy == "plan" else cache,
+                    cache=planned[w.strategy] if w.strategy in PLANS else cache,
                     trace=trace,
                     children=children,
                 )
@@ -119,7 +120,7 @@ def measure_all(
 def _plan_and_measure(
     workload: Workload,
     records: list[Record],
-    budget_plans: _BudgetPlans,
+    budget_plans: _BudgetPlans | None,
     *,
     steps: int,
     reference: str | None,
@@ -134,7 +135,7 @@ def _plan_and_measure(
     """
     w = workload
     try:
-        if w.strategy == "plan" and w.planned is None:
+        if w.strategy in PLANS and w.planned is None:
             w = budget_plans.apply(w, records)
         if w.strategy == "offload-hidden":
             w = children.hidden_offload(w, env=env, **hidden_budget(w, records))
@@ -154,7 +155,7 @@ def _plan_and_measure(
     except RuntimeError as e:
         # One broken strategy must not cost the others' measurements.
         return _failure_record(w, {"error": str(e)})
-    if w.strategy == "plan":
+    if w.strategy in PLANS:
         record = record.with_fields(**budget_plans.planning(w))
     return record
 
@@ -164,8 +165,8 @@ def _measure_options(strategy: str) -> dict[str, bool]:
     return {
         "time_forward": strategy in COMPUTE_TWIN.values(),
         # Twins measure the link too: offload-hidden's choice takes it from them.
-        "probe_link": strategy in {*COMPUTE_TWIN, *COMPUTE_TWIN.values(), "plan"},
-        "time_twin": strategy == "plan",
+        "probe_link": strategy in {*COMPUTE_TWIN, *COMPUTE_TWIN.values(), *PLANS},
+        "time_twin": strategy in PLANS,
     }
 
 
@@ -188,7 +189,8 @@ class NoPlan(RuntimeError):
 
 
 class _BudgetPlans:
-    """The plans of a run's ``"plan"`` budgets, all made in one process when the first is needed.
+    """The plans of a run's budgets under one of :data:`PLANS`, all made in one process when
+    the first is needed.
 
     Planning measures every block's costs, once for all the budgets; in a
     process of its own (:meth:`Children.plan_budgets`), they count in no measured
@@ -197,13 +199,16 @@ class _BudgetPlans:
 
     def __init__(
         self,
+        strategy: str,
         workloads: Sequence[Workload],
         kept: dict[tuple[str, float | None], Record],
         env: dict[str, str] | None,
         children: Children,
     ):
         self.budgets = [
-            w.budget for w in workloads if w.strategy == "plan" and ("plan", w.budget) not in kept
+            w.budget
+            for w in workloads
+            if w.strategy == strategy and (strategy, w.budget) not in kept
         ]
         self.env, self.children = env, children
         self.results: dict[float, dict[str, Any]] = {}

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxoffload import Plan, Strategy
 from jaxoffload.bench import models
+from jaxoffload.bench.catalog import PLANS
 from jaxoffload.bench.workload import Workload
 
 __all__ = [
@@ -111,13 +112,13 @@ def nnx_training(workload: Workload, *, abstract: bool | None, model=None):
         model = models.create_nnx(
             workload.model,
             strategy=None
-            if workload.strategy == "plan"
+            if workload.strategy in PLANS
             else uniform_strategy(workload.block_strategies),
             dtype=jnp.dtype(workload.dtype),
             num_classes=workload.num_classes,
             rngs=nnx.Rngs(1),
         )
-        if workload.strategy == "plan" and workload.planned is not None:
+        if workload.strategy in PLANS and workload.planned is not None:
             Plan.from_dict(workload.planned).apply(model)
         return model
 

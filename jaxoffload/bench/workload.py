@@ -12,6 +12,7 @@ from jaxoffload.bench import models
 from jaxoffload.bench.catalog import (
     ACCUMULATED_STRATEGIES,
     CHOSEN_STRATEGIES,
+    PLANS,
     check_workload,
     default_block_costs,
 )
@@ -70,9 +71,9 @@ class Workload:
         ``blocks``; set by ``"offload-hidden"``'s choice on a reference model
         (:func:`jaxoffload.bench.planning.reference_hidden_workload`). A record
         keeps them under its ``plan`` key (:meth:`record_fields`).
-      budget: for the ``"plan"`` strategy, the budget as a share of the
-        ``"none"`` run's runtime peak.
-      block_costs: for ``"plan"``, and ``"offload-hidden"`` on a plain-Flax model,
+      budget: for the strategies of :data:`~jaxoffload.bench.catalog.PLANS`, the budget as
+        a share of the ``"none"`` run's runtime peak.
+      block_costs: for those, and ``"offload-hidden"`` on a plain-Flax model,
         how the planner costs the blocks: ``"traced"`` or ``"timed"`` (see
         :func:`jaxoffload.plan`); ``None``, :func:`~jaxoffload.bench.catalog.default_block_costs`.
       planned: where the blocks take a :class:`jaxoffload.Plan` (:attr:`runs_plan`), the
@@ -122,7 +123,7 @@ class Workload:
             object.__setattr__(self, "window", tuple(self.window))
         if isinstance(self.block_names, list):
             object.__setattr__(self, "block_names", tuple(self.block_names))
-        if self.strategy != "plan":
+        if self.strategy not in PLANS:
             self._windows()  # Offload checks each window too, as its blocks will be given them
 
     def record_fields(self) -> dict[str, Any]:
@@ -158,7 +159,7 @@ class Workload:
         ``"offload-hidden"``'s on a plain-Flax linen model, whose blocks each take their own
         ``Offload`` cap."""
         linen = models.is_plain(self.model) and not models.is_nnx(self.model)
-        return self.strategy == "plan" or (self.strategy == "offload-hidden" and linen)
+        return self.strategy in PLANS or (self.strategy == "offload-hidden" and linen)
 
     @property
     def block_plan(self) -> Plan:
@@ -170,7 +171,7 @@ class Workload:
         if not self.runs_plan:
             raise ValueError(f"{self.strategy!r} on {self.model} takes no jaxoffload.Plan.")
         if self.planned is None:
-            see = "plan_budgets" if self.strategy == "plan" else "hidden_offload"
+            see = "plan_budgets" if self.strategy in PLANS else "hidden_offload"
             raise ValueError(f"{self.strategy!r} needs its plan: see Children.{see}.")
         return Plan.from_dict(self.planned)
 
