@@ -19,6 +19,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from jaxoffload.bench.catalog import PLANS
+
 __all__ = ["SEARCH_AXES", "Record", "SizeSearch", "label", "records_from_json"]
 
 # The axes of the size searches, as jaxoffload.bench.size_search names them.
@@ -305,9 +307,7 @@ def records_from_json(data: Any) -> list[Record]:
 
 def label(strategy: str, budget: float | None) -> str:
     """A strategy's name in the table and in messages, with its budget for plans: ``plan@0.5``."""
-    return (
-        f"{strategy}@{budget:g}" if strategy.startswith("plan") and budget is not None else strategy
-    )
+    return f"{strategy}@{budget:g}" if strategy in PLANS and budget is not None else strategy
 
 
 _BOOKKEEPING = frozenset({"searches", "search_errors", "extra", "nulls"})

@@ -162,11 +162,12 @@ def _plan_and_measure(
 
 def _measure_options(strategy: str) -> dict[str, bool]:
     """What :func:`measure` times beyond the step for a strategy, after its peak is read."""
+    may_offload = strategy in PLANS and PLANS[strategy] is None  # planned with offload options
     return {
         "time_forward": strategy in COMPUTE_TWIN.values(),
         # Twins measure the link too: offload-hidden's choice takes it from them.
-        "probe_link": strategy in {*COMPUTE_TWIN, *COMPUTE_TWIN.values(), *PLANS},
-        "time_twin": strategy in PLANS,
+        "probe_link": strategy in {*COMPUTE_TWIN, *COMPUTE_TWIN.values()} or may_offload,
+        "time_twin": may_offload,
     }
 
 

@@ -1,9 +1,8 @@
 """What each block costs under each strategy, measured on the device, and a model of the step.
 
 A block program's time comes from its traced FLOPs at the plain step's ms per FLOP
-(:func:`traced_blocks`), or timed alone (:func:`cost_blocks`); its residuals, from traces. The model of the
-step's time (:func:`estimate_step_ms`) combines them; that of its peak is
-:mod:`~jaxoffload._src.planner.peak`'s.
+(:func:`traced_blocks`), or timed alone (:func:`cost_blocks`); its residuals, from traces. The
+step's time (:func:`estimate_step_ms`) combines them; its peak, :mod:`~jaxoffload._src.planner.peak`.
 """
 
 from __future__ import annotations

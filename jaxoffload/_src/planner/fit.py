@@ -240,7 +240,6 @@ def largest_size(
         )  # fmt: skip
         if stopped:
             say(stopped)
-        steps.settle()  # a compile beside the confirming step would load its runtime peak
         for _ in range(3):
             if size < 1:
                 break

@@ -179,6 +179,7 @@ class SizeSteps:
         """``(peak, step ms)`` of real steps at ``size``; ``None`` if no plan fits, none keeps
         ``min_speed``, or memory ran out. With ``plan=True``, planning there compiles as many
         rounds as ``left_s`` seconds hold, priced by the longest compile at that size."""
+        self.settle()  # a compile beside the step would load the runtime peak it reads
         if self.plan:
             planner = self.planner_at(size)
             longest = max(planner.compile_s.values(), default=0.0)
