@@ -4,6 +4,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -65,3 +66,33 @@ def test_the_torch_peer_explains_itself_without_torch():
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert "save_on_cpu" in done.stdout
+
+
+def test_deviceless_kernels_reads_each_kernels_bytes(tmp_path):
+    """``deviceless.py kernels`` on a program compiled here: one loop fusion over 1,024 floats
+    reads and writes 4 KiB, and a second program's extra kernel shows as the difference."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones(1024, jnp.float32)
+    one = tmp_path / "one.hlo"
+    one.write_text(jax.jit(lambda x: jnp.sin(x) * 2).lower(x).compile().as_text())
+    two = tmp_path / "two.hlo"
+    two.write_text(jax.jit(lambda x: (jnp.sin(x) * 2, jnp.cumsum(x))).lower(x).compile().as_text())
+    probe = str(ROOT / "benchmarks" / "probes" / "deviceless.py")
+    kernels = runpy_module(probe).kernels
+    (fusion,) = kernels(one.read_text())
+    assert (fusion["read"], fusion["write"]) == (4096, 4096)
+    assert fusion["op"].startswith("forward: ") and fusion["op"].endswith(("sin", "mul"))
+    done = subprocess.run(
+        [sys.executable, probe, "kernels", str(one), str(two)],
+        check=True, capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert "one.hlo: 1 kernels, 0.00 GB" in done.stdout
+    assert len(kernels(two.read_text())) > 1
+
+
+def runpy_module(path):
+    import runpy
+
+    return types.SimpleNamespace(**runpy.run_path(path))

@@ -1,6 +1,6 @@
 """Compiles training steps without running them: device temp, host copies, and what is alive at the peak.
 
-    python benchmarks/probes/compile_probe.py MODEL BATCH STRATEGY [STRATEGY ...] [--peaks]
+    python benchmarks/probes/compile_probe.py MODEL BATCH STRATEGY [STRATEGY ...] [--peaks] [--hlo DIR]
 
 For each strategy (a ``jaxoffload bench`` name, with ``@W`` for an ``Offload``
 window of W, as in ``offload@2``), in this process: the compiled
@@ -8,8 +8,10 @@ step's ``memory_analysis()``, its host copies (``S(5)``, ``copy-start``), and, f
 strategies that offload, the same program compiled with host placement off (the
 twin), so that the device bytes the copies free can be read. With ``--peaks``,
 XLA's live-range dump of each step is summarised too: the jax operations
-alive at the device peak. One JSON line per strategy goes to stdout.
-Image size 224, bf16.
+alive at the device peak. With ``--hlo``, each step's compiled program is written to
+DIR/MODEL-BATCH-STRATEGY.hlo (``deviceless.py kernels`` reads it). One JSON line per
+strategy goes to stdout. Image size 224, bf16. ``deviceless.py run`` runs it for the H200
+on a machine without one.
 """
 
 import argparse
@@ -49,6 +51,7 @@ def main():
     parser.add_argument("strategies", nargs="+")
     parser.add_argument("--peaks", action="store_true")
     parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--hlo", metavar="DIR", help="write each compiled program here")
     args = parser.parse_args()
     dump = tempfile.mkdtemp()
     if args.peaks:
@@ -80,12 +83,16 @@ def _probe(name, args, dump):
     report = analyze(traced, compiled, on_dropped="ignore")
     record = {
         "model": args.model, "batch": args.batch, "strategy": name,
-        "temp_bytes": report.temp_bytes, "host_temp_bytes": report.host_temp_bytes,
+        "argument_bytes": report.argument_bytes, "temp_bytes": report.temp_bytes,
+        "host_temp_bytes": report.host_temp_bytes,
         "requested_bytes": report.requested_bytes,
         "device_to_host_copies": report.device_to_host,
         "device_to_host_bytes": report.device_to_host_bytes,
         "compile_s": round(time.perf_counter() - start, 1),
     }  # fmt: skip
+    if args.hlo:
+        with open(os.path.join(args.hlo, f"{args.model}-{args.batch}-{name}.hlo"), "w") as f:
+            f.write(compiled.as_text())
     if dump:
         record["peak"], record["alive_at_peak"] = peak_breakdown(dump)
         _clear(dump)

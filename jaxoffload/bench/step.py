@@ -76,20 +76,23 @@ def training(workload: Workload, model, *, abstract: bool | None):
     With ``abstract=None``, nothing is initialised: ``state`` and ``batch`` are ``None``.
     """
     tx = _OPTIMIZER
-    # Models with dropout draw from this stream; the same key every step keeps
-    # the gradients of different strategies comparable.
-    rngs = {"dropout": jax.random.key(2)}
+
+    def rngs():
+        # Models with dropout draw from this stream; the same key every step keeps the
+        # gradients of different strategies comparable. Made where it is traced, so that
+        # building a step dispatches nothing (a deviceless compile has no device to run on).
+        return {"dropout": jax.random.key(2)}
 
     def init():
         x, labels = images_and_labels(workload)
-        variables = model.init({"params": jax.random.key(1), **rngs}, x[:1], True)
+        variables = model.init({"params": jax.random.key(1), **rngs()}, x[:1], True)
         params = variables.pop("params")
         return (params, dict(variables), tx.init(params)), (x, labels)
 
     def loss_fn(params, model_state, batch):
         x, labels = batch
         logits, new_state = model.apply(
-            {"params": params, **model_state}, x, True, mutable=list(model_state), rngs=rngs
+            {"params": params, **model_state}, x, True, mutable=list(model_state), rngs=rngs()
         )
         return cross_entropy(logits, labels), new_state
 
