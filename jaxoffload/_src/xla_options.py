@@ -32,6 +32,12 @@ __all__ = [
 
 # Asynchronous operations the scheduler may keep in flight: host copies among them.
 ASYNC_IN_FLIGHT = 64
+# XLA's schedule-early rule, which copy-starts fall under: each starts right after the value it
+# copies is made, rather than where the scheduler's estimate says it still hides.
+START_EARLY = {
+    "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+    "xla_gpu_experimental_collective_start_as_early_as_possible": True,
+}
 # A copy's fixed cost on top of its bytes: stream synchronisation, a few microseconds.
 _COPY_OVERHEAD_US = 5.0
 _COPY_START = re.compile(r"%(copy-start[\w.\-]*) = \((\w+)\[([\d,]*)\]\{[^}]*S\(5\)")
@@ -43,7 +49,8 @@ _COPY_BACK = re.compile(
 def compiler_options(lowered=None, *, link_gbps: float | None = None) -> dict[str, Any]:
     """Options for ``jax.jit(..., compiler_options=...)`` or ``.compile(...)`` of an offloading step.
 
-    Without arguments, the options let copies run in parallel with one another and with compute.
+    Without arguments, the options let copies run in parallel with one another and with compute,
+    each started as soon as the value it copies is made.
     Given the lowered step, they also tell the scheduler how long each of its host copies takes:
     its bytes over the host link. That costs one compile here, whose copy names the profile uses.
 
@@ -62,7 +69,10 @@ def compiler_options(lowered=None, *, link_gbps: float | None = None) -> dict[st
       >>> step(jnp.ones(2)).tolist()
       [2.0, 2.0]
     """
-    options: dict[str, Any] = {"xla_gpu_experimental_parallel_async_compute_limit": ASYNC_IN_FLIGHT}
+    options: dict[str, Any] = {
+        "xla_gpu_experimental_parallel_async_compute_limit": ASYNC_IN_FLIGHT,
+        **START_EARLY,
+    }
     if lowered is None:
         return options
     if not hasattr(lowered, "compile"):
