@@ -43,6 +43,7 @@ from jaxoffload._src.planner.program import trace_step as trace_step
 
 # What a compiled step holds and moves.
 from jaxoffload._src.report import analyze as analyze
+from jaxoffload._src.report import device_bytes_of as device_bytes_of
 from jaxoffload._src.report import read_spatial_gathers as read_spatial_gathers
 from jaxoffload._src.report import requested_host_transfers as requested_host_transfers
 from jaxoffload._src.report import with_twin as with_twin
@@ -75,6 +76,7 @@ __all__ = [
     "cost_blocks",
     "default_options",
     "device_bytes",
+    "device_bytes_of",
     "discover",
     "equations",
     "hidden_copies",

@@ -46,21 +46,22 @@ import time
 # The H200 that the device tool lends, as XLA describes a GPU to compile for: its 132
 # multiprocessors, 143,771 MiB and 1.98 GHz as read there; the rest Hopper's and the card's
 # published figures. cuDNN's version is the one installed here (read at start).
+H200_MEMORY = 143771 * 2**20
 H200 = """
-gpu_device_info {
+gpu_device_info {{
   threads_per_block_limit: 1024 threads_per_warp: 32
   shared_memory_per_block: 49152 shared_memory_per_block_optin: 232448
   shared_memory_per_core: 233472 threads_per_core_limit: 2048
   core_count: 132 fpus_per_core: 128
   block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
   memory_bandwidth: 4800000000000 l2_cache_size: 62914560 clock_rate_ghz: 1.98
-  device_memory_size: 150754820096
+  device_memory_size: {memory}
   registers_per_core_limit: 65536 registers_per_block_limit: 65536
-  cuda_compute_capability { major: 9 minor: 0 }
-}
+  cuda_compute_capability {{ major: 9 minor: 0 }}
+}}
 platform_name: "CUDA"
-dnn_version_info { major: %d minor: %d }
-runtime_version { major: 13 minor: 0 }
+dnn_version_info {{ major: {cudnn_major} minor: {cudnn_minor} }}
+runtime_version {{ major: 13 minor: 0 }}
 device_description_str: "NVIDIA H200"
 """
 
@@ -75,31 +76,18 @@ def use_h200():
     from jax.experimental import topologies
 
     major, minor = map(int, metadata.version("nvidia-cudnn-cu13").split(".")[:2])
-    topology = topologies.get_topology_desc(
-        platform="cuda", target_config=H200 % (major, minor), topology="1x1x1"
-    )
+    config = H200.format(memory=H200_MEMORY, cudnn_major=major, cudnn_minor=minor)
+    topology = topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x1")
     jax.config.update("jax_default_device", topology.devices[0])
     return topology.devices[0]
 
 
 # --- kernels: the bytes each kernel of a scheduled HLO module reads and writes ---------------
 
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2,
-          "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}  # fmt: skip
-_ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\](\{[^}]*\})?")
 _LINE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
 # Instructions that launch nothing, or whose work is the copy engines' (host copies).
 _NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "copy-start",
               "copy-done", "opt-barrier", "after-all", "add-dependency"}  # fmt: skip
-
-
-def device_bytes_of(shape: str) -> int:
-    """The device bytes of an HLO shape (an array or a tuple), host arrays (``S(5)``) left out."""
-    total = 0
-    for dtype, dims, layout in _ARRAY.findall(shape):
-        if dtype in _BYTES and "S(5)" not in (layout or ""):
-            total += math.prod(int(d) for d in dims.split(",") if d) * _BYTES[dtype]
-    return total
 
 
 def _operation(op_name: str) -> str:
@@ -113,6 +101,8 @@ def _operation(op_name: str) -> str:
 def kernels(text: str) -> list[dict]:
     """Each kernel of the entry computation: its kind, the device bytes it reads (its operands)
     and writes (its result), and the jax operation that its metadata names (:func:`_operation`)."""
+    from jaxoffload.internal import device_bytes_of
+
     body = text[text.index("\nENTRY") :].split("\n")[1:]
     sizes, out = {}, []
     for line in body:
@@ -153,7 +143,9 @@ def print_kernels(a_path, b_path=None, by_op=False, top=30):
     b = kernels(open(b_path).read()) if b_path else []
     ta, tb = _by(a, key), _by(b, key)
     zero = (0, 0)
-    rows = sorted(set(ta) | set(tb), key=lambda k: -abs(tb.get(k, zero)[1] - ta.get(k, zero)[1]))
+    rows = sorted(
+        set(ta) | set(tb), key=lambda k: (-abs(tb.get(k, zero)[1] - ta.get(k, zero)[1]), k)
+    )
     header = f"{'A n':>5} {'A GB':>7}"
     print(header + (f" {'B n':>5} {'B GB':>7} {'B-A GB':>7}" if b else "") + "  " + key)
     for k in rows[:top]:
@@ -175,7 +167,7 @@ def stand_in_ms(flops: float, text: str) -> float:
     its kernels' bytes at 3 TB/s, 3 µs a kernel, and its host copies at 52 GB/s each way, none
     of them hidden (as on the H200 today: design §13). A stand-in that orders plans, not a
     measurement."""
-    from jaxoffload.internal import host_copies
+    from jaxoffload.internal import device_bytes_of, host_copies
 
     ks = kernels(text)
     moved = sum(k["read"] + k["write"] for k in ks)
@@ -190,7 +182,7 @@ def plan(model_name, batch, shares, offload):
     from jaxoffload.internal import Planner, step_flops, summary
 
     class DevicelessPlanner(Planner):
-        flops: dict = {}
+        flops: dict = {}  # each plan's traced FLOPs; on the class: __init__ traces steps first
 
         def _measure_link(self, options, args):
             return (52.0, 52.0) if any(s.to_host for s in options) else None
@@ -219,7 +211,7 @@ def plan(model_name, batch, shares, offload):
     options += (Offload(), Offload(window=2), Offload(recompute=True)) if offload else ()
     planner = DevicelessPlanner(
         model, step, args, options, blocks=blocks, runs=5, say=say, donate_argnums=(0,),
-        held_bytes=0, run_limit=int(0.9 * 143771 * 2**20),
+        held_bytes=0, run_limit=int(0.9 * H200_MEMORY),
     )  # fmt: skip
     try:
         found = planner.plans_for(shares)

@@ -20,6 +20,7 @@ __all__ = [
     "SpatialGather",
     "analyze",
     "complain_if_dropped",
+    "device_bytes_of",
     "memory_report",
     "read_host_transfers",
     "read_spatial_gathers",
@@ -399,6 +400,12 @@ def read_host_transfers(text: str) -> dict[str, int]:
             counts["host_buffers"] += len(host)
             counts["host_buffer_bytes"] += sum(map(_array_bytes, host))
     return counts
+
+
+def device_bytes_of(shape: str) -> int:
+    """The device bytes of an HLO shape, an array or a tuple of them, host arrays (``S(5)``)
+    left out: ``bf16[8,128]{1,0}`` is 2,048."""
+    return sum(_array_bytes(a) for a in _ARRAY.finditer(shape) if not _in_host(a))
 
 
 def _in_host(array: re.Match) -> bool:
