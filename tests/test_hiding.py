@@ -20,7 +20,9 @@ def _starts_back(backward):
 def test_the_first_blocks_move_most_and_each_copy_has_its_own_time_on_the_link():
     # Four 1 ms blocks, 50 GB/s at 90%: 45 MB a ms. Block 0's copies run from 1 ms to the
     # turn at 4 ms at the latest: all its 80 MB go (1.8 ms). Block 1's start when those end.
-    copies = hidden_copies([1, 1, 1, 1], [2, 2, 2, 2], [[60 * MB, 20 * MB]] * 4, (50, 50))
+    copies = hidden_copies(
+        [1, 1, 1, 1], [2, 2, 2, 2], [[60 * MB, 20 * MB]] * 4, (50, 50), link_share=0.9
+    )
     first, second, third, last = copies
     assert first.moved == 80 * MB and first.to_host_ms == pytest.approx((1.0, 1 + 80 / 45))
     assert second.moved == 20 * MB  # 55 MB of time left: the 60 MB residual does not fit
@@ -43,7 +45,7 @@ def test_a_copy_frees_the_peak_only_if_the_blocks_after_it_keep_what_is_still_in
     # so the peak would fall by 10 MB, not 120 (docs/design.md, "Copies that hide"). It
     # stays; blocks 1 and 2 move their 10 MB, each done while the blocks after keep as much.
     copies = hidden_copies(
-        [1] * 4, [2] * 4, [[120 * MB], [10 * MB], [10 * MB], [10 * MB]], (50, 50)
+        [1] * 4, [2] * 4, [[120 * MB], [10 * MB], [10 * MB], [10 * MB]], (50, 50), link_share=0.9
     )
     assert [c and (c.moved // MB, c.window) for c in copies] == [None, (10, 2), (10, 2), None]
 
@@ -51,7 +53,8 @@ def test_a_copy_frees_the_peak_only_if_the_blocks_after_it_keep_what_is_still_in
 def test_a_residual_over_what_the_link_can_carry_in_time_stays_and_crumbs_do_not_move():
     # 400 MB takes 8.9 ms; 3 ms of forward pass follow block 0. Only the 4 KB beside it fit,
     # under 5% of the block's residuals: nothing moves.
-    assert hidden_copies([1] * 4, [2] * 4, [[400 * MB, 4000]] * 4, (50, 50)) == [None] * 4
+    copies = hidden_copies([1] * 4, [2] * 4, [[400 * MB, 4000]] * 4, (50, 50), link_share=0.9)
+    assert copies == [None] * 4
     with pytest.raises(ValueError, match="one entry per block"):
         hidden_copies([1, 1], [2], [[1], [1]], (50, 50))
     with pytest.raises(ValueError, match="link must be two positive speeds"):
