@@ -17,6 +17,7 @@ from helpers import bench_record, stand_in_children
 import jaxoffload
 from jaxoffload import Lean, Offload, Plan
 from jaxoffload.bench import cli, options, planning
+from jaxoffload.bench.catalog import PLANS
 from jaxoffload.bench.child import Children, OutOfMemory
 from jaxoffload.bench.command import memory_cap_env
 from jaxoffload.bench.console import Progress, gradient_flags, records_table, say_notes
@@ -527,6 +528,22 @@ def test_planned_strategy_failures_and_empty_plans_are_reported(tmp_path, capsys
         record = json.loads((tmp_path / failing / "records.json").read_text())[-1]
         assert record["out_of_memory"], failing
         assert record["offloaded_blocks"] == (0 if failing == "measure" else None), failing
+
+
+@pytest.mark.parametrize("strategy", PLANS)
+def test_every_budget_s_plan_records_its_budget_and_the_planner_s_figures(strategy):
+    """'plan-device' is a budget's plan as 'plan' is: its record says its budget, which the
+    table and the envelope read it at, and what the planner compiled and estimated."""
+    planned = jaxoffload.Plan(
+        (("Block_0", jaxoffload.Remat()),), jaxoffload.Lean(), budget_bytes=100,
+        estimated_bytes=90, compiled_bytes=95, estimated_step_ms=2.0,
+    ).to_dict()  # fmt: skip
+    fields = {"model": "flax-resnet18", "batch": 8, "image_size": 32, "dtype": "float32"}
+    workload = Workload(**fields, strategy=strategy, budget=0.5, planned=planned)
+    record = plan_fields(workload)
+    assert record["budget"] == 0.5 and record["budget_bytes"] == 100
+    assert (record["plan_compiled_bytes"], record["plan_estimated_bytes"]) == (95, 90)
+    assert "plan_moved_bytes" not in record
 
 
 def test_offload_hidden_on_a_plain_flax_model_runs_the_link_timeline_s_schedule(monkeypatch):

@@ -24,6 +24,7 @@ from jaxoffload._src.planner.calibration import (
 from jaxoffload._src.planner.costs import (
     block_options,
     cap_sizes,
+    hidden_offloads,
     trace_blocks,
     traced_blocks,
     traced_options,
@@ -480,6 +481,41 @@ def test_hidden_offloads_that_would_move_only_crumbs_are_no_options():
     choices = block_options(crumbs, options, (1.8, 1.8))
     assert not [o for c in choices for o in c if o.strategy.max_bytes is not None]
     assert hidden_choice(choices) is None
+
+
+def test_the_hidden_offloads_are_one_schedule_so_that_no_plan_mixes_two_on_one_link():
+    """Each offloading option's schedule counts on the whole link: mixed in one plan, two
+    would wait on each other. The options get one, the one that moves the most, and the
+    check runs it alone."""
+    options = (Store(), Lean(), Offload(), Offload(recompute=True))
+    residuals = (1_500_000, 400_000, 100_000)
+    blocks = [
+        dataclasses.replace(
+            b,
+            costs={
+                **b.costs,
+                Lean(): dataclasses.replace(b.costs[Lean()], inner_sizes=residuals),
+                Offload(): dataclasses.replace(b.costs[Offload()], host_sizes=residuals),
+                # It moves the block's input alone, and recomputes the rest.
+                Offload(recompute=True): dataclasses.replace(
+                    b.costs[Offload()], host_bytes=900_000, host_sizes=(900_000,)
+                ),
+            },
+        )
+        for b in _blocks(n=4, kept=4_000_000, lean=2_500_000, host=2_000_000)
+    ]
+    link = (1.8, 1.8)
+    alone = [hidden_offloads(blocks, (Store(), o), link) for o in options[2:]]
+    moved = [sum(s.max_bytes for s in schedule if s) for (schedule,) in alone]
+    assert moved[0] > moved[1] > 0  # each would hide some on its own
+    (schedule,) = hidden_offloads(blocks, options, link)
+    assert schedule == alone[0][0]
+    choices = block_options(blocks, options, link)
+    for block, entry in zip(choices, schedule):
+        capped = [o.strategy for o in block if o.strategy.max_bytes is not None]
+        assert capped == ([entry] if entry else [])
+    check = hidden_choice(choices)
+    assert [c if c.max_bytes else None for c in check] == schedule
 
 
 def test_a_capped_offload_costs_what_its_own_trace_moves():

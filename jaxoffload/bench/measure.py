@@ -20,7 +20,7 @@ import jax
 
 import jaxoffload
 from jaxoffload import compiler_options, measure_overlap
-from jaxoffload.bench.catalog import CHOSEN_STRATEGIES
+from jaxoffload.bench.catalog import CHOSEN_STRATEGIES, PLANS
 from jaxoffload.bench.gradients import accumulation_check, compare_gradients
 from jaxoffload.bench.record import Record
 from jaxoffload.bench.step import train_step
@@ -433,8 +433,9 @@ def _step_fields(workload: Workload, times: list[float], loss) -> dict[str, Any]
 
 def plan_fields(workload: Workload) -> dict[str, Any]:
     """The fields of a record that say the plan its workload ran (:attr:`Workload.runs_plan`):
-    its per-block choices and the plan itself; for ``"plan"`` its budget and the planner's
-    figures, for ``"offload-hidden"`` the bytes that its schedule moves; none for others."""
+    its per-block choices and the plan itself; for a budget's plan (``"plan"``,
+    ``"plan-device"``) its budget and the planner's figures, for ``"offload-hidden"`` the bytes
+    that its schedule moves; none for others."""
     if not workload.runs_plan:
         return {}
     planned = workload.block_plan
@@ -445,7 +446,7 @@ def plan_fields(workload: Workload) -> dict[str, Any]:
         "plan_estimated_step_ms": planned.estimated_step_ms,
         "planned": workload.planned,  # the plan itself: it re-applies without planning
     }
-    if workload.strategy != "plan":
+    if workload.strategy not in PLANS:
         # Each block's max_bytes is what hidden_copies has it move, each way.
         moved = sum(s.max_bytes or 0 for s in planned.strategies if s.to_host)
         return {**common, "plan_moved_bytes": moved}

@@ -461,27 +461,25 @@ def _ties_as_equal(options: list[Option], margin: float, untied=frozenset()) -> 
 
 
 def hidden_offloads(blocks, options, link) -> list[list[Strategy | None]]:
-    """Per offloading option, each block's hidden offload of it (``None`` where none hides);
-    none without a link.
-
-    The blocks around a block are costed as plain ones: their own choices are not known yet.
+    """The hidden offloads: one offloading option's schedule (:func:`hidden_copies`), the one
+    that moves the most, as each block's entry (``None`` where nothing hides); none without a
+    link. Each schedule counts on the whole link: two in one plan would wait on each other
+    (design §13). The blocks are costed as plain ones: their choices are not known yet.
     """
     if link is None:
         return []
     forward = [b.cost(Store()).forward_ms for b in blocks]
     backward = [b.cost(Store()).backward_ms for b in blocks]
-    hidden = []
-    for base in options:
-        if not base.to_host:
-            continue
-        copies = hidden_copies(forward, backward, [cap_sizes(b, base) for b in blocks], link)
-        hidden.append(
-            [
-                None if c is None else base.with_cap(c.window, c.moved, c.fetch_window)
-                for c in copies
-            ]
-        )
-    return hidden
+    schedules = [
+        (base, hidden_copies(forward, backward, [cap_sizes(b, base) for b in blocks], link))
+        for base in dict.fromkeys(options)
+        if base.to_host
+    ]
+    moved = [sum(c.moved for c in copies if c) for _, copies in schedules]
+    if not any(moved):
+        return []
+    base, copies = schedules[moved.index(max(moved))]
+    return [[c and base.with_cap(c.window, c.moved, c.fetch_window) for c in copies]]
 
 
 def _option(blocks, i, strategy, link, hidden_ms_per_byte=0.0) -> Option:
