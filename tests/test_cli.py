@@ -46,6 +46,7 @@ REQUIRED = {
         (["--batch", "0"], "batch must be at least 1"),
         (["--image-size", "16"], "image_size must be at least 32"),
         (["--steps", "0"], "--steps must be at least 1"),
+        (["--repeat", "0"], "--repeat must be at least 1"),
         (["--memory-cap", "12"], "--memory-cap needs a GPU"),
         (["--max-batch"], "--max-batch needs a GPU"),
         (["--max-image-size"], "--max-image-size needs a GPU"),
@@ -528,6 +529,47 @@ def test_planned_strategy_failures_and_empty_plans_are_reported(tmp_path, capsys
         record = json.loads((tmp_path / failing / "records.json").read_text())[-1]
         assert record["out_of_memory"], failing
         assert record["offloaded_blocks"] == (0 if failing == "measure" else None), failing
+
+
+def test_repeat_times_every_workload_again_in_alternation_as_it_ran_first(tmp_path, capsys):
+    """--repeat 3: after the first round, which plans, two more rounds time each workload
+    (the plan as planned, nothing else measured), in the same order; each record's step is
+    the median of its processes'. A resumed run gives a record the runs it lacks."""
+    planned = jaxoffload.Plan((("Block_0", jaxoffload.Lean()),)).to_dict()
+    calls, times = [], iter(range(40, 100))
+
+    def measure(w, *, steps, reference, env, **options):
+        calls.append((w.name, w.planned, reference is None, options.get("trace", False)))
+        ms = float(next(times))
+        planning = {"budget": w.budget, "block_costs": w.block_costs}
+        return bench_record(w, step_time_ms=ms, compiled_argument_bytes=1, **planning)
+
+    children = stand_in_children(
+        probe=lambda: {"platform": "cpu", "device_count": 1},
+        plan_budgets=lambda w, budgets, held, env: [{"planned": planned}],
+        measure=measure,
+    )
+    argv = ["bench", "--model", "flax-resnet18", "--strategies", "none,lean", "--budget", "0.5"]
+    out = ["--out", str(tmp_path), "--repeat", "3", "--trace"]
+    cli.main([*argv, *out], children=children)
+    names = ["none", "lean", "plan@0.5"]
+    assert [name for name, *_ in calls] == names * 3
+    assert all(p == planned for name, p, *_ in calls if name == "plan@0.5")
+    # The first round compares gradients and traces; the others time steps alone.
+    assert [(unref, traced) for _, _, unref, traced in calls] == [(False, True)] * 3 + [
+        (True, False)
+    ] * 6
+    records = {r["strategy"]: r for r in json.loads((tmp_path / "records.json").read_text())}
+    assert records["lean"]["step_time_ms_runs"] == [41.0, 44.0, 47.0]
+    assert records["lean"]["step_time_ms"] == 44.0
+    assert records["plan"]["step_time_ms"] == 45.0 and records["plan"]["budget"] == 0.5
+    assert "lean: run 3 47.0 ms; median 44.0 ms a step" in capsys.readouterr().err
+    # Resumed with --repeat 4, each record gets its fourth run, and no more.
+    calls.clear()
+    cli.main([*argv, *out[:2], "--repeat", "4", "--resume"], children=children)
+    assert [name for name, *_ in calls] == names
+    records = {r["strategy"]: r for r in json.loads((tmp_path / "records.json").read_text())}
+    assert len(records["none"]["step_time_ms_runs"]) == 4
 
 
 @pytest.mark.parametrize("strategy", PLANS)

@@ -2,7 +2,7 @@
 
 import jax
 
-from jaxoffload import Lean, Plan, Remat
+from jaxoffload import Lean, Offload, Plan, Remat
 from jaxoffload.bench import precision
 from jaxoffload.bench.record import Record
 from jaxoffload.bench.step import linen_model, train_step
@@ -24,8 +24,8 @@ def _record(strategy, dtype="bfloat16", **fields):
     }
 
 
-def _a_plan() -> dict:
-    """Remat on the first block, Lean on the rest, by the plannable model's block paths."""
+def _a_plan(first) -> dict:
+    """``first`` on the first block, Lean on the rest, by the plannable model's block paths."""
     w = Workload(model=MODEL, batch=2, image_size=SIZE, dtype="float32", strategy="none")
     model = linen_model(w, plannable=True)
     images = train_step(w, abstract=True)[2][0]
@@ -35,7 +35,7 @@ def _a_plan() -> dict:
         key=lambda p: int(p.rsplit("_", 1)[1]),
     )
     return Plan(
-        tuple((p, Remat() if n == 0 else Lean()) for n, p in enumerate(paths)), Lean()
+        tuple((p, first if n == 0 else Lean()) for n, p in enumerate(paths)), Lean()
     ).to_dict()
 
 
@@ -43,13 +43,17 @@ def test_strategies_and_plans_are_checked_against_float32_beside_store():
     records = [
         _record("none"),
         _record("lean"),
-        _record("plan", budget=0.5, planned=_a_plan()),
+        _record("plan", budget=0.5, planned=_a_plan(Remat())),
+        _record("plan-device", budget=0.5, planned=_a_plan(Remat())),
+        # A chosen strategy is checked as it ran, with its record's choice.
+        _record("offload-hidden", planned=_a_plan(Offload(window=2, max_bytes=10**5))),
         _record("grad-accum", micro_batch=2),  # no whole-batch gradient: left out
         {**_record("remat"), "step_time_ms": None, "out_of_memory": True},
     ]
     records[-1].pop("step_time_ms")
     lines = precision.errors_against_float32([Record.from_json(r) for r in records], batch=4)
-    assert [line["strategy"] for line in lines] == ["none", "lean", "plan"]
+    strategies = ["none", "lean", "plan", "plan-device", "offload-hidden"]
+    assert [line["strategy"] for line in lines] == strategies
     store = lines[0]
     assert store["ratio_to_store"] == 1.0 and store["grad_err_f32"] > 1e-4  # bf16 is not exact
     for line in lines:

@@ -81,6 +81,16 @@ def _add_workload_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--dtype", default="float32", choices=DTYPES, help="compute dtype")
     bench.add_argument("--steps", type=int, default=3, help="timed steps per strategy")
     bench.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="time each strategy and plan in N fresh processes: after the first round, which "
+        "plans and measures them all, N - 1 more rounds run each again, in alternation, its "
+        "steps timed and nothing else; step_time_ms is the median of the processes' medians, "
+        "step_time_ms_runs lists them (3 for differences of a few percent)",
+    )
+    bench.add_argument(
         "--strategies",
         default=DEFAULT_STRATEGIES,
         help=f"comma-separated, from: {', '.join(STRATEGY_FLAGS)} (grad-accum and grad-accum-lean need --micro-batch)",

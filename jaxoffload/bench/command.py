@@ -227,19 +227,30 @@ def _measure(
             f"{', '.join(w.name for w in todo) or 'nothing more'}{searching if axes else ''}."
         )
     first_plans = {p: next((w for w in todo if w.strategy == p), None) for p in PLANS}
-    with Progress(console, total=len(todo) + len(searches)) as progress:
+    # Each workload runs --repeat times; a kept record with fewer runs gets those it lacks.
+    done = [len(r.step_time_ms_runs or [1]) for r in kept.values() if r.step_time_ms]
+    more = (args.repeat - 1) * len(todo) + sum(max(0, args.repeat - n) for n in done)
+    total = len(todo) + more + len(searches)
+    with Progress(console, total=total) as progress:
 
-        def on_start(w):
+        def on_start(w, run):
             work = f"compile and {args.steps} steps"
-            if w is first_plans.get(w.strategy):  # its budgets are planned in one process first
+            if run > 1:
+                work = f"run {run} of {args.repeat}: {args.steps} steps"
+            elif w is first_plans.get(w.strategy):  # its budgets are planned in one process first
                 budgets = sum(v.strategy == w.strategy for v in todo)
                 work = f"plan at {budgets} budgets, {work}"
             progress.start(f"{w.name} on {w.model}, batch {w.batch}: {work}")
 
-        def on_record(records):
-            records[-1] = r = records[-1].with_fields(**run_fields(args, command))
+        def on_record(records, i):
+            records[i] = r = records[i].with_fields(**run_fields(args, command))
             write_records(path, records)
-            progress.end(f"{r.name}: {outcome(r)}")
+            runs = r.step_time_ms_runs
+            if runs:  # a further run: what it took, and the median of the runs so far
+                took = "failed" if runs[-1] is None else f"{runs[-1]:.1f} ms"
+                progress.end(f"{r.name}: run {len(runs)} {took}; median {outcome(r)}")
+            else:
+                progress.end(f"{r.name}: {outcome(r)}")
 
         records = measure_all(
             workloads,
@@ -252,6 +263,7 @@ def _measure(
             # A GPU autotunes while compiling, on the device: not in the measured peak.
             compile_first=device["platform"] != "cpu",
             trace=args.trace,
+            repeat=args.repeat,
             children=children,
         )
         if "plan" in searched:

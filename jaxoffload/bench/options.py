@@ -87,6 +87,8 @@ def checked_strategies(args: argparse.Namespace) -> list[str]:
         )
     if args.steps < 1:
         raise BenchError(f"--steps must be at least 1, got {args.steps}")
+    if args.repeat < 1:
+        raise BenchError(f"--repeat must be at least 1, got {args.repeat}")
     if "plan-device" in strategies and not args.budget:
         raise BenchError(
             "'plan-device' plans at each --budget, beside 'plan': give --budget, e.g. 0.5,0.35"

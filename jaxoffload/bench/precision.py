@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxoffload.bench.catalog import PLANS
+from jaxoffload.bench.catalog import CHOSEN_STRATEGIES
 from jaxoffload.bench.gradients import gradient_at, relative_error
 from jaxoffload.bench.measure import device_fields
 from jaxoffload.bench.record import Record
@@ -55,7 +55,7 @@ def _small(record: Record, batch: int) -> Workload | None:
     strategy = record.strategy
     if record.step_time_ms is None or record.micro_batch is not None:
         return None
-    if strategy not in STRATEGIES and strategy not in PLANS:
+    if strategy not in STRATEGIES and strategy not in CHOSEN_STRATEGIES:
         return None
     return Workload(
         model=record.model,
@@ -66,6 +66,7 @@ def _small(record: Record, batch: int) -> Workload | None:
         window=1 if record.window is None else record.window,
         block_names=record.plan,
         budget=record.budget,
+        block_costs=record.block_costs,
         planned=record.planned,
     )
 

@@ -152,6 +152,9 @@ class Record(_Carrying):
     compiled_from_cache: bool | None = None
     step_time_ms: float | None = None
     step_times_ms: list[float] | None = None
+    # With bench --repeat: each process's step_time_ms, the first's first; step_time_ms is
+    # their median (None for a process that failed).
+    step_time_ms_runs: list[float | None] | None = None
     images_per_s: float | None = None
     final_loss: float | None = None
     batch_norm_statistics: str | None = None

@@ -1,26 +1,28 @@
 """A run: workloads measured in turn, each in a process of its own, the reference first.
 
 Records of an earlier run are kept in place of measuring again, by strategy and budget;
-the chosen strategies are chosen in processes of their own first; the transfer bound is
-added to each offloading record once its compute twin is measured.
+the chosen strategies are chosen in processes of their own first; with ``repeat``, every
+workload then runs again in fresh processes, in alternation, round after round; the
+transfer bound is added to each offloading record once its compute twin is measured.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxoffload.bench.catalog import ACCUMULATED_STRATEGIES, COMPUTE_TWIN, PLANS
+from jaxoffload.bench.catalog import ACCUMULATED_STRATEGIES, CHOSEN_STRATEGIES, COMPUTE_TWIN, PLANS
 from jaxoffload.bench.child import Children, OutOfMemory
 from jaxoffload.bench.measure import cache_env
 from jaxoffload.bench.planning import budget_bytes, compute_ms, hidden_budget
 from jaxoffload.bench.record import Record
 from jaxoffload.bench.workload import Workload
 
-__all__ = ["NoPlan", "add_transfer_bounds", "measure_all"]
+__all__ = ["NoPlan", "add_transfer_bounds", "measure_all", "with_run"]
 
 
 def measure_all(
@@ -28,12 +30,13 @@ def measure_all(
     *,
     steps: int = 10,
     env: dict[str, str] | None = None,
-    on_start: Callable[[Workload], None] | None = None,
-    on_record: Callable[[list[Record]], None] | None = None,
+    on_start: Callable[[Workload, int], None] | None = None,
+    on_record: Callable[[list[Record], int], None] | None = None,
     measured: Sequence[Record] = (),
     reference: str | None = None,
     compile_first: bool = False,
     trace: bool = False,
+    repeat: int = 1,
     children: Children | None = None,
 ) -> list[Record]:
     """Measures each workload in its own process, with gradients compared to the first.
@@ -53,9 +56,10 @@ def measure_all(
         accumulates gradients: each checks its own against its step on a whole batch).
       steps: timed steps per workload.
       env: extra environment variables for the child processes.
-      on_start: called with each workload before it starts (for progress).
-      on_record: called with the records so far after each one, so that an
-        interrupted run loses nothing already measured.
+      on_start: called with each workload and its run (1 for the first) before it starts
+        (for progress).
+      on_record: called with the records so far and the index of the one just measured,
+        so that an interrupted run loses nothing already measured.
       measured: records of an earlier run of these workloads, kept in place of
         measuring again the workloads they match (by strategy and budget).
       reference: the ``.npz`` file of the first workload's gradient, which the
@@ -68,6 +72,11 @@ def measure_all(
         step's, not its compile's. Planning compiles into a cache of its own
         (empty when it starts), from which the plans' steps are then loaded.
       trace: trace each workload's step too (:func:`jaxoffload.bench.measure.measure`).
+      repeat: how many processes time each workload's step (:func:`with_run`). After the
+        first round, which plans and measures everything, each further round runs every
+        workload once more, in the same order, as planned in the first, with nothing but its
+        steps timed: variants in alternation, so that a drift of the machine falls on all of
+        them. A kept record with fewer runs gets the runs it lacks.
       children: the child processes (:class:`~jaxoffload.bench.child.Children`), or a
         stand-in for them.
     """
@@ -92,27 +101,52 @@ def measure_all(
             for p, c in planned.items()
         }
         reference = reference or os.path.join(folder, "reference_gradient.npz")
+
+        def cache_of(w: Workload) -> dict[str, str] | None:
+            return planned[w.strategy] if w.strategy in PLANS else cache
+
+        ran = []  # each workload as it ran: chosen strategies with their choice
         for w in workloads:
             record = kept.get((w.strategy, w.budget))
             if record is None:
                 if on_start is not None:
-                    on_start(w)
-                record = _plan_and_measure(
+                    on_start(w, 1)
+                w, record = _plan_and_measure(
                     w,
                     records,
                     budget_plans.get(w.strategy),
                     steps=steps,
                     reference=reference,
                     env=env,
-                    cache=planned[w.strategy] if w.strategy in PLANS else cache,
+                    cache=cache_of(w),
                     trace=trace,
                     children=children,
                 )
+            else:
+                w = _as_recorded(w, record)
             records.append(record)
+            ran.append(w)
             if w is workloads[0] and record.step_time_ms is None:
                 reference = None  # no reference gradient: no errors to report
             if (w.strategy, w.budget) not in kept and on_record is not None:
-                on_record(records)
+                on_record(records, len(records) - 1)
+        fresh = {(w.strategy, w.budget) for w in workloads} - set(kept)
+        for run in range(2, repeat + 1):
+            for i, w in enumerate(ran):
+                if records[i].step_time_ms is None or len(_runs(records[i])) >= run:
+                    continue
+                if on_start is not None:
+                    on_start(w, run)
+                run_env = {**(env or {}), **(cache_of(w) or {})}
+                try:
+                    if cache_of(w) is not None and (w.strategy, w.budget) not in fresh:
+                        children.compile(w, run_env)  # kept: not in this run's cache yet
+                    again = children.measure(w, steps=steps, reference=None, env=run_env)
+                except (OutOfMemory, RuntimeError) as e:
+                    again = _failure_record(w, {"error": str(e) or "out of memory"})
+                records[i] = with_run(records[i], again)
+                if on_record is not None:
+                    on_record(records, i)
     add_transfer_bounds(records)
     return records
 
@@ -128,8 +162,9 @@ def _plan_and_measure(
     cache: dict[str, str] | None,
     trace: bool,
     children: Children,
-) -> Record:
-    """The record of one workload, planned first if its strategy is: measured, or its failure.
+) -> tuple[Workload, Record]:
+    """One workload as it ran (planned first, if its strategy is) and its record: measured,
+    or its failure.
 
     With ``cache`` (a :func:`cache_env`), its step is compiled in a process of its own first.
     """
@@ -147,17 +182,52 @@ def _plan_and_measure(
             **_measure_options(w.strategy),
         )  # fmt: skip
     except OutOfMemory:
-        return _failure_record(w, {"out_of_memory": True})
+        return w, _failure_record(w, {"out_of_memory": True})
     except NoPlan as e:
         # An answer, not a failure: the least that any plan reached, and why.
         no_plan = {"no_plan": e.message, "least_share": e.least_share, "platform": e.platform}
-        return _failure_record(w, {**no_plan, **budget_plans.planning(w)})
+        return w, _failure_record(w, {**no_plan, **budget_plans.planning(w)})
     except RuntimeError as e:
         # One broken strategy must not cost the others' measurements.
-        return _failure_record(w, {"error": str(e)})
+        return w, _failure_record(w, {"error": str(e)})
     if w.strategy in PLANS:
         record = record.with_fields(**budget_plans.planning(w))
-    return record
+    return w, record
+
+
+def with_run(record: Record, again: Record) -> Record:
+    """``record`` with the step of one more process, ``again``: its ``step_time_ms`` the
+    median of every process's (each a median of its steps), listed in ``step_time_ms_runs``,
+    and its images per second from that. A failed run is listed as ``None`` and counts in
+    no median. The other fields stay the first process's.
+
+    Example:
+      >>> r = Record(strategy="lean", batch=8, step_time_ms=40.0)
+      >>> for ms in (42.0, 41.0):
+      ...     r = with_run(r, Record(strategy="lean", step_time_ms=ms))
+      >>> r.step_time_ms, r.step_time_ms_runs
+      (41.0, [40.0, 42.0, 41.0])
+    """
+    runs = [*_runs(record), again.step_time_ms]
+    median = statistics.median(ms for ms in runs if ms is not None)
+    images_per_s = None if record.batch is None else record.batch / median * 1e3
+    return record.with_fields(
+        step_time_ms=median, step_time_ms_runs=runs, images_per_s=images_per_s
+    )
+
+
+def _runs(record: Record) -> list[float | None]:
+    return record.step_time_ms_runs or [record.step_time_ms]
+
+
+def _as_recorded(workload: Workload, record: Record) -> Workload:
+    """A kept record's workload as it ran: a chosen strategy with its record's choice."""
+    if workload.strategy not in CHOSEN_STRATEGIES or record.step_time_ms is None:
+        return workload
+    window = workload.window if record.window is None else record.window
+    return dataclasses.replace(
+        workload, planned=record.planned, block_names=record.plan, window=window
+    )
 
 
 def _measure_options(strategy: str) -> dict[str, bool]:
