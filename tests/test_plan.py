@@ -516,6 +516,10 @@ def test_the_hidden_offloads_are_one_schedule_so_that_no_plan_mixes_two_on_one_l
         assert capped == ([entry] if entry else [])
     check = hidden_choice(choices)
     assert [c if c.max_bytes else None for c in check] == schedule
+    # A capped option that the caller gave is no hidden offload: the check leaves it out.
+    given = Offload(window=2, max_bytes=100_000)
+    with_given = block_options(blocks, (*options, given), link)
+    assert hidden_choice(with_given, (*options, given)) == check
 
 
 def test_a_capped_offload_costs_what_its_own_trace_moves():

@@ -121,13 +121,21 @@ def time_errors(
     return errors, lines, frozenset(untied)
 
 
-def hidden_choice(choices: Sequence[Sequence[Option]]) -> list[Strategy] | None:
-    """Each block's first hidden offload (a capped one), or where it has none, the strategy
-    whose compute the hidden offloads share (their twin on the device: ``Lean()`` for
-    ``Offload()``'s), else its leanest option: the plan that checks the overlap that the
-    hidden offloads assume, and nothing else that moves. ``None`` if no block has one."""
+def hidden_choice(
+    choices: Sequence[Sequence[Option]], given: Sequence[Strategy] = ()
+) -> list[Strategy] | None:
+    """Each block's hidden offload (a capped option that is not one of the ``given``
+    options), or where it has none, the strategy whose compute the hidden offloads share
+    (their twin on the device: ``Lean()`` for ``Offload()``'s), else its leanest option: the
+    plan that checks the overlap that the hidden offloads assume, and nothing else that
+    moves. ``None`` if no block has one."""
     capped = [
-        [o.strategy for o in options if o.strategy.max_bytes is not None] for options in choices
+        [
+            o.strategy
+            for o in options
+            if o.strategy.max_bytes is not None and o.strategy not in given
+        ]
+        for options in choices
     ]
     first = next((c[0] for c in capped if c), None)
     if first is None:

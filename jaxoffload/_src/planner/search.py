@@ -188,7 +188,7 @@ class Planner(CompiledSteps):
         self._put_on_front(self.prior)
         # Every block that has one under a hidden offload is checked before the first round
         # ends (price_hidden); until then, hidden copies cost their link time.
-        choice = hidden_choice(self.choices) if uniform else None
+        choice = hidden_choice(self.choices, self.options) if uniform else None
         self.unpriced = [] if choice is None else [Plan(tuple(zip(self.paths, choice)), Lean())]
         # How little a step keeps: the uniform checks say; at another size, the front's
         # leanest plan and the measured size's least, as the model may misjudge which is
