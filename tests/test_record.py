@@ -3,12 +3,16 @@
 import dataclasses
 import json
 import pathlib
+import sys
 
 import pytest
+from rich.console import Console
 
 from jaxoffload.bench import cli
+from jaxoffload.bench.console import print_table, say_notes
 from jaxoffload.bench.folder import earlier_records
 from jaxoffload.bench.options import BenchError
+from jaxoffload.bench.plots import plot_records, plot_timelines
 from jaxoffload.bench.record import Record, SizeSearch
 
 RESULTS = pathlib.Path(__file__).parents[1] / "benchmarks" / "results"
@@ -57,6 +61,20 @@ def test_the_committed_records_load_and_write_back_as_they_were():
         assert all(r.strategy == d["strategy"] for r, d in zip(records, data))
         # Every key that the bench has written is a field: none is left in `extra`.
         assert [r.extra for r in records if r.framework == "jax"] == [{}] * len(records), path
+
+
+@pytest.mark.parametrize("path", RECORD_FILES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_every_committed_run_prints_and_plots(path, tmp_path, capsys):
+    """A run's table, notes and plots come from its records alone, as ``plot_bench`` and a
+    resumed run read them back: also a record that lacks what later versions write (a
+    ``plan-device`` record without its budget, ``hidden-resnet50-h200``)."""
+    records = [Record.from_json(r) for r in json.loads(path.read_text())]
+    jax_records = [r for r in records if r.framework in ("jax", None)]
+    print_table(jax_records)
+    say_notes(jax_records, Console(file=sys.stderr))
+    plot_records(records, tmp_path / "pareto.png")
+    plot_timelines(records, tmp_path / "timeline.png")
+    assert records[0].strategy in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

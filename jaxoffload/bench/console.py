@@ -298,7 +298,7 @@ def _against_envelope(plan: Record, records: list[Record]) -> str:
     the plan's and the uniform strategies': without them (CPU), nothing is said.
     """
     peak = plan.peak_bytes_in_use
-    if not peak or plan.step_time_ms is None:
+    if not peak or plan.step_time_ms is None or plan.budget_bytes is None:
         return ""
     budget = plan.budget_bytes
     uniform = uniform_points(records, "peak_bytes_in_use")

@@ -38,7 +38,9 @@ def plot_records(records: list[Record], path: pathlib.Path) -> pathlib.Path | No
     # Without a runtime peak (CPU), the compiled temp is the memory reading; the
     # budgets, in the planner's bytes, are then not on the axis.
     key = "peak_bytes_in_use" if all(r.peak_bytes_in_use for r in done) else "compiled_temp_bytes"
-    plans = [r for r in done if r.strategy in PLANS] if key == "peak_bytes_in_use" else []
+    # A plan's budget line, where its record has one (plan-device's did not, before 0.2.0).
+    with_budget = [r for r in done if r.strategy in PLANS and r.budget_bytes is not None]
+    plans = with_budget if key == "peak_bytes_in_use" else []
     memories = [getattr(r, key) for r in done] + [r.budget_bytes for r in plans]
     unit, scale = ("GiB", 2**30) if max(memories) >= 2**30 else ("MiB", 2**20)
     points = [(r.step_time_ms, getattr(r, key) / scale) for r in done]
