@@ -489,6 +489,25 @@ def _producer(eqn) -> str:
     return eqn.primitive.name
 
 
+@pytest.mark.parametrize("strategy", [Remat(), Remat(jax.checkpoint_policies.dots_saveable)])
+def test_a_remat_block_recomputes_once_its_cotangent_arrives(strategy):
+    """A recomputation needs only the block's saved input, so XLA's latency-hiding scheduler
+    may start it early, to run under a host copy, and hold every block's recomputed values at
+    once (design §13). Remat() ties its saved values to the cotangent, as an offload that
+    recomputes does; under forward mode it is jax.checkpoint itself (test_composition)."""
+    g = wrap(lambda w, x: jnp.tanh(jnp.tanh(x @ w) @ w), strategy, device_argnums=0)
+    w, x = normal(0, (8, 8)) / 3, normal(1, (4, 8))
+    loss = lambda f: lambda w, x: jnp.sum(f(w, x) ** 2)  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.grad(loss(g), argnums=(0, 1)))(w, x).jaxpr
+    operands = _barrier_operands(jaxpr)
+    # The saved values (jaxpr inputs here) cross a barrier beside values that the step
+    # computes, the cotangent among them; under jax.checkpoint alone no barrier is traced.
+    assert "input" in operands and set(operands) - {"input"}, operands
+    got = jax.jit(jax.grad(loss(g), argnums=(0, 1)))(w, x)
+    plain = jax.jit(jax.grad(loss(lambda w, x: jnp.tanh(jnp.tanh(x @ w) @ w)), argnums=(0, 1)))
+    assert rel_err(got, plain(w, x)) <= 1e-6
+
+
 def test_windows_give_plain_gradients_mixed_with_lean_calls():
     kept = wrap(lambda w, x: jnp.tanh(x @ w), Lean(), device_argnums=0)
     ws = [normal(i, (8, 8)) / 3 for i in range(6)]

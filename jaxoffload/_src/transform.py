@@ -235,10 +235,15 @@ def _wrapped_call(fun, strategy, argnums: Argnums, args: tuple, kwargs: dict, ch
         return jax.tree.unflatten(traced.out_tree, flat)
     strategy = resolved(strategy, traced)
     remat = None if strategy.to_host else strategy.checkpointed(traced.replay)
-    if remat is not None:
-        # Nothing moves, and a checkpoint policy picks the residuals: jax.checkpoint itself.
+    if remat is not None and _in_forward_mode((traced.dynamic, traced.kwargs)):
+        # jax.checkpoint itself, which forward mode differentiates; a custom_vjp cannot.
         return remat(traced.dynamic, traced.kwargs)
     return _custom_call(traced, strategy, fun)
+
+
+def _in_forward_mode(operands) -> bool:
+    """Whether jax differentiates ``operands`` in forward mode (``jvp``, ``jacfwd``)."""
+    return any(type(leaf).__name__ == "JVPTracer" for leaf in jax.tree.leaves(operands))
 
 
 def resolved(strategy: Strategy, traced: TracedCall) -> Strategy:
@@ -385,7 +390,7 @@ def _custom_call(traced: TracedCall, strategy: Strategy, fun) -> Any:
     run.defvjp(run_fwd, run_bwd)
     operands = traced.dynamic, traced.kwargs, gates
     # jax.jvp of a custom_vjp: under jit, jax would say so only when lowering, in its words.
-    if any(type(leaf).__name__ == "JVPTracer" for leaf in jax.tree.leaves(operands)):
+    if _in_forward_mode(operands):
         raise _forward_mode_error(fun, strategy)
     try:
         out, token, fetch_token = run(*operands)
