@@ -43,10 +43,6 @@ KEPT_EDGES = "kept edges"  # activations between blocks, kept for the backward p
 EDGES = "edges"  # the running block's input and output
 IN_FLIGHT = "in flight"  # device copies of residuals on their way to or from the host
 RECOMPUTED = "recomputed"  # what a backward pass recomputes and holds at once
-# What a recomputing block would recompute, kept from the forward pass where the plan moves
-# bytes: one hidden offload among blocks under Remat() compiles as if those blocks stored
-# part of their residuals (docs/design.md, "Memory is a peak over time", and its record).
-RECOMPUTED_KEPT = "recomputed, kept"
 
 # A category's weight where no compiled step says it: traced residuals are not XLA's
 # buffers, and a compiled step holds a fraction of them (docs/design.md, "Memory is a peak
@@ -98,10 +94,8 @@ def live_bytes(blocks: Sequence[BlockCosts], choice: Sequence[Strategy]) -> list
     blocks before it hold theirs. An activation between two blocks counts
     once, if either keeps it. With an ``Offload`` window ``w``, a block's
     device copies live until ``w - 1`` blocks later, and its fetched
-    residuals from the backward pass of the block ``w - 1`` later. In a plan
-    that moves bytes, what the blocks that recompute would recompute is also
-    counted as kept, in a category of its own. What the rest of the step
-    holds (parameters, gradients, the stem) is not here.
+    residuals from the backward pass of the block ``w - 1`` later. What the
+    rest of the step holds (parameters, gradients, the stem) is not here.
     """
     costs = [b.cost(s) for b, s in zip(blocks, choice)]
     kinds = [category(s) for s in choice]
@@ -112,14 +106,9 @@ def live_bytes(blocks: Sequence[BlockCosts], choice: Sequence[Strategy]) -> list
         first = max(0, i - max(windows) + 1)
         return sum(host[j] for j in range(first, i) if j + windows[j] > i)
 
-    moves = any(s.to_host for s in choice)
-
     def kept(k: int, c: BlockCost) -> dict[str, int]:
         boundary = c.input_bytes > 0 or (k > 0 and costs[k - 1].output_bytes > 0)
-        held = {kinds[k]: c.device_bytes, KEPT_EDGES: blocks[k].input_bytes if boundary else 0}
-        if moves and not choice[k].to_host:
-            held[RECOMPUTED_KEPT] = c.recompute_bytes
-        return held
+        return {kinds[k]: c.device_bytes, KEPT_EDGES: blocks[k].input_bytes if boundary else 0}
 
     def plus(*parts: Mapping[str, int], minus: Mapping[str, int] | None = None) -> dict[str, int]:
         total: dict[str, int] = {}
@@ -147,11 +136,8 @@ def live_bytes(blocks: Sequence[BlockCosts], choice: Sequence[Strategy]) -> list
 
 def estimate_peak_bytes(blocks: Sequence[BlockCosts], choice: Sequence[Strategy]) -> int:
     """The most device bytes that the blocks' residuals and work hold at once, over the step,
-    every byte as traced (:func:`live_bytes`, unweighed, without what a moving plan's
-    recomputing blocks may keep, which only compiled steps tell)."""
-    points = live_bytes(blocks, choice)
-    traced = (sum(n for k, n in p.items() if k != RECOMPUTED_KEPT) for p in points)
-    return max(traced, default=0)
+    every byte as traced (:func:`live_bytes`, unweighed)."""
+    return max((sum(p.values()) for p in live_bytes(blocks, choice)), default=0)
 
 
 def kept_bytes(cost: BlockCost, strategy: Strategy, model: PeakModel) -> float:
