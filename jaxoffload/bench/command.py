@@ -42,7 +42,7 @@ from jaxoffload.bench.measure import spatial_fields
 from jaxoffload.bench.options import SIZE_SEARCHES, BenchError, workload_fields
 from jaxoffload.bench.plots import plot_records, plot_sizes, plot_timelines
 from jaxoffload.bench.record import Record
-from jaxoffload.bench.run import measure_all
+from jaxoffload.bench.run import measure_all, timed_runs
 from jaxoffload.bench.workload import STRATEGIES, Workload
 
 __all__ = ["bench", "memory_cap_env"]
@@ -228,7 +228,7 @@ def _measure(
         )
     first_plans = {p: next((w for w in todo if w.strategy == p), None) for p in PLANS}
     # Each workload runs --repeat times; a kept record with fewer runs gets those it lacks.
-    done = [len(r.step_time_ms_runs or [1]) for r in kept.values() if r.step_time_ms]
+    done = [n for r in kept.values() if (n := timed_runs(r))]
     more = (args.repeat - 1) * len(todo) + sum(max(0, args.repeat - n) for n in done)
     total = len(todo) + more + len(searches)
     with Progress(console, total=total) as progress:

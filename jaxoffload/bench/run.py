@@ -22,7 +22,7 @@ from jaxoffload.bench.planning import budget_bytes, compute_ms, hidden_budget
 from jaxoffload.bench.record import Record
 from jaxoffload.bench.workload import Workload
 
-__all__ = ["NoPlan", "add_transfer_bounds", "measure_all", "with_run"]
+__all__ = ["NoPlan", "add_transfer_bounds", "measure_all", "timed_runs", "with_run"]
 
 
 def measure_all(
@@ -133,7 +133,7 @@ def measure_all(
         fresh = {(w.strategy, w.budget) for w in workloads} - set(kept)
         for run in range(2, repeat + 1):
             for i, w in enumerate(ran):
-                if records[i].step_time_ms is None or len(_runs(records[i])) >= run:
+                if not 0 < timed_runs(records[i]) < run:
                     continue
                 if on_start is not None:
                     on_start(w, run)
@@ -208,7 +208,7 @@ def with_run(record: Record, again: Record) -> Record:
       >>> r.step_time_ms, r.step_time_ms_runs
       (41.0, [40.0, 42.0, 41.0])
     """
-    runs = [*_runs(record), again.step_time_ms]
+    runs = [*(record.step_time_ms_runs or [record.step_time_ms]), again.step_time_ms]
     median = statistics.median(ms for ms in runs if ms is not None)
     images_per_s = None if record.batch is None else record.batch / median * 1e3
     return record.with_fields(
@@ -216,8 +216,11 @@ def with_run(record: Record, again: Record) -> Record:
     )
 
 
-def _runs(record: Record) -> list[float | None]:
-    return record.step_time_ms_runs or [record.step_time_ms]
+def timed_runs(record: Record) -> int:
+    """How many processes have timed a record's step (:func:`with_run`); 0 if it failed."""
+    if record.step_time_ms is None:
+        return 0
+    return len(record.step_time_ms_runs or [record.step_time_ms])
 
 
 def _as_recorded(workload: Workload, record: Record) -> Workload:
