@@ -234,10 +234,11 @@ def _wrapped_call(fun, strategy, argnums: Argnums, args: tuple, kwargs: dict, ch
         flat = _run_regions(traced, strategy)
         return jax.tree.unflatten(traced.out_tree, flat)
     strategy = resolved(strategy, traced)
-    remat = None if strategy.to_host else strategy.checkpointed(traced.replay)
-    if remat is not None and _in_forward_mode((traced.dynamic, traced.kwargs)):
-        # jax.checkpoint itself, which forward mode differentiates; a custom_vjp cannot.
-        return remat(traced.dynamic, traced.kwargs)
+    if not strategy.to_host and _in_forward_mode((traced.dynamic, traced.kwargs)):
+        remat = strategy.checkpointed(traced.replay)
+        if remat is not None:
+            # jax.checkpoint itself, which forward mode differentiates; a custom_vjp cannot.
+            return remat(traced.dynamic, traced.kwargs)
     return _custom_call(traced, strategy, fun)
 
 

@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
+from jaxoffload._src.report import device_bytes_of
 
 __all__ = [
     "ASYNC_IN_FLIGHT",
@@ -150,18 +150,10 @@ def _profile(copies: list[tuple[str, str, str, bool]], link_gbps: float) -> str:
     _check_link(link_gbps)
     alone = {}  # name -> (µs on the link, is_fetch)
     for name, dtype, dims, is_fetch in copies:
-        size = int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
-        alone[name] = size * _itemsize(dtype) / (link_gbps * 1e3) + _COPY_OVERHEAD_US, is_fetch
+        size = device_bytes_of(f"{dtype}[{dims}]")
+        alone[name] = size / (link_gbps * 1e3) + _COPY_OVERHEAD_US, is_fetch
     queue = sum(us for us, is_fetch in alone.values() if is_fetch)
     return "\n".join(
         f'costs {{ name: "{name}" cost_us: {queue if is_fetch else us:.3f} }}'
         for name, (us, is_fetch) in sorted(alone.items())
     )
-
-
-def _itemsize(hlo_type: str) -> int:
-    """Bytes per element of an HLO element type (``bf16``, ``f32``, ``pred``, ``s8``...)."""
-    if hlo_type == "pred":
-        return 1
-    bits = re.search(r"\d+", hlo_type)
-    return max(1, int(bits.group()) // 8) if bits else 4
