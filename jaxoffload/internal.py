@@ -25,6 +25,9 @@ from jaxoffload._src.planner import Planner as Planner
 from jaxoffload._src.planner import default_options as default_options
 
 # What blocks cost, and the copies that the host link carries while they compute.
+from jaxoffload._src.planner.costs import BlockCost as BlockCost
+from jaxoffload._src.planner.costs import BlockCosts as BlockCosts
+from jaxoffload._src.planner.costs import cap_key as cap_key
 from jaxoffload._src.planner.costs import cap_sizes as cap_sizes
 from jaxoffload._src.planner.costs import cost_blocks as cost_blocks
 from jaxoffload._src.planner.costs import step_flops as step_flops
@@ -34,7 +37,9 @@ from jaxoffload._src.planner.costs import with_traced_caps as with_traced_caps
 from jaxoffload._src.planner.hiding import copy_timeline as copy_timeline
 from jaxoffload._src.planner.hiding import hidden_copies as hidden_copies
 from jaxoffload._src.planner.messages import summary as summary
+from jaxoffload._src.planner.peak import calibrate_peak as calibrate_peak
 from jaxoffload._src.planner.peak import compiled_points as compiled_points
+from jaxoffload._src.planner.peak import live_bytes as live_bytes
 from jaxoffload._src.planner.program import device_bytes as device_bytes
 from jaxoffload._src.planner.program import discover as discover
 from jaxoffload._src.planner.program import lower_step as lower_step
@@ -66,9 +71,13 @@ from jaxoffload._src.xla_options import host_copies as host_copies
 from jaxoffload._src.xla_options import with_copy_costs as with_copy_costs
 
 __all__ = [
+    "BlockCost",
+    "BlockCosts",
     "Planner",
     "analyze",
     "brief",
+    "calibrate_peak",
+    "cap_key",
     "cap_sizes",
     "compile_all",
     "compiled_points",
@@ -81,6 +90,7 @@ __all__ = [
     "equations",
     "hidden_copies",
     "host_copies",
+    "live_bytes",
     "lower_step",
     "max_pool",
     "measure_link",

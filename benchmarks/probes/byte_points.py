@@ -6,9 +6,9 @@ Builds the planner of the bench's plain-Flax MODEL (traced block costs), then
 compiles PLANS plans it would not propose by itself: random mixes of Store,
 Lean, Remat and the blocks' hidden offloads, and runs of Remat from the first
 or the last block. Writes OUT/points-MODEL-bBATCH-IMAGE_SIZE.json: every
-block's costs under each option (its residual, edge, host and recomputed
-bytes, as :mod:`jaxoffload._src.planner.costs` traces them), and every plan
-compiled, with its strategies (as ``brief`` writes them) and compiled bytes.
+block's bytes under each strategy, as :mod:`jaxoffload._src.planner.costs` traces
+them, and every plan compiled, with its strategies (as ``brief`` writes them) and
+compiled bytes (``jaxoffload.internal.compiled_points``; ``peak_loo.py`` reads it).
 Compile-only apart from the planner's own few timed steps. A GPU tool, not a test.
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 from jaxoffload import Lean, Plan, Remat, Store
 from jaxoffload.bench.planning import planner_of
 from jaxoffload.bench.workload import Workload
-from jaxoffload.internal import brief
+from jaxoffload.internal import compiled_points
 
 model, batch, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 count, seed = int(os.environ.get("PLANS", 40)), int(os.environ.get("SEED", 0))
@@ -63,36 +63,9 @@ plans = list(dict.fromkeys(plans))[:count]
 
 
 def write():
-    blocks = [
-        {
-            "path": blk.path,
-            "edges": [blk.input_bytes, blk.output_bytes],
-            "costs": {
-                brief(s): {
-                    "device": c.device_bytes,
-                    "input": c.input_bytes,
-                    "output": c.output_bytes,
-                    "host": c.host_bytes,
-                    "recompute": c.recompute_bytes,
-                    "ms": c.forward_ms + c.backward_ms,
-                }
-                for s, c in ((s, blk.cost(s)) for s in [*blk.costs, *hidden[i]])
-            },
-        }
-        for i, blk in enumerate(P.blocks)
-    ]
-    compiled = [
-        {
-            "strategies": [brief(s) for s in c.strategies],
-            "outside": brief(c.outside),
-            "compiled_bytes": got,
-            "step_ms": P.measured_ms.get(c),
-        }
-        for c, got in P.compiled.items()
-    ]
-    path = os.path.join(os.environ["OUT"], f"points-{model}-b{batch}-{size}.json")
-    with open(path, "w") as f:
-        json.dump({"model": model, "batch": batch, "blocks": blocks, "plans": compiled}, f)
+    points = {"model": model, "batch": batch, **compiled_points(P)}
+    with open(os.path.join(os.environ["OUT"], f"points-{model}-b{batch}-{size}.json"), "w") as f:
+        json.dump(points, f)
 
 
 write()

@@ -1,7 +1,7 @@
 """Compile for the H200 on a machine without one: compile-only probes, from a CPU.
 
     python benchmarks/probes/deviceless.py run PROBE.py [ARGS ...]
-    python benchmarks/probes/deviceless.py plan MODEL BATCH SHARES [--offload]
+    python benchmarks/probes/deviceless.py plan MODEL BATCH SHARES [--offload] [--points FILE]
     python benchmarks/probes/deviceless.py kernels A.hlo [B.hlo] [--by-op]
 
 XLA:GPU compiles without a GPU from a description of one (``jax.experimental.topologies``
@@ -17,7 +17,9 @@ on the bench's plain-Flax MODEL at BATCH (224², bf16, the state donated, block 
 traced), with a stand-in clock (:func:`stand_in_ms`) where the planner times steps and a
 52 GB/s link: its compiled bytes and byte estimates are the H200's compiler's, its times and
 so its choices are not. One JSON line a budget (the plan, its compiled and estimated bytes);
-the progress and every plan compiled go to stderr.
+the progress and every plan compiled go to stderr, and with ``--points`` every plan compiled
+and the blocks' traced bytes to FILE (``jaxoffload.internal.compiled_points``), for
+``peak_loo.py``.
 
 ``kernels`` reads HLO text that ``compile_probe.py --hlo`` kept (the scheduled program): the
 bytes each kernel of the entry computation reads and writes, by kind of kernel, and with B,
@@ -175,11 +177,11 @@ def stand_in_ms(flops: float, text: str) -> float:
     return 1e3 * (flops / 400e12 + moved / 3e12 + sum(copied) / 52e9) + 3e-3 * len(ks)
 
 
-def plan(model_name, batch, shares, offload):
+def plan(model_name, batch, shares, offload, points=None):
     from jaxoffload import Lean, NoPlanFits, Offload, Remat, Store
     from jaxoffload.bench.planning import planning_inputs
     from jaxoffload.bench.workload import Workload
-    from jaxoffload.internal import Planner, step_flops, summary
+    from jaxoffload.internal import Planner, compiled_points, step_flops, summary
 
     class DevicelessPlanner(Planner):
         flops: dict = {}  # each plan's traced FLOPs; on the class: __init__ traces steps first
@@ -230,6 +232,13 @@ def plan(model_name, batch, shares, offload):
         print(json.dumps(line), flush=True)
     for c, got in planner.compiled.items():
         say(f"compiled {got:,} B: {summary(c.strategies)}, outside {type(c.outside).__name__}")
+    if points:
+        with open(points, "w") as f:
+            commit = os.environ.get("JAXOFFLOAD_COMMIT")
+            json.dump(
+                {"model": model_name, "batch": batch, "commit": commit, **compiled_points(planner)},
+                f,
+            )
 
 
 def main():
@@ -243,6 +252,9 @@ def main():
     planning.add_argument("batch", type=int)
     planning.add_argument("shares", type=lambda s: [float(x) for x in s.split(",")])
     planning.add_argument("--offload", action="store_true", help="offload among the options")
+    planning.add_argument(
+        "--points", metavar="FILE", help="write every plan compiled here (peak_loo.py reads it)"
+    )
     reading = sub.add_parser("kernels", help="bytes by kernel of compiled HLO text")
     reading.add_argument("a")
     reading.add_argument("b", nargs="?")
@@ -252,7 +264,7 @@ def main():
         return print_kernels(args.a, args.b, args.by_op)
     print(f"compiling for {use_h200().device_kind}, without a device", file=sys.stderr)
     if args.command == "plan":
-        return plan(args.model, args.batch, args.shares, args.offload)
+        return plan(args.model, args.batch, args.shares, args.offload, args.points)
     sys.argv = [args.probe, *args.args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(args.probe)))
     runpy.run_path(args.probe, run_name="__main__")

@@ -11,7 +11,10 @@ far (docs/design.md, "Memory is a peak over time"). So :func:`live_bytes`
 walks the two passes and says, at each point, what is alive by category, and
 :class:`PeakModel` weighs the categories by what compiled steps measured
 (:func:`calibrate_peak`): traced residuals are not XLA's buffers, which fuses some
-away and adds its own.
+away and adds its own. The activations between blocks and the running block's input
+and output are whole arrays, which a compiled step holds as traced: their weight is 1,
+not calibrated, since every uniform plan holds nearly the same of them and a fit could
+not tell them from the rest of the step.
 A weight is told only by plans that hold its category at their peak; uniform
 plans each hold their own kind alone, so :func:`mixed_checks` gives the plans
 that tell each kind's weight beside another's.
@@ -40,14 +43,22 @@ __all__ = [
 
 # The categories of bytes that are not a block's residuals.
 KEPT_EDGES = "kept edges"  # activations between blocks, kept for the backward pass
-EDGES = "edges"  # the running block's input and output
+EDGES = "edges"  # the running block's input and output, in the forward pass
 IN_FLIGHT = "in flight"  # device copies of residuals on their way to or from the host
 RECOMPUTED = "recomputed"  # what a backward pass recomputes and holds at once
+# What a block's backward pass holds besides its residuals, counted by its input and output:
+# their cotangents, and what its cut recomputes, which fusion shrinks or grows.
+BACKWARD = "backward work"
+# Whole arrays, held as traced (see the module's docstring).
+WHOLE = {KEPT_EDGES: 1.0, EDGES: 1.0}
 
 # A category's weight where no compiled step says it: traced residuals are not XLA's
 # buffers, and a compiled step holds a fraction of them (docs/design.md, "Memory is a peak
 # over time").
 PRIOR_WEIGHT = 0.5
+# Copies in flight are whole arrays too, but the scheduler decides how long each is held:
+# their weight is calibrated, from 1.
+PRIORS = {IN_FLIGHT: 1.0}
 # How strongly the weights are pulled to PRIOR_WEIGHT, and the bytes of a stored outside to
 # 0, against the compiled plans' squared errors in units of the plain step's bytes: only as
 # far as the plans need for an answer, so that a weight no plan tells apart keeps the prior.
@@ -129,7 +140,7 @@ def live_bytes(blocks: Sequence[BlockCosts], choice: Sequence[Strategy]) -> list
     for i in reversed(range(len(costs))):
         c, edges = costs[i], blocks[i].input_bytes + blocks[i].output_bytes
         live = plus(live, minus=kept(i, c))
-        work = {IN_FLIGHT: host[i] + in_flight(i), RECOMPUTED: c.recompute_bytes, EDGES: edges}
+        work = {IN_FLIGHT: host[i] + in_flight(i), RECOMPUTED: c.recompute_bytes, BACKWARD: edges}
         points.append(plus(live, kept(i, c), work))
     return points
 
@@ -167,8 +178,8 @@ class PeakModel:
         return int(self.rest + peak + self.stored_outside * outside_stores)
 
     def weight(self, name: str) -> float:
-        """A category's weight: as calibrated, or :data:`PRIOR_WEIGHT` where none was."""
-        return self.weights.get(name, PRIOR_WEIGHT)
+        """A category's weight: as calibrated, 1 for whole arrays, or its prior."""
+        return self.weights.get(name, WHOLE.get(name, PRIORS.get(name, PRIOR_WEIGHT)))
 
     def weighed(self, point: Mapping[str, int], leave_out: Sequence[str] = ()) -> float:
         """The bytes alive at one point, each category by its weight (but ``leave_out``)."""
@@ -206,9 +217,11 @@ def calibrate_peak(
     def seen(plans) -> set[str]:
         return {name for live, *_ in plans for point in live for name, n in point.items() if n}
 
-    model = PeakModel(0.0, {}, 0.0, scale)
-    model = _least_squares(staying, scale, sorted(seen(staying)), model, with_rest=True)
-    only_moving = seen(points) - seen(staying)
+    model = PeakModel(0.0, dict(WHOLE), 0.0, scale)
+    model = _least_squares(
+        staying, scale, sorted(seen(staying) - set(WHOLE)), model, with_rest=True
+    )
+    only_moving = seen(points) - seen(staying) - set(WHOLE)
     if only_moving:
         model = _least_squares(points, scale, sorted(only_moving), model, with_rest=False)
     return model
@@ -224,7 +237,7 @@ def _least_squares(points, scale: float, free: Sequence[str], start: PeakModel, 
 
     first = 2 if with_rest else 0  # the columns of the rest and of a stored outside
     pulls = [(1, 0.0)] if with_rest else []
-    pulls += [(first + j, PRIOR_WEIGHT) for j in range(len(free))]
+    pulls += [(first + j, PRIORS.get(name, PRIOR_WEIGHT)) for j, name in enumerate(free)]
     model, best = start, start
     for _ in range(CALIBRATION_ROUNDS):
         rows, ys = [], []
@@ -264,16 +277,35 @@ def compiled_points(planner) -> dict:
     """Every plan that ``planner`` compiled so far, with what its model said of it: to
     calibrate other models of compiled bytes by, offline, and to see where planning's time went.
 
-    ``blocks``: per block, each option's kept bytes (its device residuals and inputs, as
-    traced); ``plans``: per compiled plan, its blocks' strategies and the code outside them
-    (as :func:`~jaxoffload._src.strategies.brief` writes them), its compiled bytes, the
-    model's prediction from the other plans, the uncalibrated peak model, its compile in
-    seconds, and its step in ms where it was timed.
+    ``blocks``: per block, its path, its input and output bytes (``edges``), and under each
+    option and each strategy it takes in a compiled plan, its bytes as traced (``device``,
+    ``input``, ``output``, ``host``, ``recompute``: the fields of
+    :class:`~jaxoffload._src.planner.costs.BlockCost`), from which :func:`live_bytes` can be
+    worked out again; ``plans``: per compiled plan, its blocks' strategies and the code
+    outside them (as :func:`~jaxoffload._src.strategies.brief` writes them), its compiled
+    bytes, the model's prediction from the other plans, the uncalibrated peak model, its
+    compile in seconds, and its step in ms where it was timed.
     """
-    blocks = [
-        {brief(s): c.device_bytes + c.input_bytes for s, c in b.costs.items()}
-        for b in planner.blocks
-    ]
+    blocks = []
+    for i, b in enumerate(planner.blocks):
+        taken = [c.strategies[i] for c in planner.compiled]
+        costs = {s: b.cost(s) for s in dict.fromkeys([*b.costs, *taken])}
+        blocks.append(
+            {
+                "path": b.path,
+                "edges": [b.input_bytes, b.output_bytes],
+                "costs": {
+                    brief(s): {
+                        "device": c.device_bytes,
+                        "input": c.input_bytes,
+                        "output": c.output_bytes,
+                        "host": c.host_bytes,
+                        "recompute": c.recompute_bytes,
+                    }
+                    for s, c in costs.items()
+                },
+            }
+        )
     plans = [
         {
             "strategies": [brief(s) for s in c.strategies],
