@@ -3,6 +3,7 @@
 import threading
 import types
 
+import jaxoffload
 from jaxoffload import Lean, Plan, Store
 from jaxoffload._src.planner.compiled import CompiledSteps
 
@@ -13,7 +14,8 @@ class _Lowered:
     def __init__(self, name, events, wait=None):
         self.name, self.events, self.wait = name, events, wait
 
-    def compile(self):
+    def compile(self, options=None):
+        self.options = options
         if self.wait is not None:
             self.wait.wait(timeout=5)
         self.events.append(self.name)
@@ -27,9 +29,10 @@ def test_each_plan_compiles_once_those_lowered_already_first():
     steps.executables, steps.lowered, steps.measured_ms = {}, {}, {}
     plans = [Plan((("Block_0", s),), Lean()) for s in (Store(), Lean(max_recompute=0.5), Lean())]
     steps._lowered_step = lambda plan: _Lowered(f"traced {plans.index(plan)}", events)
-    steps.lowered[plans[2]] = _Lowered("lowered 2", events)
+    lowered = steps.lowered[plans[2]] = _Lowered("lowered 2", events)
     steps.compile([plans[0], plans[1], plans[2], plans[0]])
     assert events[0] == "lowered 2" and sorted(events[1:]) == ["traced 0", "traced 1"]
+    assert lowered.options == jaxoffload.compiler_options()  # as a training loop compiles it
     assert steps.compiled == dict.fromkeys(plans, 11) and set(steps.compile_s) == set(plans)
     assert not steps.lowered and said[0].startswith("compiled 3 in ")
     steps.compile(plans)  # compiled already: nothing to do, nothing said
@@ -80,7 +83,7 @@ def test_what_compiles_in_the_background_is_kept_only_by_a_compile_that_waits_fo
 
 
 class _Failing(_Lowered):
-    def compile(self):
+    def compile(self, options=None):
         raise RuntimeError("no room")
 
 

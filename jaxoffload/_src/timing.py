@@ -179,12 +179,15 @@ def compile_all(lowered: Iterable[Any], *, parallel: bool = True) -> list[Any]:
     return [executable for executable, _ in compile_timed(lowered, parallel=parallel)]
 
 
-def compile_timed(lowered: Iterable[Any], *, parallel: bool = True) -> list[tuple[Any, float]]:
-    """:func:`compile_all`, each executable with the seconds that its own compile took."""
+def compile_timed(
+    lowered: Iterable[Any], *, parallel: bool = True, options: dict[str, Any] | None = None
+) -> list[tuple[Any, float]]:
+    """:func:`compile_all`, each executable with the seconds that its own compile took;
+    ``options``, XLA's compiler options for each."""
 
     def timed(x):
         start = time.perf_counter()
-        return x.compile(), time.perf_counter() - start
+        return x.compile(options), time.perf_counter() - start
 
     if not parallel:
         return [timed(x) for x in lowered]

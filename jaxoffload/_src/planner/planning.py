@@ -2,8 +2,9 @@
 
 :func:`plan` checks what it is given, and runs a
 :class:`~jaxoffload._src.planner.search.Planner` over the model's blocks
-for each budget. Every plan returned was compiled and checked against its
-budget.
+for each budget. Every plan returned was compiled, with
+:func:`~jaxoffload._src.xla_options.compiler_options` as a step that moves bytes should be,
+and checked against its budget.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from jaxoffload._src.planner.apply import Discovery
 from jaxoffload._src.planner.plan import Plan
 from jaxoffload._src.residuals import OffloadedCall
 from jaxoffload._src.strategies import Lean
+from jaxoffload._src.xla_options import compiler_options
 
 __all__ = [
     "check_discovered",
@@ -84,8 +85,9 @@ def lower_step(model, step, args, plan: Plan | None, donate_argnums):
 
 
 def compile_step(model, step, args, plan: Plan | None, donate_argnums):
-    """``step`` under ``plan``, traced, lowered and compiled."""
-    return lower_step(model, step, args, plan, donate_argnums).compile()
+    """``step`` under ``plan``, traced, lowered and compiled, as users compile a step that
+    moves bytes (:func:`~jaxoffload._src.xla_options.compiler_options`)."""
+    return lower_step(model, step, args, plan, donate_argnums).compile(compiler_options())
 
 
 def device_bytes(executable) -> int:
