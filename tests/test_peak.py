@@ -171,8 +171,7 @@ def _is_check(strategies) -> bool:
     """A plan that the planner compiles before its first round: a uniform plan, a half under
     ``Lean()`` and a half under ``Remat()``, or the hidden offloads' check (capped offloads)."""
     kinds = {type(s) for s in strategies if s.max_bytes is None}
-    halves = {type(Lean()), type(Remat())}
-    return len(kinds) == 1 or kinds == halves or any(s.max_bytes for s in strategies)
+    return len(kinds) == 1 or kinds == {Lean, Remat} or any(s.max_bytes for s in strategies)
 
 
 def test_offloaded_inputs_beside_remat_are_estimated_from_the_checks_alone():

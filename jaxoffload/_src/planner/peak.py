@@ -49,17 +49,16 @@ RECOMPUTED = "recomputed"  # what a backward pass recomputes and holds at once
 # What a block's backward pass holds besides its residuals, counted by its input and output:
 # their cotangents, and what its cut recomputes, which fusion shrinks or grows.
 BACKWARD = "backward work"
-# Whole arrays, held as traced (see the module's docstring).
-WHOLE = {KEPT_EDGES: 1.0, EDGES: 1.0}
 
 # A category's weight where no compiled step says it: traced residuals are not XLA's
 # buffers, and a compiled step holds a fraction of them (docs/design.md, "Memory is a peak
-# over time").
+# over time"). Whole arrays are held as traced, at 1: copies in flight too, though the
+# scheduler decides how long each is held, so theirs is calibrated from there.
 PRIOR_WEIGHT = 0.5
-# Copies in flight are whole arrays too, but the scheduler decides how long each is held:
-# their weight is calibrated, from 1.
-PRIORS = {IN_FLIGHT: 1.0}
-# How strongly the weights are pulled to PRIOR_WEIGHT, and the bytes of a stored outside to
+PRIORS = {KEPT_EDGES: 1.0, EDGES: 1.0, IN_FLIGHT: 1.0}
+# The whole arrays whose weight is their prior, not calibrated (see the module's docstring).
+WHOLE = (KEPT_EDGES, EDGES)
+# How strongly the weights are pulled to their priors, and the bytes of a stored outside to
 # 0, against the compiled plans' squared errors in units of the plain step's bytes: only as
 # far as the plans need for an answer, so that a weight no plan tells apart keeps the prior.
 WEIGHT_PULL = 1e-2
@@ -179,7 +178,7 @@ class PeakModel:
 
     def weight(self, name: str) -> float:
         """A category's weight: as calibrated, 1 for whole arrays, or its prior."""
-        return self.weights.get(name, WHOLE.get(name, PRIORS.get(name, PRIOR_WEIGHT)))
+        return self.weights.get(name, _prior(name))
 
     def weighed(self, point: Mapping[str, int], leave_out: Sequence[str] = ()) -> float:
         """The bytes alive at one point, each category by its weight (but ``leave_out``)."""
@@ -217,7 +216,7 @@ def calibrate_peak(
     def seen(plans) -> set[str]:
         return {name for live, *_ in plans for point in live for name, n in point.items() if n}
 
-    model = PeakModel(0.0, dict(WHOLE), 0.0, scale)
+    model = PeakModel(0.0, {name: _prior(name) for name in WHOLE}, 0.0, scale)
     model = _least_squares(
         staying, scale, sorted(seen(staying) - set(WHOLE)), model, with_rest=True
     )
@@ -237,7 +236,7 @@ def _least_squares(points, scale: float, free: Sequence[str], start: PeakModel, 
 
     first = 2 if with_rest else 0  # the columns of the rest and of a stored outside
     pulls = [(1, 0.0)] if with_rest else []
-    pulls += [(first + j, PRIORS.get(name, PRIOR_WEIGHT)) for j, name in enumerate(free)]
+    pulls += [(first + j, _prior(name)) for j, name in enumerate(free)]
     model, best = start, start
     for _ in range(CALIBRATION_ROUNDS):
         rows, ys = [], []
@@ -271,6 +270,11 @@ def _least_squares(points, scale: float, free: Sequence[str], start: PeakModel, 
         if error(model) < error(best):
             best = model
     return best
+
+
+def _prior(name: str) -> float:
+    """A category's weight before any compiled step tells it."""
+    return PRIORS.get(name, PRIOR_WEIGHT)
 
 
 def compiled_points(planner) -> dict:
