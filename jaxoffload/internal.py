@@ -58,6 +58,7 @@ from jaxoffload._src.strategies import brief as brief
 
 # Timing programs on the device, and the host link.
 from jaxoffload._src.timing import compile_all as compile_all
+from jaxoffload._src.timing import link_probe_bytes as link_probe_bytes
 from jaxoffload._src.timing import measure_link as measure_link
 from jaxoffload._src.timing import median_ms as median_ms
 from jaxoffload._src.timing import step_ms as step_ms
@@ -90,6 +91,7 @@ __all__ = [
     "equations",
     "hidden_copies",
     "host_copies",
+    "link_probe_bytes",
     "live_bytes",
     "lower_step",
     "max_pool",

@@ -28,6 +28,7 @@ from jaxoffload.bench.workload import Workload
 from jaxoffload.internal import (
     analyze,
     brief,
+    link_probe_bytes,
     measure_link,
     median_ms,
     read_spatial_gathers,
@@ -346,9 +347,8 @@ def _time_twin(twin, twin_loss, state, batch, *, steps: int):
 def _probe_link(devices) -> dict[str, float]:
     """The host link's bandwidths per device, all the step's devices copying at once
     (:func:`measure_link`), with an array that fits what each has free."""
-    # On CPU the "link" is a memcpy: a smaller array tells as much, sooner.
     # Under a memory cap, the probe must fit in what the step left free.
-    nbytes = 2**30 if devices[0].platform == "gpu" else 2**26
+    nbytes = link_probe_bytes(devices[0])
     for stats in (d.memory_stats() or {} for d in devices):
         if "bytes_limit" in stats:
             nbytes = min(nbytes, (stats["bytes_limit"] - stats["bytes_in_use"]) // 4)
