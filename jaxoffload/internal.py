@@ -61,6 +61,7 @@ from jaxoffload._src.timing import compile_all as compile_all
 from jaxoffload._src.timing import link_probe_bytes as link_probe_bytes
 from jaxoffload._src.timing import measure_link as measure_link
 from jaxoffload._src.timing import median_ms as median_ms
+from jaxoffload._src.timing import slower_link_gbps as slower_link_gbps
 from jaxoffload._src.timing import step_ms as step_ms
 from jaxoffload._src.timing import steps_together as steps_together
 from jaxoffload._src.timing import vjp_programs as vjp_programs
@@ -102,6 +103,7 @@ __all__ = [
     "relu",
     "relu_max_pool",
     "requested_host_transfers",
+    "slower_link_gbps",
     "step_flops",
     "step_ms",
     "steps_together",

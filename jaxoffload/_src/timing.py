@@ -27,6 +27,7 @@ __all__ = [
     "link_probe_bytes",
     "measure_link",
     "median_ms",
+    "slower_link_gbps",
     "step_ms",
     "steps_together",
     "timed_together",
@@ -239,6 +240,15 @@ def measure_link(
         "h2d_gbps": each / h2d / 1e6,
         "link_devices": len(devices),
     }
+
+
+def slower_link_gbps() -> float:
+    """The first device's host link, the slower way, in 10⁹ bytes per second: what prices a
+    program's host copies. It moves a quarter of :func:`link_probe_bytes`, as a price needs
+    the link's speed, not the probe's precision."""
+    device = jax.devices()[0]
+    link = measure_link(link_probe_bytes(device) // 4, devices=[device])
+    return min(link["d2h_gbps"], link["h2d_gbps"])
 
 
 def _placed_on(devices: Sequence[Any], memory_kind: str) -> jax.sharding.Sharding:

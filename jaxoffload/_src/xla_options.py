@@ -100,7 +100,7 @@ def with_copy_costs(
     if not copies:
         return options
     if link_gbps is None:
-        link_gbps = _first_device_link
+        from jaxoffload._src.timing import slower_link_gbps as link_gbps
     profile = _profile(copies, link_gbps() if callable(link_gbps) else link_gbps)
     # The profile prices the copies alone: the other instructions keep the default costs.
     return {
@@ -108,13 +108,6 @@ def with_copy_costs(
         "fdo_profile": profile.encode(),
         "xla_gpu_pgle_accuracy_checker": "PGLE_STRICTNESS_LEVEL_OFF",
     }
-
-
-def _first_device_link() -> float:
-    from jaxoffload._src.timing import measure_link
-
-    link = measure_link(2**28)
-    return min(link["d2h_gbps"], link["h2d_gbps"])
 
 
 def copy_cost_profile(hlo_text: str, link_gbps: float) -> str:

@@ -33,6 +33,7 @@ from jaxoffload.internal import (
     median_ms,
     read_spatial_gathers,
     requested_host_transfers,
+    slower_link_gbps,
     with_copy_costs,
     with_twin,
     without_host_placement,
@@ -226,8 +227,7 @@ def _pricing_link_gbps() -> float:
     if path and os.path.exists(path):
         with open(path) as f:
             return float(json.load(f))
-    link = measure_link(2**28)
-    gbps = round(min(link["d2h_gbps"], link["h2d_gbps"]), 1)
+    gbps = round(slower_link_gbps(), 1)
     if path:
         with open(path, "w") as f:
             json.dump(gbps, f)
