@@ -52,7 +52,8 @@ def _objective(jaxpr, needed, free, saved):
         for u in jaxpr.eqns[i].invars:
             if isinstance(u, jex_core.Var) and u not in saved and u not in producer:
                 return None  # an input that was not kept
-    prices = [cut.price(jaxpr.eqns[i]) for i in recomputed]
+    every = cut.prices(jaxpr, needed)
+    prices = [every[i] for i in recomputed]
     if any(p.never or p.flops for p in prices):  # no budget for products
         return None
     kept = sum(0 if v in free else max(1, jaxprs.nbytes(v.aval)) for v in saved)
@@ -113,6 +114,34 @@ def test_a_depthwise_convolution_is_priced_by_its_passes_and_kept():
     chosen = cut.cheapest_cut(jaxpr, jaxpr.outvars, set(jaxpr.invars), max_recompute=1.0)
     assert conv.outvars[0] in chosen.saved or jaxpr.outvars[0] in chosen.saved
     assert not any(jaxpr.eqns[i] is conv for i in chosen.recomputed)
+
+
+def test_a_products_input_made_by_a_polynomial_transcendental_is_kept():
+    """GELU's output, the second 1x1's input, is kept: recomputing it would run erfc in a
+    kernel of its own, apart from the derivative's. A ReLU, SiLU (its logistic function is
+    an instruction or two) and a tanh over a smaller tensor (a gate over a statistic) make
+    nothing kept, nor does a statistic's rsqrt."""
+
+    def f(x, w1, w2, w3):
+        h = x @ w1
+        mean = h.mean(-1, keepdims=True)
+        normed = (h - mean) * jax.lax.rsqrt(((h - mean) ** 2).mean(-1, keepdims=True) + 1e-6)
+        gelu = jax.nn.gelu(normed @ w2, approximate=False)
+        relu = jnp.maximum(gelu @ w3, 0.0)
+        gate = jnp.tanh(relu.mean(0, keepdims=True))
+        return [jax.nn.silu(relu @ w3.T) @ w3, (relu * gate) @ w3.T]
+
+    shapes = [(64, 16), (16, 16), (16, 64), (64, 16)]
+    jaxpr = jax.make_jaxpr(f)(*[jnp.ones(s) for s in shapes]).jaxpr
+    # The backward pass reads what each product reads, as jax.vjp's residuals.
+    products = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    needed = list(dict.fromkeys(e.invars[0] for e in products))
+    chosen = cut.cheapest_cut(jaxpr, needed, set(jaxpr.invars), max_recompute=0.0)
+    reasons = {jaxpr.eqns[i].outvars[0]: why for i, why in chosen.never.items()}
+    gelu_out = products[2].invars[0]
+    assert reasons == {gelu_out: "a product's input, made by erfc"}
+    assert gelu_out in chosen.saved
+    assert len(products) == 6  # the SiLU's output (products[4]) and the gated one: not kept
 
 
 def test_effects_and_unknown_primitives_are_never_recomputed():

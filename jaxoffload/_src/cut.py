@@ -18,6 +18,11 @@ Recomputation is priced by what it costs the backward pass:
   at most ``max_recompute`` of the function's forward FLOPs are recomputed;
   but a grouped (depthwise) convolution, memory-bound, costs passes over its
   input and output, so that its output is kept;
+- a product's input that a polynomial transcendental (``erf``, ``tanh``) over a
+  tensor of its size makes, such as GELU's output, is kept: the weight's
+  gradient reads it from memory, so recomputing it writes it in a kernel of its
+  own, and XLA writes the polynomial's value out and reads it back where the
+  derivative needs it too (docs/design.md, "Lean, measured");
 - anything else (loops, effects, custom calls) is never recomputed.
 """
 
@@ -34,7 +39,7 @@ from jax.extend import core as jex_core
 
 from jaxoffload._src.jaxprs import eqn_flops, nbytes
 
-__all__ = ["SOLVED", "Cut", "Price", "SolvedCuts", "ancestors", "cheapest_cut", "price"]
+__all__ = ["SOLVED", "Cut", "Price", "SolvedCuts", "ancestors", "cheapest_cut", "price", "prices"]
 
 _INF = math.inf
 
@@ -57,6 +62,12 @@ _PASSES = frozenset(
     scatter scatter-add scatter_add sort""".split()
 )
 _MATMULS = frozenset({"dot_general", "conv_general_dilated"})
+# Elementwise operations that XLA:GPU computes as polynomials over float32 (exp, log and the
+# logistic function are an instruction or two, and fuse wherever they are read).
+_POLYNOMIAL = frozenset(
+    """acos acosh asin asinh atan atan2 atanh cos cosh digamma erf erf_inv erfc lgamma sin sinh
+    tan tanh""".split()
+)
 # Calls whose cost is that of the jaxprs they hold.
 _CALLS = frozenset(
     {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
@@ -100,6 +111,40 @@ def price(eqn) -> Price:
                 total = total + price(e)
         return total
     return Price(never=f"jaxoffload has no recomputation rule for {name}")
+
+
+def prices(jaxpr, needed: Iterable[Any]) -> dict[int, Price]:
+    """Each equation's :func:`price`, by its index, where the backward pass reads ``needed``:
+    a matrix product's input that the backward pass reads and that a polynomial
+    transcendental over a tensor of its size makes is never recomputed (see the module's
+    docstring)."""
+    found = {i: price(e) for i, e in enumerate(jaxpr.eqns)}
+    producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    product_inputs = {u for e in jaxpr.eqns if e.primitive.name in _MATMULS for u in e.invars}
+    for v in needed:
+        if v in product_inputs and v in producer:
+            if made_by := _made_by_polynomial(jaxpr, v, producer):
+                found[producer[v]] = Price(never=f"a product's input, made by {made_by}")
+    return found
+
+
+def _made_by_polynomial(jaxpr, v, producer) -> str | None:
+    """The polynomial transcendental over a tensor of at least half ``v``'s bytes that the
+    elementwise chain making ``v`` runs, if any: one over a statistic (a squeeze-and-excitation
+    gate's ``tanh``) does not count."""
+    todo, seen = [v], set()
+    while todo:
+        u = todo.pop()
+        if u in seen or u not in producer:
+            continue
+        seen.add(u)
+        eqn = jaxpr.eqns[producer[u]]
+        name = eqn.primitive.name
+        if name in _POLYNOMIAL and 2 * nbytes(eqn.outvars[0].aval) >= nbytes(v.aval):
+            return name
+        if name in _ELEMENTWISE:
+            todo.extend(w for w in eqn.invars if isinstance(w, jex_core.Var))
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,17 +243,18 @@ SOLVED = SolvedCuts()
 
 def _cheapest_cut(jaxpr, needed, free, max_recompute) -> Cut:
     relevant = ancestors(jaxpr, needed)
-    prices = {i: price(jaxpr.eqns[i]) for i in relevant}
-    never = {i: p.never for i, p in prices.items() if p.never}
-    forward_flops = sum(p.flops for i, p in enumerate(map(price, jaxpr.eqns)) if not p.never)
+    every = prices(jaxpr, needed)
+    priced = {i: every[i] for i in relevant}
+    never = {i: p.never for i, p in priced.items() if p.never}
+    forward_flops = sum(p.flops for p in every.values() if not p.never)
     allowed_flops = max_recompute * forward_flops
     # Each candidate rate (FLOPs per byte kept) prices matrix products so that
     # recomputing one pays off just above its own ratio of FLOPs to bytes.
     # Equal ratios are told apart by position, so that the allowance can take
     # one of two equal convolutions rather than neither.
-    matmuls = [i for i, p in prices.items() if p.flops and not p.never]
+    matmuls = [i for i, p in priced.items() if p.flops and not p.never]
     ratios = sorted(
-        prices[i].flops * _tie_break(i) / max(1, sum(nbytes(v.aval) for v in jaxpr.eqns[i].outvars))
+        priced[i].flops * _tie_break(i) / max(1, sum(nbytes(v.aval) for v in jaxpr.eqns[i].outvars))
         for i in matmuls
     )
     # Rates trace the cheapest cuts on the way to the allowance; one that
@@ -218,8 +264,8 @@ def _cheapest_cut(jaxpr, needed, free, max_recompute) -> Cut:
     candidates += [(math.inf, i) for i in matmuls]
     best = None
     for rate, only in candidates:
-        cut = _solve(jaxpr, needed, free, relevant, prices, rate, only)
-        flops = sum(prices[i].flops for i in cut[1])
+        cut = _solve(jaxpr, needed, free, relevant, priced, rate, only)
+        flops = sum(priced[i].flops for i in cut[1])
         if flops > allowed_flops:
             continue  # too many: a higher rate can still fit as one product alone
         cost = sum(nbytes(v.aval) for v in cut[0] if v not in free)
