@@ -231,6 +231,12 @@ def test_the_planner_gives_every_plan_it_compiled_with_what_its_model_said(share
         (tuple(map(brief, c.strategies)), brief(c.outside)): got for c, got in made.compiled.items()
     }
     assert all(p["predicted_bytes"] > 0 and p["model_bytes"] > 0 for p in points["plans"])
+    checks = {(tuple(map(brief, c.strategies)), brief(c.outside)) for c in made.checks}
+    assert (
+        checks
+        and {(tuple(p["strategies"]), p["outside"]) for p in points["plans"] if p["check"]}
+        == checks
+    )
     assert any(line.startswith("compiled against predicted") for line in lines)
 
 

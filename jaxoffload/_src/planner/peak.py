@@ -288,8 +288,11 @@ def compiled_points(planner) -> dict:
     worked out again; ``plans``: per compiled plan, its blocks' strategies and the code
     outside them (as :func:`~jaxoffload._src.strategies.brief` writes them), its compiled
     bytes, the model's prediction from the other plans, the uncalibrated peak model, its
-    compile in seconds, and its step in ms where it was timed.
+    compile in seconds, its step in ms where it was timed, and whether it is one of the planner's
+    ``checks`` (compiled whatever the model says: the model's own points, and the hidden
+    offloads' check once it is priced) rather than a plan that the search proposed.
     """
+    checks = set(planner.checks)
     blocks = []
     for i, b in enumerate(planner.blocks):
         taken = [c.strategies[i] for c in planner.compiled]
@@ -319,6 +322,7 @@ def compiled_points(planner) -> dict:
             "model_bytes": planner.model_bytes(c),
             "compile_s": planner.compile_s.get(c),
             "step_ms": planner.measured_ms.get(c),
+            "check": c in checks,
         }
         for c, got in planner.compiled.items()
     ]
