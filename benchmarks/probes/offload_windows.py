@@ -1,0 +1,104 @@
+"""A plan's offloading blocks under other windows, compiled only: bytes, and kernels beside each copy.
+
+    python benchmarks/probes/offload_windows.py PLAN.json OUT WINDOW[:FETCH] [WINDOW[:FETCH] ...]
+
+Compiles the bench's plain-Flax model (``MODEL``, ``BATCH``; Flax's ResNet-50 at b256 by
+default, 224², bf16) under PLAN.json as it is, and then with every ``Offload`` block's
+``window`` (and ``fetch_window``, ``None`` without ``:FETCH``) replaced by each one given,
+with the library's ``compiler_options()``. A copy hides only while kernels run beside it, so
+for each host copy over 1 MB it writes how many kernels the schedule puts between its start
+and its done. One JSON line a plan to stdout, and each variant's plan to
+OUT/PLAN-wW[-fF].json for a GPU session to time. Nothing runs; ``deviceless.py run`` runs it
+for the H200 on a machine without one.
+"""
+
+import dataclasses
+import json
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import jaxoffload
+from jaxoffload import Offload
+from jaxoffload.bench import models
+from jaxoffload.bench import step as bench_step
+from jaxoffload.bench.workload import Workload
+from jaxoffload.internal import device_bytes_of, host_copies
+
+KERNEL = re.compile(r"= .* (fusion|custom-call)\(")
+
+
+def compiled(plan, name, batch):
+    """The step under ``plan``: its device bytes (arguments and temporaries) and its program."""
+    model = plan.apply(models.plannable_model(name, dtype=jnp.bfloat16, num_classes=1000))
+    w = Workload(model=name, batch=batch, image_size=224, dtype="bfloat16", strategy="lean")
+    step, state, data, _ = bench_step.training(w, model, abstract=True)
+    c = (
+        jax.jit(step, donate_argnums=0)
+        .trace(state, data)
+        .lower()
+        .compile(jaxoffload.compiler_options())
+    )
+    m = c.memory_analysis()
+    return m.argument_size_in_bytes + m.temp_size_in_bytes, c.as_text()
+
+
+def beside(hlo):
+    """``(direction, bytes, kernels between start and done)`` of each host copy over 1 MB, in
+    the entry computation's order."""
+    entry = hlo[hlo.index("\nENTRY") :].splitlines()
+    where = {}
+    for n, line in enumerate(entry):
+        name = line.strip().split(" = ", 1)[0].lstrip("%")
+        where[name] = n
+    found = []
+    for name, dtype, dims, is_fetch in host_copies(hlo):
+        start = where.get(name)
+        done = next(
+            (
+                n
+                for n, line in enumerate(entry)
+                if f"copy-done(%{name})" in line or f"copy-done({name})" in line
+            ),
+            None,
+        )
+        size = device_bytes_of(f"{dtype}[{dims}]")
+        if start is None or done is None or size < 2**20:
+            continue
+        kernels = sum(bool(KERNEL.search(line)) for line in entry[start:done])
+        found.append(("fetch" if is_fetch else "to host", size, kernels))
+    return found
+
+
+def main():
+    path, out, specs = sys.argv[1], sys.argv[2], sys.argv[3:]
+    name = os.environ.get("MODEL", "flax-resnet50")
+    batch = int(os.environ.get("BATCH", 256))
+    os.makedirs(out, exist_ok=True)
+    with open(path) as f:
+        base = jaxoffload.Plan.from_dict(json.load(f))
+    stem = os.path.splitext(os.path.basename(path))[0]
+    variants = [("as given", base)]
+    for spec in specs:
+        window, _, fetch = spec.partition(":")
+        fields = {"window": int(window), "fetch_window": int(fetch) if fetch else None}
+        blocks = tuple(
+            (p, dataclasses.replace(s, **fields) if isinstance(s, Offload) else s)
+            for p, s in base.blocks
+        )
+        plan = dataclasses.replace(base, blocks=blocks)
+        label = f"w{window}" + (f"-f{fetch}" if fetch else "")
+        with open(os.path.join(out, f"{stem}-{label}.json"), "w") as f:
+            json.dump(plan.to_dict(), f, indent=1)
+        variants.append((label, plan))
+    for label, plan in variants:
+        got, hlo = compiled(plan, name, batch)
+        print(json.dumps({"plan": stem, "variant": label, "device_bytes": got,
+                          "copies": beside(hlo)}), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
