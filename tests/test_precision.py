@@ -67,3 +67,18 @@ def test_the_reference_is_what_float32_computes_on_the_same_images():
         [Record.from_json(_record("none", dtype="float32"))], batch=4
     )
     assert line["grad_err_f32"] < 1e-5
+
+
+def test_the_command_writes_a_json_line_per_strategy(tmp_path, monkeypatch):
+    """Lines, not a JSON list of objects with a strategy, which is what a bench's records are."""
+    import json
+
+    found = [
+        {"strategy": "none", "budget": None, "grad_err_f32": 0.05, "ratio_to_store": 1.0, "holds": True},
+        {"strategy": "plan", "budget": 0.5, "grad_err_f32": 0.06, "ratio_to_store": 1.2, "holds": False},
+    ]  # fmt: skip
+    monkeypatch.setattr(precision, "errors_against_float32", lambda records, batch: found)
+    results, out = tmp_path / "records.json", tmp_path / "precision.jsonl"
+    results.write_text(json.dumps([_record("none"), _record("plan", budget=0.5)]))
+    precision.main([str(results), "--out", str(out)])
+    assert [json.loads(line) for line in out.read_text().splitlines()] == found

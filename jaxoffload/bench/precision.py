@@ -9,7 +9,7 @@ the same-arithmetic control.
 
     python -m jaxoffload.bench.precision RESULTS.json [--batch 8] [--out FILE]
 
-reads a bench's records and writes one line per strategy or plan measured
+reads a bench's records and writes one JSON line per strategy or plan measured
 there.
 """
 
@@ -119,17 +119,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m jaxoffload.bench.precision")
     parser.add_argument("results", help="a bench's JSON records")
     parser.add_argument("--batch", type=int, default=8, help="images of the small batch")
-    parser.add_argument("--out", help="where to write the lines (JSON); stdout by default")
+    parser.add_argument("--out", help="where to write the lines (JSON lines); stdout by default")
     args = parser.parse_args(argv)
     with open(args.results) as f:
         records = [Record.from_json(r) for r in json.load(f)]
     lines = errors_against_float32(records, args.batch)
-    text = json.dumps(lines, indent=1)
+    # A line per strategy: not a list of objects with a strategy, as a bench's records are.
+    text = "".join(json.dumps(line) + "\n" for line in lines)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(text + "\n")
+            f.write(text)
     else:
-        print(text)
+        print(text, end="")
     for line in lines:
         mark = "holds" if line["holds"] else "FAILS"
         print(
