@@ -20,16 +20,15 @@ one entry per file, and compiles nothing (a CPU runs it).
 import gzip
 import json
 import os
-import re
 import sys
 import time
 
 import jax
 
 sys.path.insert(0, os.path.dirname(__file__))
-from overlap_probe import LINK_GBPS, as_latencies, out_at, resnet50_training  # noqa: E402
+from overlap_probe import LINK_GBPS, as_latencies, out_at, placements, resnet50_training  # noqa: E402
 
-from jaxoffload.internal import host_copies, with_copy_costs  # noqa: E402
+from jaxoffload.internal import with_copy_costs  # noqa: E402
 
 LIMIT = {"xla_gpu_experimental_parallel_async_compute_limit": 64}
 # XLA's schedule-early rule (kDelayAsyncStartForCompute): it prefers compute over any async
@@ -38,25 +37,6 @@ EARLY = {
     "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
     "xla_gpu_experimental_collective_start_as_early_as_possible": True,
 }
-
-
-def placements(text):
-    body = text[text.index("\nENTRY") :].split("\n")
-    where = {}
-    for i, line in enumerate(body):
-        m = re.match(r"\s*(?:ROOT )?(%[\w.\-]+) = ", line)
-        if m:
-            where[m.group(1)] = i
-    out = []
-    for name, dtype, dims, is_fetch in host_copies(text):
-        start = where["%" + name]
-        src = re.search(r"copy-start\((%[\w.\-]+)\)", body[start]).group(1)
-        done = next(i for i, line in enumerate(body) if f"copy-done(%{name})" in line)
-        out.append(
-            {"copy": name, "shape": f"{dtype}[{dims}]", "fetch": is_fetch,
-             "made": where.get(src), "start": start, "done": done}
-        )  # fmt: skip
-    return out
 
 
 if sys.argv[1] == "--hlo":

@@ -18,30 +18,20 @@ import os
 import re
 import sys
 
-import jax
-import jax.numpy as jnp
+sys.path.insert(0, os.path.dirname(__file__))
+from overlap_probe import placements  # noqa: E402
+from paper_point import compile_plan  # noqa: E402
 
-import jaxoffload
-from jaxoffload import Offload
-from jaxoffload.bench import models
-from jaxoffload.bench import step as bench_step
-from jaxoffload.bench.workload import Workload
-from jaxoffload.internal import device_bytes_of, host_copies
+import jaxoffload  # noqa: E402
+from jaxoffload import Offload  # noqa: E402
+from jaxoffload.internal import device_bytes_of  # noqa: E402
 
 KERNEL = re.compile(r"= .* (fusion|custom-call)\(")
 
 
 def compiled(plan, name, batch):
     """The step under ``plan``: its device bytes (arguments and temporaries) and its program."""
-    model = plan.apply(models.plannable_model(name, dtype=jnp.bfloat16, num_classes=1000))
-    w = Workload(model=name, batch=batch, image_size=224, dtype="bfloat16", strategy="lean")
-    step, state, data, _ = bench_step.training(w, model, abstract=True)
-    c = (
-        jax.jit(step, donate_argnums=0)
-        .trace(state, data)
-        .lower()
-        .compile(jaxoffload.compiler_options())
-    )
+    _, c = compile_plan(plan.to_dict(), name, batch)
     m = c.memory_analysis()
     return m.argument_size_in_bytes + m.temp_size_in_bytes, c.as_text()
 
@@ -49,27 +39,13 @@ def compiled(plan, name, batch):
 def beside(hlo):
     """``(direction, bytes, kernels between start and done)`` of each host copy over 1 MB, in
     the entry computation's order."""
-    entry = hlo[hlo.index("\nENTRY") :].splitlines()
-    where = {}
-    for n, line in enumerate(entry):
-        name = line.strip().split(" = ", 1)[0].lstrip("%")
-        where[name] = n
+    body = hlo[hlo.index("\nENTRY") :].split("\n")
     found = []
-    for name, dtype, dims, is_fetch in host_copies(hlo):
-        start = where.get(name)
-        done = next(
-            (
-                n
-                for n, line in enumerate(entry)
-                if f"copy-done(%{name})" in line or f"copy-done({name})" in line
-            ),
-            None,
-        )
-        size = device_bytes_of(f"{dtype}[{dims}]")
-        if start is None or done is None or size < 2**20:
-            continue
-        kernels = sum(bool(KERNEL.search(line)) for line in entry[start:done])
-        found.append(("fetch" if is_fetch else "to host", size, kernels))
+    for copy in placements(hlo):
+        size = device_bytes_of(copy["shape"])
+        if size >= 2**20:
+            kernels = sum(bool(KERNEL.search(line)) for line in body[copy["start"] : copy["done"]])
+            found.append(("fetch" if copy["fetch"] else "to host", size, kernels))
     return found
 
 

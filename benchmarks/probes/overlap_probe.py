@@ -204,6 +204,28 @@ VARIANTS = {
 LINK_GBPS = float(os.environ.get("LINK_GBPS", 52.0))
 
 
+def placements(text):
+    """Each host copy of a compiled program: its shape, whether it fetches, and the lines of
+    the entry computation (``text`` from ``ENTRY`` on, split into lines) where the value it
+    copies is made, and where it starts and is waited for."""
+    body = text[text.index("\nENTRY") :].split("\n")
+    where = {}
+    for i, line in enumerate(body):
+        m = re.match(r"\s*(?:ROOT )?(%[\w.\-]+) = ", line)
+        if m:
+            where[m.group(1)] = i
+    out = []
+    for name, dtype, dims, is_fetch in host_copies(text):
+        start = where["%" + name]
+        src = re.search(r"copy-start\((%[\w.\-]+)\)", body[start]).group(1)
+        done = next(i for i, line in enumerate(body) if f"copy-done(%{name})" in line)
+        out.append(
+            {"copy": name, "shape": f"{dtype}[{dims}]", "fetch": is_fetch,
+             "made": where.get(src), "start": start, "done": done}
+        )  # fmt: skip
+    return out
+
+
 def resnet50_training(variant, abstract):
     """``(name, step, state, batch)``: Flax's ResNet-50 training step (not jitted), its blocks
     under VARIANT, a name in ``VARIANTS`` or a plan's JSON file (``plans/``). With MODEL in

@@ -30,10 +30,10 @@ from jaxoffload.bench.workload import Workload
 from jaxoffload.internal import analyze, discover, trace_blocks, traced_blocks
 
 
-def compiled(plan_dict, name, batch, options=None):
-    """The plan's compiled step, with ``options`` (the library's ``compiler_options()`` by
-    default): its device bytes (arguments and temporaries), and the host bytes its copies move
-    each way."""
+def compile_plan(plan_dict, name, batch, options=None):
+    """The bench model ``name`` at ``batch`` (224², bf16) under the plan, its step traced from
+    abstract arguments and compiled with ``options`` (the library's ``compiler_options()`` by
+    default): ``(traced, compiled)``."""
     model = jaxoffload.Plan.from_dict(plan_dict).apply(
         models.plannable_model(name, dtype=jnp.bfloat16, num_classes=1000)
     )
@@ -41,7 +41,13 @@ def compiled(plan_dict, name, batch, options=None):
     step, state, data, _ = bench_step.training(w, model, abstract=True)
     traced = jax.jit(step, donate_argnums=0).trace(state, data)
     options = jaxoffload.compiler_options() if options is None else options
-    c = traced.lower().compile(options)
+    return traced, traced.lower().compile(options)
+
+
+def compiled(plan_dict, name, batch, options=None):
+    """The plan's compiled step (:func:`compile_plan`): its device bytes (arguments and
+    temporaries), and the host bytes its copies move each way."""
+    traced, c = compile_plan(plan_dict, name, batch, options)
     m = c.memory_analysis()
     report = analyze(traced, c)
     return {
