@@ -57,8 +57,8 @@ def compiler_options(lowered=None, *, link_gbps: float | None = None) -> dict[st
     Args:
       lowered: ``jax.jit(step).lower(*args)``, or ``None``.
       link_gbps: the host link's speed in 10⁹ bytes per second, to price the copies; measured
-        on the first device (:func:`jaxoffload._src.timing.measure_link`) if ``None`` and the
-        step has host copies.
+        on the first device (:func:`jaxoffload._src.timing.slower_link_gbps`) if ``None`` and
+        the step has host copies.
 
     Returns:
       A dict of XLA options; options of other backends are ignored on a CPU.
