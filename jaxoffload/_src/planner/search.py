@@ -61,17 +61,14 @@ __all__ = ["BLOCK_COSTS", "Planner", "default_options"]
 
 
 def default_options() -> tuple[Strategy, ...]:
-    """The strategies a block may take: every kind, and offload with windows 1, 2 and 4.
+    """The strategies a block may take: every kind, and offload with windows 1 and 2.
 
-    A wider window gives a block's copies the compute of more blocks to hide under, and
-    holds its device copies that much longer: the planner weighs both (its link timeline
-    and its peak model). Host placement does nothing on a CPU (host and device memory
-    are one), so there the options that offload are left out.
+    Host placement does nothing on a CPU (host and device memory are one),
+    so there the options that offload are left out.
     """
     options: list[Strategy] = [Store(), Lean(), Remat()]
     if jax.default_backend() != "cpu":
-        options += [Offload(), Offload(window=2), Offload(window=4)]
-        options += [Offload(recompute=True), Offload(recompute=True, window=4)]
+        options += [Offload(), Offload(window=2), Offload(recompute=True)]
     return tuple(options)
 
 
