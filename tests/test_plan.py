@@ -12,7 +12,13 @@ import pytest
 
 import jaxoffload
 from jaxoffload import Lean, Offload, Plan, Remat, Store
-from jaxoffload._src.planner import BlockCost, BlockCosts, estimate_peak_bytes, estimate_step_ms
+from jaxoffload._src.planner import (
+    BlockCost,
+    BlockCosts,
+    estimate_peak_bytes,
+    estimate_step_ms,
+    rounds,
+)
 from jaxoffload._src.planner import search as planner
 from jaxoffload._src.planner.calibration import (
     calibrated,
@@ -788,19 +794,20 @@ class _AdditivePlanner(planner.Planner):
     holds only the two uniform plans, so every mix must come from the search.
     """
 
-    def __init__(self, ms, kept):
+    def __init__(self, ms, kept, options=None):
         self.say = lambda line: None
-        self.link, self.options, self.run_limit = None, (Store(), Remat()), None
+        options = options or (Store(), Remat())
+        self.link, self.options, self.run_limit = None, options, None
         self.paths = tuple(f"Block_{b}" for b in range(len(ms[Store()])))
         self.table = {s: (ms[s], kept[s]) for s in self.options}
         self.plain = Plan(tuple((p, Store()) for p in self.paths), Lean())
-        uniform = Plan(tuple((p, Remat()) for p in self.paths), Lean())
+        uniform = Plan(tuple((p, options[-1]) for p in self.paths), Lean())
         self.front, self.checks = [self.plain, uniform], [uniform]
         self.compiled, self.measured_ms, self.compiles = {}, {}, 0
         self.compile([self.plain, uniform])
 
     def truth(self, candidate):
-        return 100 + sum(self.table[s][1][b] for b, s in enumerate(candidate.strategies))
+        return 100 + sum(self.table[s.costed()][1][b] for b, s in enumerate(candidate.strategies))
 
     def candidate(self, point):
         return point
@@ -809,7 +816,7 @@ class _AdditivePlanner(planner.Planner):
         return self.table[strategy][0][block]
 
     def block_bytes(self, model, block, strategy):
-        return int(self.table[strategy][1][block] * (1.5 if strategy == Remat() else 1))
+        return int(self.table[strategy.costed()][1][block] * (1.5 if strategy == Remat() else 1))
 
     def peak_bytes(self, model, candidate):
         return 100 + sum(self.block_bytes(model, b, s) for b, s in enumerate(candidate.strategies))
@@ -833,6 +840,40 @@ class _AdditivePlanner(planner.Planner):
 
     def chosen(self, best, budget_bytes):
         return best
+
+
+class _WindowPlanner(_AdditivePlanner):
+    """Blocks that take Store() or Offload(): at window 4 an offload's copies hide (half its
+    window-1 time) and its step holds ``wide_bytes`` more."""
+
+    def __init__(self, wide_bytes):
+        self.wide_bytes = wide_bytes
+        ms, kept = (
+            {Store(): [1.0] * 4, Offload(): [3.0] * 4},
+            {Store(): [50] * 4, Offload(): [10] * 4},
+        )
+        super().__init__(ms, kept, options=(Store(), Offload()))
+
+    def truth(self, candidate):
+        wide = any(s.to_host and s.window > 1 for s in candidate.strategies)
+        return super().truth(candidate) + self.wide_bytes * wide
+
+    def block_ms(self, block, strategy):
+        wide = strategy.to_host and strategy.window > 1
+        return super().block_ms(block, strategy.costed()) / (2 if wide else 1)
+
+
+@pytest.mark.parametrize("wide_bytes, window", [(5, 4), (20, 1)])
+def test_a_chosen_plans_offloads_are_widened_where_that_fits_and_runs_faster(wide_bytes, window):
+    """The search prices windows with a peak model least sure of wide ones, so the chosen
+    plan's uncapped offloads are widened afterwards, compiled, and timed against it: taken
+    where the wider plan fits (140 + 5 bytes of a budget of 150) and runs faster, left where
+    it compiles over the budget (140 + 20)."""
+    made = _WindowPlanner(wide_bytes)
+    chosen = made.plan_for(150)
+    assert {s.window for s in chosen.strategies} == {window}
+    assert all(s.to_host for s in chosen.strategies)
+    assert rounds.widened_plans(Plan((("a", Offload(window=8)),))) == []
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -20,7 +20,7 @@ from jaxoffload._src.planner.peak import PeakModel
 from jaxoffload._src.planner.plan import Plan
 from jaxoffload._src.strategies import Store, brief
 
-__all__ = ["per_budget", "plans_for"]
+__all__ = ["per_budget", "plans_for", "widened_plans"]
 
 # Where a round looks for a budget: the first candidates that the model of compiled bytes
 # says fit the budget, and 5% less or more, as the model is off by a few percent.
@@ -40,6 +40,10 @@ OVERSTATED_MARGIN = 0.01
 # round's compiles run at once, but its candidates are traced one after another.
 ROUND_CANDIDATES = 4
 LEAST_PER_BUDGET = 2
+# The windows that a chosen plan's uncapped offloads are widened to (widened_plans): a
+# window this wide let a ResNet-50 plan's copies hide under more compute at the same peak,
+# where a wider one compiled over its budget (design §13, "Window 4, timed").
+WIDER = (4,)
 
 
 def per_budget(budgets: int) -> int:
@@ -140,7 +144,16 @@ def plans_for(
     if planner.unpriced:  # no round ran
         candidates = with_hidden_priced(candidates)
     best = {t: _best_fit(planner, candidates, t) for t in targets}
-    to_time = {t: _to_time(planner, b, t) for t, b in best.items() if isinstance(b, Plan)}
+    widened = {t: widened_plans(b) for t, b in best.items() if isinstance(b, Plan)}
+    batch = list(dict.fromkeys(w for ws in widened.values() for w in ws))
+    batch = [w for w in batch if w not in planner.compiled]
+    if batch:
+        names = " and ".join(summary(c.strategies) for c in batch)
+        planner.say(f"widening the offloads' windows: compiling {names}")
+        planner.compile(batch)
+    to_time = {
+        t: _to_time(planner, b, t, widened[t]) for t, b in best.items() if isinstance(b, Plan)
+    }
     # Every budget's plans timed in one turn-taking, so that each is timed once.
     union = list(dict.fromkeys(c for plans in to_time.values() for c in plans))
     timed = dict(zip(union, planner.steps_together(union))) if len(union) > 1 else {}
@@ -315,13 +328,48 @@ def _best_fit(planner, candidates, budget_bytes: int) -> Plan | NoPlanFits:
     return error
 
 
-def _to_time(planner, best: Plan, budget_bytes: int) -> list[Plan]:
-    """The plans that fit to time against ``best``, the model's choice: the model's few
-    fastest, and the uniform plans (the points a user compares with), that can run here,
-    each within :data:`TIMED_WITHIN` of the fastest of them, as timed alone if it was
-    (:meth:`~jaxoffload._src.planner.search.Planner.known_ms`) or by the model."""
+def widened_plans(plan: Plan) -> list[Plan]:
+    """``plan`` with the windows of its uncapped offloads widened to each of :data:`WIDER`.
+
+    The search prices a window by the copies the next blocks' compute hides and by the bytes
+    it holds meanwhile, and its model of the second is least sure of wide windows (design §13).
+    So the windows are widened only once the blocks' kinds are chosen: each plan compiled,
+    those that fit are timed against ``plan``, and the clock decides.
+
+    Example:
+      >>> from jaxoffload import Offload, Plan, Remat
+      >>> plan = Plan((("a", Offload()), ("b", Remat())))
+      >>> [p.strategies[0].window for p in widened_plans(plan)]
+      [4]
+    """
+    out = []
+    for window in WIDER:
+        strategies = tuple(
+            dataclasses.replace(s, window=window, fetch_window=None)
+            if s.to_host and s.max_bytes is None and s.window < window
+            else s
+            for s in plan.strategies
+        )
+        if strategies != plan.strategies:
+            paths = (path for path, _ in plan.blocks)
+            out.append(Plan(tuple(zip(paths, strategies)), plan.outside))
+    return out
+
+
+def _to_time(planner, best: Plan, budget_bytes: int, widened: Sequence[Plan] = ()) -> list[Plan]:
+    """The plans that fit to time against ``best``, the model's choice: ``best`` with wider
+    windows (:func:`widened_plans`), the model's few fastest, and the uniform plans (the
+    points a user compares with), that can run here, each within :data:`TIMED_WITHIN` of the
+    fastest of them, as timed alone if it was
+    (:meth:`~jaxoffload._src.planner.search.Planner.known_ms`) or by the model; the widened
+    ones whatever the model says of them."""
     if not planner.runs_here(best):
         return []
+    wider = [
+        c
+        for c in widened
+        if planner.compiled.get(c, math.inf) <= budget_bytes and planner.runs_here(c)
+    ]
     by_model = lambda c: (round(planner.ms(c), 3), planner.compiled[c])  # noqa: E731
     fits = sorted(
         (
@@ -331,10 +379,12 @@ def _to_time(planner, best: Plan, budget_bytes: int) -> list[Plan]:
         ),
         key=by_model,
     )
-    fits = [best, *fits]
+    fits = [best, *(c for c in fits if c not in wider)]
     fits = fits[:TIMED_FASTEST] + [c for c in fits[TIMED_FASTEST:] if c in planner.checks]
     fastest = min(planner.known_ms(c) for c in fits)
-    return [c for c in fits if c == best or planner.known_ms(c) <= (1 + TIMED_WITHIN) * fastest]
+    return [
+        c for c in fits if c == best or planner.known_ms(c) <= (1 + TIMED_WITHIN) * fastest
+    ] + wider
 
 
 def _fastest(planner, best: Plan, plans: Sequence[Plan], timed) -> Plan:
