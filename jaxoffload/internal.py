@@ -8,7 +8,9 @@ may change or go in any release, without notice or deprecation. It is the one wa
 both), so that the rest of ``_src`` can change without asking them.
 """
 
-# The host transfers' construction, whose parts a probe takes away to price them.
+# The cut's pricing, which a probe replaces to time what another rule keeps; the host
+# transfers' construction, whose parts a probe takes away to price them.
+from jaxoffload._src import cut as cut
 from jaxoffload._src import transfers as transfers
 
 # Reading traced programs.
@@ -85,6 +87,7 @@ __all__ = [
     "compiled_points",
     "copy_timeline",
     "cost_blocks",
+    "cut",
     "default_options",
     "device_bytes",
     "device_bytes_of",

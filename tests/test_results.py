@@ -31,7 +31,7 @@ def test_every_record_has_a_manifest_line():
     # Each line says the machine and the commit.
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert cells[3] in ("H200", "CPU", "CPU, compiling for the H200"), row
+        assert cells[3] in ("H200", "H100", "CPU", "CPU, compiling for the H200"), row
         assert re.search(r"`[0-9a-f]{7}`", cells[2]), row
 
 

@@ -13,7 +13,7 @@ import os
 import runpy
 import sys
 
-from jaxoffload._src import cut
+from jaxoffload.internal import cut
 
 KEPT = {"all": cut._MATMULS, "dot": frozenset({"dot_general"})}
 
