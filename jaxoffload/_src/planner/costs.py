@@ -30,6 +30,7 @@ __all__ = [
     "cap_sizes",
     "cost_blocks",
     "estimate_step_ms",
+    "exposed_ms",
     "hidden_offloads",
     "rescaled",
     "step_flops",
@@ -172,7 +173,7 @@ def estimate_step_ms(
     return sum(copy_timeline(forward, backward, moved, windows, fetch_windows, link))
 
 
-def _exposed_ms(moved: int, link: tuple[float, float], later: Sequence[BlockCost]):
+def exposed_ms(moved: int, link: tuple[float, float], later: Sequence[BlockCost]):
     """``(out, back)``: the ms of a block's copies that the compute of the blocks after it
     within its window (``later``) cannot hide, forward and backward."""
     forward = sum(x.forward_ms for x in later)
@@ -491,7 +492,7 @@ def _option(blocks, i, strategy, link, hidden_ms_per_byte=0.0) -> Option:
             raise ValueError(f"{strategy} moves bytes, but the planner has no link bandwidth.")
         # The blocks after it, as plain ones: their own choices are not known yet.
         later = [b.cost(Store()) for b in blocks[i + 1 : i + strategy.window]]
-        ms += sum(_exposed_ms(cost.host_bytes, link, later))
+        ms += sum(exposed_ms(cost.host_bytes, link, later))
         if strategy.max_bytes is not None:
             ms += hidden_ms_per_byte * cost.host_bytes
     return Option(strategy, int(kept), float(ms), int(cost.host_bytes))

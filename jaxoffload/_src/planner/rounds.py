@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from jaxoffload._src.errors import NoPlanFits
 from jaxoffload._src.jaxprs import format_bytes
@@ -18,7 +18,7 @@ from jaxoffload._src.planner.calibration import MEASURED_NOISE, STEADY
 from jaxoffload._src.planner.messages import summary, where_it_stops
 from jaxoffload._src.planner.peak import PeakModel
 from jaxoffload._src.planner.plan import Plan
-from jaxoffload._src.strategies import Store, brief
+from jaxoffload._src.strategies import Store, Strategy, brief
 
 __all__ = ["per_budget", "plans_for", "widened_plans"]
 
@@ -144,7 +144,9 @@ def plans_for(
     if planner.unpriced:  # no round ran
         candidates = with_hidden_priced(candidates)
     best = {t: _best_fit(planner, candidates, t) for t in targets}
-    widened = {t: widened_plans(b) for t, b in best.items() if isinstance(b, Plan)}
+    widened = {
+        t: widened_plans(b, planner.exposed_ms) for t, b in best.items() if isinstance(b, Plan)
+    }
     batch = list(dict.fromkeys(w for ws in widened.values() for w in ws))
     batch = [w for w in batch if w not in planner.compiled]
     if batch:
@@ -328,32 +330,44 @@ def _best_fit(planner, candidates, budget_bytes: int) -> Plan | NoPlanFits:
     return error
 
 
-def widened_plans(plan: Plan) -> list[Plan]:
-    """``plan`` with the windows of its uncapped offloads widened to each of :data:`WIDER`.
+def widened_plans(
+    plan: Plan, exposed: Callable[[int, Strategy], float] | None = None
+) -> list[Plan]:
+    """``plan`` with the windows of its uncapped offloads widened to each of :data:`WIDER`:
+    all of them, and the half whose copies ``exposed(block, strategy)`` says wait the most.
 
     The search prices a window by the copies the next blocks' compute hides and by the bytes
     it holds meanwhile, and its model of the second is least sure of wide windows (design §13).
     So the windows are widened only once the blocks' kinds are chosen: each plan compiled,
-    those that fit are timed against ``plan``, and the clock decides.
+    those that fit are timed against ``plan``, and the clock decides. Widening half of the
+    offloads holds half the extra bytes, where widening all of them would not fit.
 
     Example:
       >>> from jaxoffload import Offload, Plan, Remat
-      >>> plan = Plan((("a", Offload()), ("b", Remat())))
-      >>> [p.strategies[0].window for p in widened_plans(plan)]
-      [4]
+      >>> plan = Plan((("a", Offload()), ("b", Remat()), ("c", Offload(window=2))))
+      >>> [[s.window for s in p.strategies] for p in widened_plans(plan, lambda b, s: b)]
+      [[4, 1, 4], [1, 1, 4]]
     """
+    paths = [path for path, _ in plan.blocks]
     out = []
     for window in WIDER:
-        strategies = tuple(
-            dataclasses.replace(s, window=window, fetch_window=None)
+        narrow = [
+            b
+            for b, s in enumerate(plan.strategies)
             if s.to_host and s.max_bytes is None and s.window < window
-            else s
-            for s in plan.strategies
-        )
-        if strategies != plan.strategies:
-            paths = (path for path, _ in plan.blocks)
-            out.append(Plan(tuple(zip(paths, strategies)), plan.outside))
-    return out
+        ]
+        chosen = [narrow]
+        if exposed is not None and len(narrow) > 1:
+            waiting = sorted(narrow, key=lambda b: -exposed(b, plan.strategies[b]))
+            chosen.append(waiting[: len(narrow) // 2])
+        for blocks in chosen:
+            if blocks:
+                strategies = [
+                    dataclasses.replace(s, window=window, fetch_window=None) if b in blocks else s
+                    for b, s in enumerate(plan.strategies)
+                ]
+                out.append(Plan(tuple(zip(paths, strategies)), plan.outside))
+    return list(dict.fromkeys(out))
 
 
 def _to_time(planner, best: Plan, budget_bytes: int, widened: Sequence[Plan] = ()) -> list[Plan]:

@@ -34,6 +34,7 @@ from jaxoffload._src.planner.compiled import CompiledSteps
 from jaxoffload._src.planner.costs import (
     TIE,
     cost_blocks,
+    exposed_ms,
     rescaled,
     step_flops,
     trace_blocks,
@@ -406,6 +407,15 @@ class Planner(CompiledSteps):
             (o.ms for o in self.choices[block] if o.strategy == strategy),
             cost.forward_ms + cost.backward_ms,
         )
+
+    def exposed_ms(self, block: int, strategy: Strategy) -> float:
+        """The ms of block ``block``'s copies under ``strategy``, both ways, that the compute of
+        the blocks after it within its window cannot hide (0 where nothing moves)."""
+        cost = self.blocks[block].cost(strategy)
+        if not cost.host_bytes or self.link is None:
+            return 0.0
+        later = [b.cost(Store()) for b in self.blocks[block + 1 : block + strategy.window]]
+        return sum(exposed_ms(cost.host_bytes, self.link, later))
 
     def block_bytes(self, model: PeakModel, block: int, strategy: Strategy) -> int:
         """What block ``block`` keeps under ``strategy``, as ``model`` weighs it."""
