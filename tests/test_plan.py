@@ -880,6 +880,9 @@ def test_a_chosen_plans_offloads_are_widened_where_that_fits_and_runs_faster(wid
     assert tuple(s.window for s in chosen.strategies) == windows
     assert all(s.to_host for s in chosen.strategies)
     assert rounds.widened_plans(Plan((("a", Offload(window=8)),))) == []
+    # Where the caller leaves no time for rounds (a size search's last seconds), none.
+    unwidened = _WindowPlanner(wide_bytes).plan_for(150, max_rounds=0)
+    assert {s.window for s in unwidened.strategies} == {1}
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -144,8 +144,11 @@ def plans_for(
     if planner.unpriced:  # no round ran
         candidates = with_hidden_priced(candidates)
     best = {t: _best_fit(planner, candidates, t) for t in targets}
+    # Widening compiles once more: not where the caller left no time for rounds.
     widened = {
-        t: widened_plans(b, planner.exposed_ms) for t, b in best.items() if isinstance(b, Plan)
+        t: widened_plans(b, planner.exposed_ms) if max_rounds else []
+        for t, b in best.items()
+        if isinstance(b, Plan)
     }
     batch = list(dict.fromkeys(w for ws in widened.values() for w in ws))
     batch = [w for w in batch if w not in planner.compiled]
