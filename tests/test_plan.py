@@ -845,7 +845,7 @@ class _AdditivePlanner(planner.Planner):
 class _WindowPlanner(_AdditivePlanner):
     """Blocks that take Store() or Offload(): at window 4 an offload's copies hide (half its
     window-1 time) and its step holds ``wide_bytes`` more for each block widened; the copies
-    of blocks 0 and 2 wait the longest."""
+    of blocks 0 and 2 wait the longest for each byte."""
 
     def __init__(self, wide_bytes):
         self.wide_bytes = wide_bytes
@@ -863,7 +863,7 @@ class _WindowPlanner(_AdditivePlanner):
         wide = strategy.to_host and strategy.window > 1
         return super().block_ms(block, strategy.costed()) / (2 if wide else 1)
 
-    def exposed_ms(self, block, strategy):
+    def waits_per_byte(self, block, strategy):
         return [3.0, 1.0, 2.0, 0.0][block] if strategy.window == 1 else 0.0
 
 
@@ -874,7 +874,7 @@ def test_a_chosen_plans_offloads_are_widened_where_that_fits_and_runs_faster(wid
     """The search prices windows with a peak model least sure of wide ones, so the chosen
     plan's uncapped offloads are widened afterwards, compiled, and timed against it: all of
     them where that fits (140 + 4 x 2 bytes of a budget of 150), else the half whose copies
-    wait the longest (140 + 2 x 5), and none where neither fits."""
+    wait the longest for each byte (140 + 2 x 5), and none where neither fits."""
     made = _WindowPlanner(wide_bytes)
     chosen = made.plan_for(150)
     assert tuple(s.window for s in chosen.strategies) == windows

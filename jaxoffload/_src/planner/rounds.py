@@ -146,7 +146,7 @@ def plans_for(
     best = {t: _best_fit(planner, candidates, t) for t in targets}
     # Widening compiles once more: not where the caller left no time for rounds.
     widened = {
-        t: widened_plans(b, planner.exposed_ms) if max_rounds else []
+        t: widened_plans(b, planner.waits_per_byte) if max_rounds else []
         for t, b in best.items()
         if isinstance(b, Plan)
     }
@@ -333,17 +333,16 @@ def _best_fit(planner, candidates, budget_bytes: int) -> Plan | NoPlanFits:
     return error
 
 
-def widened_plans(
-    plan: Plan, exposed: Callable[[int, Strategy], float] | None = None
-) -> list[Plan]:
+def widened_plans(plan: Plan, gain: Callable[[int, Strategy], float] | None = None) -> list[Plan]:
     """``plan`` with the windows of its uncapped offloads widened to each of :data:`WIDER`:
-    all of them, and the half whose copies ``exposed(block, strategy)`` says wait the most.
+    all of them, and the half that ``gain(block, strategy)`` ranks first.
 
     The search prices a window by the copies the next blocks' compute hides and by the bytes
     it holds meanwhile, and its model of the second is least sure of wide windows (design §13).
     So the windows are widened only once the blocks' kinds are chosen: each plan compiled,
-    those that fit are timed against ``plan``, and the clock decides. Widening half of the
-    offloads holds half the extra bytes, where widening all of them would not fit.
+    those that fit are timed against ``plan``, and the clock decides. A wider window holds a
+    block's moved bytes longer, so where widening all of them does not fit, the half whose
+    copies wait the longest for each byte they move (``Planner.waits_per_byte``) may.
 
     Example:
       >>> from jaxoffload import Offload, Plan, Remat
@@ -360,9 +359,9 @@ def widened_plans(
             if s.to_host and s.max_bytes is None and s.window < window
         ]
         chosen = [narrow]
-        if exposed is not None and len(narrow) > 1:
-            waiting = sorted(narrow, key=lambda b: -exposed(b, plan.strategies[b]))
-            chosen.append(waiting[: len(narrow) // 2])
+        if gain is not None and len(narrow) > 1:
+            ranked = sorted(narrow, key=lambda b: -gain(b, plan.strategies[b]))
+            chosen.append(ranked[: len(narrow) // 2])
         for blocks in chosen:
             if blocks:
                 strategies = [

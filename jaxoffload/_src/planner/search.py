@@ -408,14 +408,15 @@ class Planner(CompiledSteps):
             cost.forward_ms + cost.backward_ms,
         )
 
-    def exposed_ms(self, block: int, strategy: Strategy) -> float:
+    def waits_per_byte(self, block: int, strategy: Strategy) -> float:
         """The ms of block ``block``'s copies under ``strategy``, both ways, that the compute of
-        the blocks after it within its window cannot hide (0 where nothing moves)."""
+        the blocks after it within its window cannot hide, per byte it moves (0 where nothing
+        moves): what a wider window gains for each byte it holds longer."""
         cost = self.blocks[block].cost(strategy)
         if not cost.host_bytes or self.link is None:
             return 0.0
         later = [b.cost(Store()) for b in self.blocks[block + 1 : block + strategy.window]]
-        return sum(exposed_ms(cost.host_bytes, self.link, later))
+        return sum(exposed_ms(cost.host_bytes, self.link, later)) / cost.host_bytes
 
     def block_bytes(self, model: PeakModel, block: int, strategy: Strategy) -> int:
         """What block ``block`` keeps under ``strategy``, as ``model`` weighs it."""
