@@ -845,7 +845,7 @@ class _AdditivePlanner(planner.Planner):
 class _WindowPlanner(_AdditivePlanner):
     """Blocks that take Store() or Offload(): at window 4 an offload's copies hide (half its
     window-1 time) and its step holds ``wide_bytes`` more for each block widened; the copies
-    of blocks 0 and 2 wait the longest for each byte."""
+    of blocks 0 and 2 gain the most from it for each byte."""
 
     def __init__(self, wide_bytes):
         self.wide_bytes = wide_bytes
@@ -863,8 +863,8 @@ class _WindowPlanner(_AdditivePlanner):
         wide = strategy.to_host and strategy.window > 1
         return super().block_ms(block, strategy.costed()) / (2 if wide else 1)
 
-    def waits_per_byte(self, block, strategy):
-        return [3.0, 1.0, 2.0, 0.0][block] if strategy.window == 1 else 0.0
+    def widening_gain(self, block, strategy, window):
+        return [3.0, 1.0, 2.0, 0.0][block] if strategy.window < window else 0.0
 
 
 @pytest.mark.parametrize(
@@ -873,8 +873,8 @@ class _WindowPlanner(_AdditivePlanner):
 def test_a_chosen_plans_offloads_are_widened_where_that_fits_and_runs_faster(wide_bytes, windows):
     """The search prices windows with a peak model least sure of wide ones, so the chosen
     plan's uncapped offloads are widened afterwards, compiled, and timed against it: all of
-    them where that fits (140 + 4 x 2 bytes of a budget of 150), else the half whose copies
-    wait the longest for each byte (140 + 2 x 5), and none where neither fits."""
+    them where that fits (140 + 4 x 2 bytes of a budget of 150), else the half that gains the
+    most for each byte (140 + 2 x 5), and none where neither fits."""
     made = _WindowPlanner(wide_bytes)
     chosen = made.plan_for(150)
     assert tuple(s.window for s in chosen.strategies) == windows

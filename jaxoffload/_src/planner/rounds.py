@@ -146,7 +146,7 @@ def plans_for(
     best = {t: _best_fit(planner, candidates, t) for t in targets}
     # Widening compiles once more: not where the caller left no time for rounds.
     widened = {
-        t: widened_plans(b, planner.waits_per_byte) if max_rounds else []
+        t: widened_plans(b, planner.widening_gain) if max_rounds else []
         for t, b in best.items()
         if isinstance(b, Plan)
     }
@@ -335,19 +335,19 @@ def _best_fit(planner, candidates, budget_bytes: int) -> Plan | NoPlanFits:
 
 def widened_plans(plan: Plan, gain: Callable[[int, Strategy], float] | None = None) -> list[Plan]:
     """``plan`` with the windows of its uncapped offloads widened to each of :data:`WIDER`:
-    all of them, and the half that ``gain(block, strategy)`` ranks first.
+    all of them, and the half that ``gain(block, strategy, window)`` ranks first.
 
     The search prices a window by the copies the next blocks' compute hides and by the bytes
     it holds meanwhile, and its model of the second is least sure of wide windows (design §13).
     So the windows are widened only once the blocks' kinds are chosen: each plan compiled,
     those that fit are timed against ``plan``, and the clock decides. A wider window holds a
-    block's moved bytes longer, so where widening all of them does not fit, the half whose
-    copies wait the longest for each byte they move (``Planner.waits_per_byte``) may.
+    block's moved bytes longer, so where widening all of them does not fit, the half that saves
+    the most wait for each byte held a block longer (``Planner.widening_gain``) may.
 
     Example:
       >>> from jaxoffload import Offload, Plan, Remat
       >>> plan = Plan((("a", Offload()), ("b", Remat()), ("c", Offload(window=2))))
-      >>> [[s.window for s in p.strategies] for p in widened_plans(plan, lambda b, s: b)]
+      >>> [[s.window for s in p.strategies] for p in widened_plans(plan, lambda b, s, w: b)]
       [[4, 1, 4], [1, 1, 4]]
     """
     paths = [path for path, _ in plan.blocks]
@@ -360,7 +360,7 @@ def widened_plans(plan: Plan, gain: Callable[[int, Strategy], float] | None = No
         ]
         chosen = [narrow]
         if gain is not None and len(narrow) > 1:
-            ranked = sorted(narrow, key=lambda b: -gain(b, plan.strategies[b]))
+            ranked = sorted(narrow, key=lambda b: -gain(b, plan.strategies[b], window))
             chosen.append(ranked[: len(narrow) // 2])
         for blocks in chosen:
             if blocks:

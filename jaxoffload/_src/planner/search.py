@@ -408,15 +408,20 @@ class Planner(CompiledSteps):
             cost.forward_ms + cost.backward_ms,
         )
 
-    def waits_per_byte(self, block: int, strategy: Strategy) -> float:
-        """The ms of block ``block``'s copies under ``strategy``, both ways, that the compute of
-        the blocks after it within its window cannot hide, per byte it moves (0 where nothing
-        moves): what a wider window gains for each byte it holds longer."""
+    def widening_gain(self, block: int, strategy: Strategy, window: int) -> float:
+        """What widening block ``block``'s offload ``strategy`` to ``window`` saves: the ms of
+        its copies' waits (both ways, that the next blocks' compute within the window cannot
+        hide) per byte held for each block longer (0 where nothing moves)."""
         cost = self.blocks[block].cost(strategy)
-        if not cost.host_bytes or self.link is None:
+        if not cost.host_bytes or self.link is None or window <= strategy.window:
             return 0.0
-        later = [b.cost(Store()) for b in self.blocks[block + 1 : block + strategy.window]]
-        return sum(exposed_ms(cost.host_bytes, self.link, later)) / cost.host_bytes
+
+        def waits(w):
+            later = [b.cost(Store()) for b in self.blocks[block + 1 : block + w]]
+            return sum(exposed_ms(cost.host_bytes, self.link, later))
+
+        held = cost.host_bytes * (window - strategy.window)
+        return (waits(strategy.window) - waits(window)) / held
 
     def block_bytes(self, model: PeakModel, block: int, strategy: Strategy) -> int:
         """What block ``block`` keeps under ``strategy``, as ``model`` weighs it."""
