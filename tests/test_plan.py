@@ -306,6 +306,21 @@ def test_the_time_model_adds_transfers_that_compute_cannot_hide():
     assert hidden < exposed
 
 
+def test_a_widened_window_is_priced_by_the_waits_it_saves_per_byte_held():
+    """Four blocks of 1 ms forward, 2 ms backward, each moving 2 MB (1 ms each way at 2 GB/s):
+    at window 1 nothing hides a block's copies (2 ms of waits); at window 4, block 0's hide
+    under the next three blocks' compute, and its time is its compute. Widening saves 2 ms for
+    2 MB held three blocks longer."""
+    made = planner.Planner.__new__(planner.Planner)
+    made.blocks, made.link, made.choices = _blocks(host=2_000_000), (2.0, 2.0), [[]] * 4
+    assert made.block_ms(0, Offload()) == pytest.approx(3.0 + 2.0)
+    assert made.block_ms(0, Offload(window=4)) == pytest.approx(3.0)
+    assert made.block_ms(3, Offload(window=4)) == pytest.approx(3.0 + 2.0)  # nothing after it
+    assert made.widening_gain(0, Offload(), 4) == pytest.approx(2.0 / (2_000_000 * 3))
+    assert made.widening_gain(0, Offload(window=4), 4) == 0.0
+    assert made.widening_gain(0, Store(), 4) == 0.0
+
+
 def test_estimates_are_predictions_within_15_percent_of_the_compiled_bytes(shared_planner):
     """The estimate is what the model says of a plan from every other plan compiled.
 

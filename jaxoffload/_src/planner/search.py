@@ -401,27 +401,31 @@ class Planner(CompiledSteps):
         return rounds.plans_for(self, budgets, max_rounds=max_rounds, per_round=per_round)
 
     def block_ms(self, block: int, strategy: Strategy) -> float:
-        """Block ``block``'s time under ``strategy``, as :meth:`ms` counts it."""
+        """Block ``block``'s time under ``strategy``, as :meth:`ms` counts it: a strategy not
+        among its options (a widened window) as measured, with the waits for its copies."""
         cost = self.blocks[block].cost(strategy)
         return next(
             (o.ms for o in self.choices[block] if o.strategy == strategy),
-            cost.forward_ms + cost.backward_ms,
+            cost.forward_ms + cost.backward_ms + self._waits(block, strategy, strategy.window),
         )
 
     def widening_gain(self, block: int, strategy: Strategy, window: int) -> float:
         """What widening block ``block``'s offload ``strategy`` to ``window`` saves: the ms of
-        its copies' waits (both ways, that the next blocks' compute within the window cannot
-        hide) per byte held for each block longer (0 where nothing moves)."""
-        cost = self.blocks[block].cost(strategy)
-        if not cost.host_bytes or self.link is None or window <= strategy.window:
+        its copies' waits per byte held for each block longer (0 where nothing moves)."""
+        moved = self.blocks[block].cost(strategy).host_bytes
+        if not moved or window <= strategy.window:
             return 0.0
+        saved = self._waits(block, strategy, strategy.window) - self._waits(block, strategy, window)
+        return saved / (moved * (window - strategy.window))
 
-        def waits(w):
-            later = [b.cost(Store()) for b in self.blocks[block + 1 : block + w]]
-            return sum(exposed_ms(cost.host_bytes, self.link, later))
-
-        held = cost.host_bytes * (window - strategy.window)
-        return (waits(strategy.window) - waits(window)) / held
+    def _waits(self, block: int, strategy: Strategy, window: int) -> float:
+        """The ms of block ``block``'s copies under ``strategy``, both ways, that the compute of
+        the blocks after it within ``window`` cannot hide (0 where nothing moves)."""
+        moved = self.blocks[block].cost(strategy).host_bytes
+        if not moved or self.link is None:
+            return 0.0
+        later = [b.cost(Store()) for b in self.blocks[block + 1 : block + window]]
+        return sum(exposed_ms(moved, self.link, later))
 
     def block_bytes(self, model: PeakModel, block: int, strategy: Strategy) -> int:
         """What block ``block`` keeps under ``strategy``, as ``model`` weighs it."""
