@@ -6,8 +6,9 @@ For that process, :func:`jaxoffload._src.cut.prices` never recomputes an input o
 product that the backward pass reads: of every convolution and ``dot_general`` (``all``),
 of ``dot_general`` alone (``dot``: on ConvNeXt, LayerNorm's output, which the first
 ``Dense`` reads), or the smaller operand of each where the function's inputs make it by
-elementwise operations alone (``weights``: a weight cast to bf16). Then PROBE.py runs as it is (``overlap_probe.py``, ``compile_probe.py``),
-so that a cut that keeps those inputs can be timed and compiled beside the library's.
+elementwise operations alone (``weights``: a weight cast to bf16). Then PROBE.py runs as it
+is (``overlap_probe.py``, ``compile_probe.py``), so that a cut that keeps those inputs can be
+timed and compiled beside the library's.
 """
 
 import os

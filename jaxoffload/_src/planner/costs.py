@@ -30,13 +30,13 @@ __all__ = [
     "cap_sizes",
     "cost_blocks",
     "estimate_step_ms",
-    "exposed_ms",
     "hidden_offloads",
     "rescaled",
     "step_flops",
     "trace_blocks",
     "traced_blocks",
     "traced_options",
+    "waits_ms",
     "with_traced_caps",
 ]
 
@@ -173,15 +173,17 @@ def estimate_step_ms(
     return sum(copy_timeline(forward, backward, moved, windows, fetch_windows, link))
 
 
-def exposed_ms(moved: int, link: tuple[float, float], later: Sequence[BlockCost]):
-    """``(out, back)``: the ms of a block's copies that the compute of the blocks after it
-    within its window (``later``) cannot hide, forward and backward."""
+def waits_ms(
+    blocks: Sequence[BlockCosts], i: int, moved: int, link: tuple[float, float], window: int
+) -> float:
+    """The ms of block ``i``'s copies of ``moved`` bytes, out and back, that the compute of
+    the blocks after it within ``window`` cannot hide: those blocks as plain ones, since their
+    own choices are not known yet."""
+    later = [b.cost(Store()) for b in blocks[i + 1 : i + window]]
     forward = sum(x.forward_ms for x in later)
     backward = sum(x.backward_ms for x in later)
-    return (
-        max(0.0, moved / (link[0] * 1e6) - forward),
-        max(0.0, moved / (link[1] * 1e6) - backward),
-    )
+    out = max(0.0, moved / (link[0] * 1e6) - forward)
+    return out + max(0.0, moved / (link[1] * 1e6) - backward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,9 +492,7 @@ def _option(blocks, i, strategy, link, hidden_ms_per_byte=0.0) -> Option:
     if cost.host_bytes:
         if link is None:
             raise ValueError(f"{strategy} moves bytes, but the planner has no link bandwidth.")
-        # The blocks after it, as plain ones: their own choices are not known yet.
-        later = [b.cost(Store()) for b in blocks[i + 1 : i + strategy.window]]
-        ms += sum(exposed_ms(cost.host_bytes, link, later))
+        ms += waits_ms(blocks, i, cost.host_bytes, link, strategy.window)
         if strategy.max_bytes is not None:
             ms += hidden_ms_per_byte * cost.host_bytes
     return Option(strategy, int(kept), float(ms), int(cost.host_bytes))

@@ -144,9 +144,10 @@ def plans_for(
     if planner.unpriced:  # no round ran
         candidates = with_hidden_priced(candidates)
     best = {t: _best_fit(planner, candidates, t) for t in targets}
-    # Widening compiles once more: not where the caller left no time for rounds.
+    # Widening compiles once more: not where the caller left no time for rounds, nor for a
+    # plan that cannot run here to be timed against.
     widened = {
-        t: widened_plans(b, planner.widening_gain) if max_rounds else []
+        t: widened_plans(b, planner.widening_gain) if max_rounds and planner.runs_here(b) else []
         for t, b in best.items()
         if isinstance(b, Plan)
     }
@@ -333,7 +334,9 @@ def _best_fit(planner, candidates, budget_bytes: int) -> Plan | NoPlanFits:
     return error
 
 
-def widened_plans(plan: Plan, gain: Callable[[int, Strategy], float] | None = None) -> list[Plan]:
+def widened_plans(
+    plan: Plan, gain: Callable[[int, Strategy, int], float] | None = None
+) -> list[Plan]:
     """``plan`` with the windows of its uncapped offloads widened to each of :data:`WIDER`:
     all of them, and the half that ``gain(block, strategy, window)`` ranks first.
 

@@ -34,12 +34,12 @@ from jaxoffload._src.planner.compiled import CompiledSteps
 from jaxoffload._src.planner.costs import (
     TIE,
     cost_blocks,
-    exposed_ms,
     rescaled,
     step_flops,
     trace_blocks,
     traced_blocks,
     traced_options,
+    waits_ms,
 )
 from jaxoffload._src.planner.front import front
 from jaxoffload._src.planner.messages import note, summary
@@ -403,11 +403,11 @@ class Planner(CompiledSteps):
     def block_ms(self, block: int, strategy: Strategy) -> float:
         """Block ``block``'s time under ``strategy``, as :meth:`ms` counts it: a strategy not
         among its options (a widened window) as measured, with the waits for its copies."""
+        for option in self.choices[block]:
+            if option.strategy == strategy:
+                return option.ms
         cost = self.blocks[block].cost(strategy)
-        return next(
-            (o.ms for o in self.choices[block] if o.strategy == strategy),
-            cost.forward_ms + cost.backward_ms + self._waits(block, strategy, strategy.window),
-        )
+        return cost.forward_ms + cost.backward_ms + self._waits(block, strategy, strategy.window)
 
     def widening_gain(self, block: int, strategy: Strategy, window: int) -> float:
         """What widening block ``block``'s offload ``strategy`` to ``window`` saves: the ms of
@@ -424,8 +424,7 @@ class Planner(CompiledSteps):
         moved = self.blocks[block].cost(strategy).host_bytes
         if not moved or self.link is None:
             return 0.0
-        later = [b.cost(Store()) for b in self.blocks[block + 1 : block + window]]
-        return sum(exposed_ms(moved, self.link, later))
+        return waits_ms(self.blocks, block, moved, self.link, window)
 
     def block_bytes(self, model: PeakModel, block: int, strategy: Strategy) -> int:
         """What block ``block`` keeps under ``strategy``, as ``model`` weighs it."""
