@@ -11,6 +11,9 @@ both), so that the rest of ``_src`` can change without asking them.
 # The cut's pricing, which a probe replaces to time what another rule keeps; the host
 # transfers' construction, whose parts a probe takes away to price them.
 from jaxoffload._src import cut as cut
+
+# What Lean(max_slowdown=...)'s blocks timed and took in this process.
+from jaxoffload._src import fallbacks as fallbacks
 from jaxoffload._src import transfers as transfers
 
 # Reading traced programs.
@@ -93,6 +96,7 @@ __all__ = [
     "device_bytes_of",
     "discover",
     "equations",
+    "fallbacks",
     "hidden_copies",
     "host_copies",
     "link_probe_bytes",

@@ -57,13 +57,39 @@ def test_the_first_fallback_within_max_slowdown_is_taken(monkeypatch, times, cho
     assert rel_err(gradients(wrap(block, strategy, device_argnums=(1, 2))), gradients(block)) < 1e-6
     kept(strategy)  # traced again: not timed again
     assert len(calls) == 1
+    # What a record lists: the block by its inputs beside the parameters, and why it took what it did.
+    names = ["Lean(max_recompute=0.25)", "Lean(max_recompute=0.0)", "Store()"]
+    assert fallbacks.taken() == [
+        {
+            "inputs": "float32[2, 8, 8, 4]",
+            "times_ms": dict(zip(names, times)),
+            "strategy": repr(chosen),
+        }
+    ]
 
 
 def test_the_candidates_are_timed_on_the_device_while_the_step_is_traced():
     strategy = Lean(max_slowdown=10.0)  # any cut is within it: the lean one stays
     grads = gradients(wrap(block, strategy, device_argnums=(1, 2)))
     assert rel_err(grads, gradients(block)) < 1e-6
-    assert list(fallbacks.CHOSEN.values()) == [Lean()]
+    assert [c.strategy for c in fallbacks.CHOSEN.values()] == [Lean()]
+
+
+def test_only_a_differentiated_call_is_timed(monkeypatch):
+    # An init or an evaluation runs the block alone, the same under every fallback.
+    import flax.linen as nn
+
+    import jaxoffload
+
+    calls = []
+    monkeypatch.setattr(fallbacks, "time_candidates", lambda c, *_: calls.append(c) or [1.0] * 3)
+    Block = jaxoffload.linen.wrap(nn.Dense, Lean(max_slowdown=0.03))
+    variables = Block(4).init(jax.random.key(0), X[0, 0])
+    jax.jit(Block(4).apply)(variables, X[0, 0])
+    wrap(block, Lean(max_slowdown=0.03), device_argnums=(1, 2))(X, W, V)
+    assert calls == []
+    jax.grad(lambda v: Block(4).apply(v, X[0, 0]).sum())(variables)
+    assert len(calls) == 1
 
 
 def test_without_max_slowdown_nothing_is_timed(monkeypatch):
@@ -94,4 +120,6 @@ def test_a_block_sharded_over_an_explicit_mesh_is_timed_with_its_sharding():
         wrapped = wrap(dense, Lean(max_slowdown=10.0), device_argnums=(1,))
         grads = jax.jit(jax.grad(lambda *a: wrapped(*a).sum(), argnums=(0, 1)))(x, w)
         plain = jax.jit(jax.grad(lambda *a: dense(*a).sum(), argnums=(0, 1)))(x, w)
-    assert rel_err(grads, plain) < 1e-6 and list(fallbacks.CHOSEN.values()) == [Lean()]
+    assert rel_err(grads, plain) < 1e-6 and [c.strategy for c in fallbacks.CHOSEN.values()] == [
+        Lean()
+    ]

@@ -5,7 +5,7 @@
 
 ``minimal``: a 1 GiB copy to the host (and one back) beside independent matrix products, in
 one program, each alone and together. ``resnet50``: Flax's ImageNet ResNet-50, b256, bf16,
-224², its blocks under VARIANT (store, lean, remat, off10, off40, off150, full, or a plan's JSON file, as in
+224², its blocks under VARIANT (store, lean, lean-timed, remat, off10, off40, off150, full, or a plan's JSON file, as in
 ``benchmarks/probes/plans/``), compiled with the given
 XLA options (``compiler_options``), timed and traced; ``MODEL``, ``BATCH`` and ``IMAGE`` in the
 environment choose another plain-Flax bench model and shape. Writes VARIANT.json (and traces)
@@ -184,6 +184,7 @@ def minimal(out):
 VARIANTS = {
     "store": Store(),
     "lean": Lean(),
+    "lean-timed": Lean(max_slowdown=0.03),
     "remat": Remat(),
     "off10": Offload(window=2, max_bytes=10_000_000),
     "off40": Offload(window=2, max_bytes=40_000_000),

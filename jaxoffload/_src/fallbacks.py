@@ -9,6 +9,7 @@ within it: a cut that recomputes no product, then jax's own choice.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -19,10 +20,31 @@ from jaxoffload._src import timing
 from jaxoffload._src.jaxprs import fingerprint, struct_of
 from jaxoffload._src.strategies import Strategy
 
-__all__ = ["CHOSEN", "fastest_enough"]
+__all__ = ["CHOSEN", "Choice", "fastest_enough", "taken"]
+
+
+@dataclasses.dataclass
+class Choice:
+    """What one distinct call was timed at, and the fallback it took.
+
+    Attributes:
+      inputs: its inputs other than those on the device anyway, as ``dtype[shape]``.
+      times_ms: each fallback's time, forward and backward, by its ``repr``.
+      strategy: the fallback taken.
+    """
+
+    inputs: str
+    times_ms: dict[str, float]
+    strategy: Strategy
+
 
 # What each distinct call took, by its program and strategy: each is timed once per process.
-CHOSEN: dict[tuple, Strategy] = {}
+CHOSEN: dict[tuple, Choice] = {}
+
+
+def taken() -> list[dict[str, Any]]:
+    """Each distinct call timed in this process: its inputs, times and fallback, as JSON."""
+    return [{**dataclasses.asdict(c), "strategy": repr(c.strategy)} for c in CHOSEN.values()]
 
 
 def fastest_enough(
@@ -48,8 +70,13 @@ def fastest_enough(
         chosen = next(within, candidates[-1])
         if program is None:  # a constant is a tracer: this call is not seen again
             return chosen
-        CHOSEN[key] = chosen
-    return CHOSEN[key]
+        inputs = ", ".join(
+            f"{v.aval.dtype}{list(v.aval.shape)}"
+            for k, v in enumerate(closed.jaxpr.invars)
+            if k not in device_argnums
+        )
+        CHOSEN[key] = Choice(inputs, {repr(c): ms for c, ms in zip(candidates, times)}, chosen)
+    return CHOSEN[key].strategy
 
 
 def time_candidates(candidates, closed, device_argnums, wrap) -> list[float]:

@@ -233,9 +233,8 @@ def _wrapped_call(fun, strategy, argnums: Argnums, args: tuple, kwargs: dict, ch
     if has_inner_calls(traced):
         flat = _run_regions(traced, strategy)
         return jax.tree.unflatten(traced.out_tree, flat)
-    strategy = resolved(strategy, traced)
     if not strategy.to_host and _in_forward_mode((traced.dynamic, traced.kwargs)):
-        remat = strategy.checkpointed(traced.replay)
+        remat = resolved(strategy, traced).checkpointed(traced.replay)
         if remat is not None:
             # jax.checkpoint itself, which forward mode differentiates; a custom_vjp cannot.
             return remat(traced.dynamic, traced.kwargs)
@@ -344,8 +343,16 @@ def _custom_call(traced: TracedCall, strategy: Strategy, fun) -> Any:
     run = jax.custom_vjp(run)
 
     def run_fwd(dynamic, kwargs, gates):
+        # Fallbacks are timed here, when the call is differentiated: an init or an
+        # evaluation runs ``run`` alone, under any of them alike.
         kept = chosen["kept"] = select_once(
-            traced.closed, traced.out_tree, call, dynamic, kwargs, strategy, device_leaves
+            traced.closed,
+            traced.out_tree,
+            call,
+            dynamic,
+            kwargs,
+            resolved(strategy, traced),
+            device_leaves,
         )
         context.record_call(lambda: describe(traced.closed, kept, device_leaves))
         if strategy.to_host:

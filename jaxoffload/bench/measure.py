@@ -28,6 +28,7 @@ from jaxoffload.bench.workload import Workload
 from jaxoffload.internal import (
     analyze,
     brief,
+    fallbacks,
     link_probe_bytes,
     measure_link,
     median_ms,
@@ -128,7 +129,10 @@ def measure(
     if reference is not None or workload.micro_batch is not None:
         initial = jax.device_get(state[:2]), jax.tree.map(lambda a: a.sharding, state[:2])
     hits = _cache_hits()[0]
-    compiled, report = _compile_and_analyze(step, state, batch)
+    start = time.perf_counter()
+    traced = step.trace(state, batch)  # Lean(max_slowdown=...) times its blocks here
+    trace_s = time.perf_counter() - start
+    compiled, report = _compile_and_analyze(traced)
     from_cache = _cache_hits()[0] > hits if os.environ.get(CACHE_DIR) else None
     compile_peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
     twin = None
@@ -171,6 +175,9 @@ def measure(
         # whether the step came from the persistent cache that Children.compile fills.
         "compile_peak_bytes": None if None in compile_peaks else max(compile_peaks),
         "compiled_from_cache": from_cache,
+        "trace_s": trace_s,
+        # Lean(max_slowdown=...)'s distinct blocks: each fallback's time, and the one taken.
+        "fallbacks": fallbacks.taken() or None,
         **_step_fields(workload, times, loss),
         **gradient,
         "date": datetime.date.today().isoformat(),
@@ -195,9 +202,8 @@ def _traced(compiled, state, batch):
     return holder[0], overlap
 
 
-def _compile_and_analyze(step, state, batch):
+def _compile_and_analyze(traced):
     """The compiled step, and what its compiled program holds and moves (:func:`analyze`)."""
-    traced = step.trace(state, batch)
     compiled = _compiled(traced.lower())
     return compiled, analyze(traced, compiled, on_dropped="warn")
 
@@ -271,7 +277,7 @@ def compile_only(workload: Workload) -> dict[str, float]:
     """
     start = time.perf_counter()
     step, state, batch, _ = train_step(workload)
-    _, report = _compile_and_analyze(step, state, batch)
+    _, report = _compile_and_analyze(step.trace(state, batch))
     if report.moved:
         compile_twin(workload)
     return {"compile_s": time.perf_counter() - start}

@@ -150,6 +150,9 @@ class Record(_Carrying):
     peak_bytes_in_use: int | None = None
     compile_peak_bytes: int | None = None
     compiled_from_cache: bool | None = None
+    # Seconds to trace the step; Lean(max_slowdown=...)'s blocks are timed then, and listed.
+    trace_s: float | None = None
+    fallbacks: list[dict[str, Any]] | None = None
     step_time_ms: float | None = None
     step_times_ms: list[float] | None = None
     # With bench --repeat: each process's step_time_ms, the first's first; step_time_ms is
