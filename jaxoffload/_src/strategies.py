@@ -60,7 +60,7 @@ class Strategy:
         ``jax.checkpoint`` policy.
       required_names: the names, given with ``checkpoint_name``, that the function must mark.
       max_slowdown: if set, each distinct call is timed on the device when it
-        is traced, under each of :meth:`fallbacks`, and takes the first within
+        is first differentiated, under each of :meth:`fallbacks`, and takes the first within
         this share of the last one's time.
     """
 
@@ -168,8 +168,8 @@ class Lean(Strategy):
 
     Where a block's lean cut is slower than jax's choice, ``max_slowdown``
     makes it take jax's choice instead, measured: each distinct block is
-    compiled and timed alone, forward and backward, when it is first traced
-    (once per process), under this cut, under a cut that recomputes no
+    compiled and timed alone, forward and backward, when a step first
+    differentiates it (once per process; an init times nothing), under this cut, under a cut that recomputes no
     convolution or matrix product, and under :class:`Store`; it takes the
     first of them within ``max_slowdown`` of Store's time.
 
