@@ -92,6 +92,29 @@ def test_only_a_differentiated_call_is_timed(monkeypatch):
     assert len(calls) == 1
 
 
+def test_fallbacks_that_make_one_program_are_compiled_once(monkeypatch):
+    compiled = []
+    compile_all = fallbacks.timing.compile_all
+    monkeypatch.setattr(
+        fallbacks.timing,
+        "compile_all",
+        lambda xs, **kw: compiled.append(xs) or compile_all(xs, **kw),
+    )
+
+    def elementwise(x, w):  # no product: the lean cut and the one that recomputes none agree
+        return jnp.sin(x * w) * x
+
+    strategy = Lean(max_slowdown=10.0)
+    grads = jax.grad(lambda x, w: wrap(elementwise, strategy, device_argnums=(1,))(x, w).sum())
+    grads(X, X)
+    (choice,) = fallbacks.CHOSEN.values()
+    assert [len(xs) for xs in compiled] == [2]
+    assert choice.times_ms["Lean(max_recompute=0.25)"] == choice.times_ms["Lean(max_recompute=0.0)"]
+    grads = jax.grad(lambda x, w: wrap(block, strategy, device_argnums=(1, 2))(x, w, V).sum())
+    grads(X, W)  # its lean cut recomputes the 1x1 convolution: three programs
+    assert [len(xs) for xs in compiled] == [2, 3]
+
+
 def test_without_max_slowdown_nothing_is_timed(monkeypatch):
     monkeypatch.setattr(fallbacks, "time_candidates", lambda *_: pytest.fail("timed"))
     gradients(wrap(block, Lean(), device_argnums=(1, 2)))
