@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxoffload import Lean, Store, saved_residuals, wrap
+from jaxoffload import Lean, Store, offloaded_calls, saved_residuals, wrap
 from jaxoffload._src import fallbacks
 from tests.helpers import normal, rel_err
 
@@ -57,6 +57,8 @@ def test_the_first_fallback_within_max_slowdown_is_taken(monkeypatch, times, cho
     assert rel_err(gradients(wrap(block, strategy, device_argnums=(1, 2))), gradients(block)) < 1e-6
     kept(strategy)  # traced again: not timed again
     assert len(calls) == 1
+    step = jax.grad(lambda *a: wrap(block, strategy, device_argnums=(1, 2))(*a).sum())
+    assert [c.strategy for c in offloaded_calls(step, X, W, V)] == [chosen]  # what users read
     # What a record lists: the block by its inputs beside the parameters, and why it took what it did.
     names = ["Lean(max_recompute=0.25)", "Lean(max_recompute=0.0)", "Store()"]
     assert fallbacks.taken() == [

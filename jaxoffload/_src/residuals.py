@@ -92,6 +92,8 @@ class OffloadedCall:
         planner can time it.
       device_inputs: the positions, among ``forward``'s inputs, of those
         kept on the device anyway (parameters).
+      strategy: the strategy that chose its residuals: the one it was wrapped
+        with, or the fallback that ``Lean(max_slowdown=...)`` took.
     """
 
     residuals: tuple[Residual, ...]
@@ -100,6 +102,7 @@ class OffloadedCall:
     rewrites: tuple[rewrite.Rewrite, ...] = ()
     forward: Any = dataclasses.field(default=None, repr=False, compare=False)
     device_inputs: tuple[int, ...] = ()
+    strategy: Strategy | None = None
 
     @property
     def host_bytes(self) -> int:
@@ -420,8 +423,9 @@ def _residuals_from(traced: VjpTrace, saved, eqns):
     return residuals
 
 
-def describe(closed, selection: Selection, device_leaves) -> OffloadedCall:
-    """The record :func:`offloaded_calls` gives of one call, whose closed jaxpr is ``closed``."""
+def describe(closed, selection: Selection, device_leaves, strategy: Strategy) -> OffloadedCall:
+    """The record :func:`offloaded_calls` gives of one call, whose closed jaxpr is ``closed``,
+    its residuals chosen by ``strategy``."""
     return OffloadedCall(
         selection.residuals,
         sum(eqn_flops(e) for e in closed.jaxpr.eqns),
@@ -429,6 +433,7 @@ def describe(closed, selection: Selection, device_leaves) -> OffloadedCall:
         selection.rewrites,
         closed,
         tuple(sorted(device_leaves)),
+        strategy,
     )
 
 

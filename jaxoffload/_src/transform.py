@@ -345,16 +345,11 @@ def _custom_call(traced: TracedCall, strategy: Strategy, fun) -> Any:
     def run_fwd(dynamic, kwargs, gates):
         # Fallbacks are timed here, when the call is differentiated: an init or an
         # evaluation runs ``run`` alone, under any of them alike.
+        taken = resolved(strategy, traced)
         kept = chosen["kept"] = select_once(
-            traced.closed,
-            traced.out_tree,
-            call,
-            dynamic,
-            kwargs,
-            resolved(strategy, traced),
-            device_leaves,
+            traced.closed, traced.out_tree, call, dynamic, kwargs, taken, device_leaves
         )
-        context.record_call(lambda: describe(traced.closed, kept, device_leaves))
+        context.record_call(lambda: describe(traced.closed, kept, device_leaves, taken))
         if strategy.to_host:
             transfers.say_if_nothing_moves(fun, kept)
         flat = kept.forward(*jax.tree.leaves((dynamic, kwargs)))
