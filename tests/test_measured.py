@@ -1,5 +1,7 @@
 """Lean(max_slowdown=...): a block whose lean cut is slower than jax's choice takes a fallback."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -148,3 +150,30 @@ def test_a_block_sharded_over_an_explicit_mesh_is_timed_with_its_sharding():
     assert rel_err(grads, plain) < 1e-6 and [c.strategy for c in fallbacks.CHOSEN.values()] == [
         Lean()
     ]
+
+
+def test_a_bench_record_lists_each_timed_block_and_its_choice(monkeypatch):
+    from jaxoffload.bench import models
+    from jaxoffload.bench.measure import measure
+    from jaxoffload.bench.models import flax_resnet, plain_model
+    from jaxoffload.bench.record import Record
+    from jaxoffload.bench.step import uniform_strategy
+    from jaxoffload.bench.workload import Workload
+
+    def tiny(name, *, strategy, dtype, num_classes):  # two blocks, the second with a projection
+        return plain_model(
+            flax_resnet.ResNet, flax_resnet.ResNetBlock, uniform_strategy(strategy),
+            num_filters=4, stage_sizes=(1, 1), num_classes=num_classes, dtype=dtype,
+        )  # fmt: skip
+
+    monkeypatch.setattr(models, "create", tiny)
+    workload = Workload(
+        model="flax-resnet18", batch=2, image_size=32, dtype="float32", strategy="lean-timed"
+    )
+    record = measure(workload, steps=1, warmup=1)
+    names = {"Lean(max_recompute=0.25)", "Lean(max_recompute=0.0)", "Store()"}
+    assert len(record.fallbacks) == len(fallbacks.CHOSEN) == 2 and record.trace_s > 0
+    for block in record.fallbacks:
+        assert set(block["times_ms"]) == names and block["strategy"] in names
+        assert block["inputs"].startswith("float32[2, ")
+    assert Record.from_json(json.loads(json.dumps(record.to_json()))) == record
