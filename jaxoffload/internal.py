@@ -8,12 +8,13 @@ may change or go in any release, without notice or deprecation. It is the one wa
 both), so that the rest of ``_src`` can change without asking them.
 """
 
-# The cut's pricing, which a probe replaces to time what another rule keeps; the host
-# transfers' construction, whose parts a probe takes away to price them.
+# The cut's pricing, which a probe replaces to time what another rule keeps.
 from jaxoffload._src import cut as cut
 
 # What Lean(max_slowdown=...)'s blocks timed and took in this process.
 from jaxoffload._src import fallbacks as fallbacks
+
+# The host transfers' construction, whose parts a probe takes away to price them.
 from jaxoffload._src import transfers as transfers
 
 # Reading traced programs.

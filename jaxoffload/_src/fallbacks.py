@@ -94,9 +94,9 @@ def time_candidates(candidates, closed, device_argnums, wrap) -> list[float]:
         # Fallbacks that make the same program (a cut that recomputes no product anyway,
         # say) are compiled and timed once: each compile autotunes its kernels.
         texts = [x.as_text() for x in lowered]
-        first = {text: k for k, text in reversed(list(enumerate(texts)))}
-        distinct = sorted(set(first.values()))
-        executables = timing.compile_all([lowered[k] for k in distinct], parallel=False)
-        timed = timing.timed_together(list(zip(executables, [args[k] for k in distinct])), runs=5)
-    ms = {k: t for k, (t, _) in zip(distinct, timed)}
-    return [ms[first[text]] for text in texts]
+        programs = list(dict.fromkeys(texts))
+        firsts = [texts.index(text) for text in programs]
+        executables = timing.compile_all([lowered[k] for k in firsts], parallel=False)
+        timed = timing.timed_together(list(zip(executables, [args[k] for k in firsts])), runs=5)
+    ms = {text: t for text, (t, _) in zip(programs, timed)}
+    return [ms[text] for text in texts]

@@ -60,8 +60,8 @@ class Strategy:
         ``jax.checkpoint`` policy.
       required_names: the names, given with ``checkpoint_name``, that the function must mark.
       max_slowdown: if set, each distinct call is timed on the device when it
-        is first differentiated, under each of :meth:`fallbacks`, and takes the first within
-        this share of the last one's time.
+        is first differentiated, under each of :meth:`fallbacks`, and takes the
+        first within this share of the last one's time.
     """
 
     is_identity: bool = False
@@ -169,9 +169,10 @@ class Lean(Strategy):
     Where a block's lean cut is slower than jax's choice, ``max_slowdown``
     makes it take jax's choice instead, measured: each distinct block is
     compiled and timed alone, forward and backward, when a step first
-    differentiates it (once per process; an init times nothing), under this cut, under a cut that recomputes no
-    convolution or matrix product, and under :class:`Store`; it takes the
-    first of them within ``max_slowdown`` of Store's time.
+    differentiates it (once per process; an init times nothing), under this
+    cut, under a cut that recomputes no convolution or matrix product, and
+    under :class:`Store`; it takes the first of them within ``max_slowdown``
+    of Store's time.
 
     Its residuals are chosen in a ``jax.custom_vjp`` rule, as :class:`Offload`'s are:
     it is differentiated in reverse mode (a gradient of a gradient too), not forward
