@@ -3,9 +3,9 @@
     [FAST=1] [AUTOTUNE=N] [PAR=1] [KEEP=all|dot|weights] \
         python benchmarks/probes/timed_fallbacks.py PROBE.py [ARGS ...]
 
-Each time :mod:`jaxoffload._src.fallbacks` times a block, one line: ``FALLBACK n``, the width of
-the block's first input, its equations, each fallback's ms (``Lean()``, ``Lean(max_recompute=0.0)``,
-``Store()``), the seconds the timing took and the seconds each of its compiles took.
+Each time :mod:`jaxoffload._src.fallbacks` times a block's fallbacks, one line: ``FALLBACK n``,
+the shape of the block's first input, each fallback timed and its ms, the one taken, the seconds
+the timing took (lowering, compiling and running) and those of each compile.
 ``AUTOTUNE=N`` compiles a block's programs at ``xla_gpu_autotune_level=N`` (XLA's default is 4,
 which also initialises the candidates' buffers and checks their results; 1 only times them); ``PAR=1``
 compiles them in parallel; ``FAST=1`` is ``AUTOTUNE=0 PAR=1``. ``KEEP`` is
@@ -21,31 +21,33 @@ import time
 
 from jaxoffload.internal import cut, fallbacks
 
-_time_candidates = fallbacks.time_candidates
+_fastest_enough = fallbacks.fastest_enough
 _spent = {"s": 0.0, "n": 0}
 _compiles: list[float] = []
 
 
-def logged(candidates, closed, device_argnums, wrap):
+def logged(strategy, closed, device_argnums, wrap):
     start = time.perf_counter()
-    times = _time_candidates(candidates, closed, device_argnums, wrap)
+    chosen = _fastest_enough(strategy, closed, device_argnums, wrap)
     took = time.perf_counter() - start
+    if not _compiles:  # this program was timed already
+        return chosen
     _spent["s"] += took
     _spent["n"] += 1
-    shapes = [tuple(v.aval.shape) for v in closed.jaxpr.invars][:1]
+    times = list(fallbacks.CHOSEN.values())[-1].times_ms
     print(
-        f"FALLBACK {_spent['n']} {shapes} {len(closed.jaxpr.eqns)}",
-        [f"{ms:.3f}" for ms in times],
-        f"{took:.2f}s total {_spent['s']:.1f}s compiles",
+        f"FALLBACK {_spent['n']} {tuple(closed.jaxpr.invars[0].aval.shape)}",
+        [f"{c}: {ms:.3f}" for c, ms in times.items()],
+        f"took {chosen!r}; {took:.2f}s total {_spent['s']:.1f}s compiles",
         [f"{s:.2f}" for s in _compiles],
         flush=True,
     )
     _compiles.clear()
-    return times
+    return chosen
 
 
 if __name__ == "__main__":
-    fallbacks.time_candidates = logged
+    fallbacks.fastest_enough = logged
     fast = bool(os.environ.get("FAST"))
     level = os.environ.get("AUTOTUNE", "0" if fast else "")
     options = {"xla_gpu_autotune_level": int(level)} if level else None

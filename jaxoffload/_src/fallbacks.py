@@ -63,11 +63,20 @@ def fastest_enough(
     key = (program, device_argnums, strategy)
     if program is None or key not in CHOSEN:
         candidates = strategy.fallbacks()
-        times = time_candidates(candidates, closed, device_argnums, wrap)
-        limit = (1 + strategy.max_slowdown) * times[-1]
-        # The last is jax's own choice, within its own limit unless its time is unknown.
-        within = (c for c, ms in zip(candidates, times) if ms <= limit)
-        chosen = next(within, candidates[-1])
+        *cuts, reference = candidates
+        programs = Programs(closed, device_argnums, wrap)
+        # Each cut is timed beside jax's choice, leanest first, until one is within the limit:
+        # where the lean cut is, as it mostly is, the others are never compiled. A cut whose
+        # program is one already timed is not timed again.
+        times, chosen, slower = {}, reference, set()
+        for cut in cuts:
+            if programs.text(cut) in slower:
+                continue
+            times[cut], times[reference] = time_candidates([cut, reference], programs)
+            if times[cut] <= (1 + strategy.max_slowdown) * times[reference]:
+                chosen = cut
+                break
+            slower.add(programs.text(cut))
         if program is None:  # a constant is a tracer: this call is not seen again
             return chosen
         inputs = ", ".join(
@@ -75,28 +84,48 @@ def fastest_enough(
             for k, v in enumerate(closed.jaxpr.invars)
             if k not in device_argnums
         )
-        CHOSEN[key] = Choice(inputs, {repr(c): ms for c, ms in zip(candidates, times)}, chosen)
+        times_ms = {repr(c): times[c] for c in candidates if c in times}
+        CHOSEN[key] = Choice(inputs, times_ms, chosen)
     return CHOSEN[key].strategy
 
 
-def time_candidates(candidates, closed, device_argnums, wrap) -> list[float]:
+class Programs:
+    """A call's forward and backward passes under each candidate, each lowered and compiled
+    at most once: fallbacks that make the same program (a cut that recomputes no product
+    anyway, say) are compiled once, and each compile autotunes its kernels."""
+
+    def __init__(self, closed, device_argnums: tuple[int, ...], wrap: Callable[..., Any]):
+        self.fun = jex_core.jaxpr_as_fun(closed)
+        self.structs = [struct_of(v.aval) for v in closed.jaxpr.invars]
+        self.device_argnums, self.wrap = device_argnums, wrap
+        self.texts: dict[Strategy, str] = {}  # each candidate's program, by its text
+        self.lowered: dict[str, tuple[Any, Any]] = {}  # each distinct program and its arguments
+        self.executables: dict[str, Any] = {}
+
+    def text(self, candidate: Strategy) -> str:
+        if candidate not in self.texts:
+            wrapped = self.wrap(self.fun, candidate, device_argnums=self.device_argnums)
+            # Lowered while the user's step is traced: the zeros it runs on are concrete.
+            with jax.ensure_compile_time_eval():
+                _, both, _, args = timing.vjp_programs(wrapped, self.structs)
+                lowered = both.trace(*args).lower()
+            text = self.texts[candidate] = lowered.as_text()
+            self.lowered.setdefault(text, (lowered, args))
+        return self.texts[candidate]
+
+    def executable(self, text: str) -> Any:
+        if text not in self.executables:
+            (self.executables[text],) = timing.compile_all([self.lowered[text][0]], parallel=False)
+        return self.executables[text]
+
+
+def time_candidates(candidates: list[Strategy], programs: Programs) -> list[float]:
     """The ms of the call's forward and backward passes under each candidate, timed in turns."""
-    fun = jex_core.jaxpr_as_fun(closed)
-    structs = [struct_of(v.aval) for v in closed.jaxpr.invars]
-    # Called while the user's step is traced: the zeros and runs here are concrete.
-    with jax.ensure_compile_time_eval():
-        lowered, args = [], []
-        for candidate in candidates:
-            wrapped = wrap(fun, candidate, device_argnums=device_argnums)
-            _, both, _, both_args = timing.vjp_programs(wrapped, structs)
-            lowered.append(both.trace(*both_args).lower())
-            args.append(both_args)
-        # Fallbacks that make the same program (a cut that recomputes no product anyway,
-        # say) are compiled and timed once: each compile autotunes its kernels.
-        texts = [x.as_text() for x in lowered]
-        programs = list(dict.fromkeys(texts))
-        firsts = [texts.index(text) for text in programs]
-        executables = timing.compile_all([lowered[k] for k in firsts], parallel=False)
-        timed = timing.timed_together(list(zip(executables, [args[k] for k in firsts])), runs=5)
-    ms = {text: t for text, (t, _) in zip(programs, timed)}
+    with jax.ensure_compile_time_eval():  # runs while the user's step is traced
+        texts = [programs.text(c) for c in candidates]
+        distinct = list(dict.fromkeys(texts))
+        timed = timing.timed_together(
+            [(programs.executable(t), programs.lowered[t][1]) for t in distinct], runs=5
+        )
+    ms = {text: t for text, (t, _) in zip(distinct, timed)}
     return [ms[text] for text in texts]
