@@ -75,11 +75,11 @@ def test_the_first_fallback_within_max_slowdown_is_taken(monkeypatch, times, cho
     step = jax.grad(lambda *a: wrap(block, strategy, device_argnums=(1, 2))(*a).sum())
     assert [c.strategy for c in offloaded_calls(step, X, W, V)] == [chosen]  # what users read
     # What a record lists: the block by its inputs beside the parameters, and why it took what it
-    # did: each fallback timed, by its repr, in the order of the fallbacks.
+    # did: each pair timed, by their reprs.
     assert fallbacks.taken() == [
         {
             "inputs": "float32[2, 8, 8, 4]",
-            "times_ms": {NAMES[x]: t for x, t in times.items()},
+            "times_ms": [{NAMES[x]: times[x] for x in pair} for pair in timed],
             "strategy": repr(chosen),
         }
     ]
@@ -127,20 +127,21 @@ def test_each_program_is_compiled_once_and_only_as_far_as_needed(monkeypatch):
         n = len(args)
         jax.grad(lambda *a: wrap(f, strategy, device_argnums=tuple(range(1, n)))(*a).sum())(*args)
         (choice,) = fallbacks.CHOSEN.values()
-        return choice.strategy, list(choice.times_ms), len(compiled)
+        return choice.strategy, [list(pair) for pair in choice.times_ms], len(compiled)
 
     lean, store = "Lean(max_recompute=0.25)", "Store()"
     strategy = Lean(max_slowdown=10.0)  # the lean cut is within it: nothing else is compiled
-    assert chosen(elementwise, X, X) == (Lean(), [lean, store], 2)
-    assert chosen(block, X, W, V) == (Lean(), [lean, store], 2)
+    assert chosen(elementwise, X, X) == (Lean(), [[lean, store]], 2)
+    assert chosen(block, X, W, V) == (Lean(), [[lean, store]], 2)
     # Every cut twice as slow as Store: the next cut is timed, unless its program was timed.
     monkeypatch.setattr(
         fallbacks.timing, "timed_together", lambda ps, runs: [(2.0, 0.0), (1.0, 0.0)][-len(ps) :]
     )
     strategy = Lean(max_slowdown=0.03)
-    assert chosen(elementwise, X, X) == (Store(), [lean, store], 2)
+    assert chosen(elementwise, X, X) == (Store(), [[lean, store]], 2)
     # The block's lean cut recomputes its 1x1 convolution: the cut that recomputes none differs.
-    assert chosen(block, X, W, V) == (Store(), [lean, "Lean(max_recompute=0.0)", store], 3)
+    pairs = [[lean, store], ["Lean(max_recompute=0.0)", store]]
+    assert chosen(block, X, W, V) == (Store(), pairs, 3)
 
 
 def test_without_max_slowdown_nothing_is_timed(monkeypatch):
@@ -196,8 +197,10 @@ def test_a_bench_record_lists_each_timed_block_and_its_choice(monkeypatch):
     record = measure(workload, steps=1, warmup=1)
     names = {"Lean(max_recompute=0.25)", "Lean(max_recompute=0.0)", "Store()"}
     assert len(record.fallbacks) == len(fallbacks.CHOSEN) == 2 and record.trace_s > 0
-    for block in record.fallbacks:  # the lean cut and Store, at least, and what it took
-        assert {"Lean(max_recompute=0.25)", "Store()"} <= set(block["times_ms"]) <= names
-        assert block["strategy"] in block["times_ms"]
+    for block in record.fallbacks:  # the lean cut beside Store first, and what it took
+        first, *_ = pairs = block["times_ms"]
+        assert list(first) == ["Lean(max_recompute=0.25)", "Store()"]
+        assert all(set(pair) <= names for pair in pairs)
+        assert block["strategy"] in pairs[-1]
         assert block["inputs"].startswith("float32[2, ")
     assert Record.from_json(json.loads(json.dumps(record.to_json()))) == record

@@ -4,7 +4,7 @@
         python benchmarks/probes/timed_fallbacks.py PROBE.py [ARGS ...]
 
 Each time :mod:`jaxoffload._src.fallbacks` times a block's fallbacks, one line: ``FALLBACK n``,
-the shape of the block's first input, each fallback timed and its ms, the one taken, the seconds
+the shape of the block's first operand, each pair timed and its ms, the fallback taken, the seconds
 the timing took (lowering, compiling and running) and those of each compile.
 ``AUTOTUNE=N`` compiles a block's programs at ``xla_gpu_autotune_level=N`` (XLA's default is 4,
 which also initialises the candidates' buffers and checks their results; 1 only times them); ``PAR=1``
@@ -34,10 +34,10 @@ def logged(strategy, closed, device_argnums, wrap):
         return chosen
     _spent["s"] += took
     _spent["n"] += 1
-    times = list(fallbacks.CHOSEN.values())[-1].times_ms
+    pairs = list(fallbacks.CHOSEN.values())[-1].times_ms
     print(
         f"FALLBACK {_spent['n']} {tuple(closed.jaxpr.invars[0].aval.shape)}",
-        [f"{c}: {ms:.3f}" for c, ms in times.items()],
+        [", ".join(f"{c}: {ms:.3f}" for c, ms in pair.items()) for pair in pairs],
         f"took {chosen!r}; {took:.2f}s total {_spent['s']:.1f}s compiles",
         [f"{s:.2f}" for s in _compiles],
         flush=True,

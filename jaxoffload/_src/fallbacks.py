@@ -29,12 +29,13 @@ class Choice:
 
     Attributes:
       inputs: its inputs other than those on the device anyway, as ``dtype[shape]``.
-      times_ms: each fallback's time, forward and backward, by its ``repr``.
+      times_ms: each pair timed in turns, in order: a cut's time, forward and
+        backward, and jax's choice's beside it, each by its ``repr``.
       strategy: the fallback taken.
     """
 
     inputs: str
-    times_ms: dict[str, float]
+    times_ms: list[dict[str, float]]
     strategy: Strategy
 
 
@@ -62,18 +63,18 @@ def fastest_enough(
     program = fingerprint(closed)
     key = (program, device_argnums, strategy)
     if program is None or key not in CHOSEN:
-        candidates = strategy.fallbacks()
-        *cuts, reference = candidates
+        *cuts, reference = strategy.fallbacks()
         programs = Programs(closed, device_argnums, wrap)
         # Each cut is timed beside jax's choice, leanest first, until one is within the limit:
         # where the lean cut is, as it mostly is, the others are never compiled. A cut whose
         # program is one already timed is not timed again.
-        times, chosen, slower = {}, reference, set()
+        times_ms, chosen, slower = [], reference, set()
         for cut in cuts:
             if programs.text(cut) in slower:
                 continue
-            times[cut], times[reference] = time_candidates([cut, reference], programs)
-            if times[cut] <= (1 + strategy.max_slowdown) * times[reference]:
+            cut_ms, reference_ms = time_candidates([cut, reference], programs)
+            times_ms.append({repr(cut): cut_ms, repr(reference): reference_ms})
+            if cut_ms <= (1 + strategy.max_slowdown) * reference_ms:
                 chosen = cut
                 break
             slower.add(programs.text(cut))
@@ -84,7 +85,6 @@ def fastest_enough(
             for k, v in enumerate(closed.jaxpr.invars)
             if k not in device_argnums
         )
-        times_ms = {repr(c): times[c] for c in candidates if c in times}
         CHOSEN[key] = Choice(inputs, times_ms, chosen)
     return CHOSEN[key].strategy
 
