@@ -1,6 +1,6 @@
 """Runs a probe with each ``Lean(max_slowdown=...)`` block timing printed. A GPU probe, not a test.
 
-    [FAST=1] [AUTOTUNE=N] [PAR=1] [KEEP=all|dot|weights] \
+    [FAST=1] [AUTOTUNE=N] [PAR=1] [SPLIT=1] [KEEP=all|dot|weights] \
         python benchmarks/probes/timed_fallbacks.py PROBE.py [ARGS ...]
 
 Each time :mod:`jaxoffload._src.fallbacks` times a block's fallbacks, one line: ``FALLBACK n``,
@@ -8,8 +8,10 @@ the shape of the block's first operand, each pair timed and its ms, the fallback
 the timing took (lowering, compiling and running) and those of each compile.
 ``AUTOTUNE=N`` compiles a block's programs at ``xla_gpu_autotune_level=N`` (XLA's default is 4,
 which also initialises the candidates' buffers and checks their results; 1 only times them); ``PAR=1``
-compiles them in parallel; ``FAST=1`` is ``AUTOTUNE=0 PAR=1``. ``KEEP`` is
-``keep_products.py``'s rule.
+compiles them in parallel; ``FAST=1`` is ``AUTOTUNE=0 PAR=1``. ``SPLIT=1`` times each cut's
+forward and backward passes as two programs, the residuals passed from one to the other as a
+step holds them, where the library times one program that runs both (in which XLA need not
+keep a residual as a step does). ``KEEP`` is ``keep_products.py``'s rule.
 Then PROBE.py runs as it is: ``overlap_probe.py resnet50 lean-timed OUT`` with ``MODEL`` and
 ``BATCH`` in the environment.
 """
@@ -46,6 +48,45 @@ def logged(strategy, closed, device_argnums, wrap):
     return chosen
 
 
+def split_times(candidates, programs):
+    """:func:`fallbacks.time_candidates`, each candidate's passes timed as two programs."""
+    import jax
+    import numpy as np
+
+    timing = fallbacks.timing
+    cache = programs.__dict__.setdefault("split", {})
+    with jax.ensure_compile_time_eval():
+        for c in candidates:
+            if c in cache:
+                continue
+            wrapped = programs.wrap(programs.fun, c, device_argnums=programs.device_argnums)
+            outs = jax.eval_shape(wrapped, *programs.structs)
+            floats = [jax.dtypes.issubdtype(o.dtype, np.inexact) for o in outs]
+
+            def backward(vjp_fun, cotangents, floats=floats, outs=outs):
+                it = iter(cotangents)
+                full = [
+                    next(it) if f else np.zeros(o.shape, jax.dtypes.float0)
+                    for f, o in zip(floats, outs)
+                ]
+                return vjp_fun(full)
+
+            args = [timing.zeros(s) for s in programs.structs]
+            cotangents = [timing.zeros(o) for f, o in zip(floats, outs) if f]
+            forward = jax.jit(lambda *a, f=wrapped: jax.vjp(f, *a))
+            (fwd,) = compile_all([forward.trace(*args).lower()])
+            _, vjp_fun = fwd(*args)
+            (bwd,) = compile_all([jax.jit(backward).trace(vjp_fun, cotangents).lower()])
+            cache[c] = (fwd, bwd, args, cotangents)
+
+        def both(c):
+            fwd, bwd, args, cotangents = cache[c]
+            return lambda: bwd(fwd(*args)[1], cotangents)
+
+        timed = timing.timed_together([(both(c), ()) for c in candidates], runs=5)
+    return [t for t, _ in timed]
+
+
 if __name__ == "__main__":
     fallbacks.fastest_enough = logged
     fast = bool(os.environ.get("FAST"))
@@ -60,6 +101,8 @@ if __name__ == "__main__":
         return [e for e, _ in done]
 
     fallbacks.timing.compile_all = compile_all
+    if os.environ.get("SPLIT"):
+        fallbacks.time_candidates = split_times
     if os.environ.get("KEEP"):
         sys.path.insert(0, os.path.dirname(__file__))
         import keep_products
