@@ -767,19 +767,29 @@ def test_the_hidden_offloads_check_compiles_beside_the_first_round_and_its_price
     assert exposed_ms_per_byte((50.0, 25.0)) == pytest.approx(1 / 50e6 + 1 / 25e6)
 
 
-def test_the_hidden_offloads_are_priced_by_their_check_for_the_search_and_for_other_sizes():
+def test_the_hidden_offloads_are_priced_by_their_check_for_the_search_and_for_other_sizes(
+    monkeypatch,
+):
     """The real planner with offloading options, its blocks costed by their FLOPs: the checks
     compile while the blocks are traced, the hidden offloads' check in the background until the
-    first round ends, and a planner measured from this one (a size search's next size) takes
-    the price it measured."""
+    uniform plans are timed (no step is timed beside a compile, which autotunes on the device),
+    its step timed by the end of the first round, and a planner measured from this one (a size
+    search's next size) takes the price it measured."""
     options = (Store(), Lean(), Remat(), Offload())
-    lines = []
+    lines, beside = [], []
+    steps_together = planner.Planner.steps_together
+
+    def timed(self, plans):  # whether anything compiles while steps are timed
+        beside.append(bool(self.in_flight))
+        return steps_together(self, plans)
+
+    monkeypatch.setattr(planner.Planner, "steps_together", timed)
     made = planner.Planner(
         PLANNABLE, step, ARGS, options, runs=1, say=lines.append, block_costs="traced"
     )
     (hidden,) = made.unpriced
-    assert hidden in made.in_flight and hidden not in made.lowered  # compiling, not waited for
-    assert made.hidden_ms_per_byte == exposed_ms_per_byte(made.link) > 0
+    assert beside == [False] and hidden in made.compiled and not made.in_flight
+    assert made.hidden_ms_per_byte == exposed_ms_per_byte(made.link) > 0  # compiled, not priced
     found = made.plan_for(1.0, max_rounds=2)
     assert made.compiled[found] <= found.budget_bytes and not made.unpriced
     assert hidden in made.compiled and hidden in made.checks
@@ -787,11 +797,12 @@ def test_the_hidden_offloads_are_priced_by_their_check_for_the_search_and_for_ot
         "compiling the plain step, and tracing the checks",
         "host link:",  # measured while the plain step compiles
         "compiling 6 more plans to fit the model to, meanwhile",
+        "waiting for the hidden offloads' check to compile, to time the uniform plans",
+        "the hidden offloads' check: compiled 1 in ",
         "round 1: ",
         "hidden offloads:",
     )]  # fmt: skip
-    assert any(line.startswith("the hidden offloads' check: compiled 1 in ") for line in lines)
-    assert said == sorted(said) and lines[said[3]].endswith("the hidden offloads' check")
+    assert said == sorted(said) and lines[said[5]].endswith("timing the hidden offloads' check")
     # A size search's first planner has not searched: the next size's planner prices it first.
     quiet = lambda line: None  # noqa: E731
     first = planner.Planner(PLANNABLE, step, ARGS, options, runs=1, say=quiet, block_costs="traced")

@@ -134,7 +134,10 @@ def plans_for(
             break
         candidates = sorted(set(candidates) | set(batch), key=by_model)
         doing = ["compiling " + " and ".join(summary(c.strategies) for c in batch)] if batch else []
-        doing += ["finishing the hidden offloads' check"] if unpriced else []
+        compiling = any(c in planner.in_flight for c in unpriced)
+        doing += [f"{'finishing' if compiling else 'timing'} the hidden offloads' check"] * bool(
+            unpriced
+        )
         planner.say(f"round {round_}: " + ", and ".join(doing))
         said.update({c: planner.peak_bytes(model, c) for c in batch})
         planner.compile([*batch, *unpriced])

@@ -294,8 +294,11 @@ class Planner(CompiledSteps):
         """Calibrates the blocks' times to the uniform steps that compute without moving
         (:func:`~jaxoffload._src.planner.calibration.time_errors`), and their bytes to every
         plan compiled."""
-        if any(not f.done() for f in self.in_flight.values()):  # for the log: it may load them
-            self.say("timing the uniform plans while the hidden offloads' check compiles")
+        if self.in_flight:
+            # A compile autotunes its kernels on the device: steps timed beside it spread too
+            # far to calibrate to (docs/design.md, "Where planning's time goes").
+            self.say("waiting for the hidden offloads' check to compile, to time the uniform plans")
+            self.settle()
         plans = [
             p
             for p in dict.fromkeys(uniform)
