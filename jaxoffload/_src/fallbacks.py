@@ -98,11 +98,12 @@ class Programs:
         self.fun = jex_core.jaxpr_as_fun(closed)
         self.structs = [struct_of(v.aval) for v in closed.jaxpr.invars]
         self.device_argnums, self.wrap = device_argnums, wrap
-        self.texts: dict[Strategy, str] = {}  # each candidate's program, by its text
+        self.texts: dict[Strategy, str] = {}  # each candidate's program as text
         self.lowered: dict[str, tuple[Any, Any]] = {}  # each distinct program and its arguments
         self.executables: dict[str, Any] = {}
 
     def text(self, candidate: Strategy) -> str:
+        """The candidate's program as text, lowered on first asking."""
         if candidate not in self.texts:
             wrapped = self.wrap(self.fun, candidate, device_argnums=self.device_argnums)
             # Lowered while the user's step is traced: the zeros it runs on are concrete.
@@ -114,6 +115,7 @@ class Programs:
         return self.texts[candidate]
 
     def executable(self, text: str) -> Any:
+        """The program of this text, compiled on first asking."""
         if text not in self.executables:
             (self.executables[text],) = timing.compile_all([self.lowered[text][0]], parallel=False)
         return self.executables[text]
