@@ -187,8 +187,9 @@ class Planner(CompiledSteps):
         # At another size, the byte weights that the measured planner calibrated.
         self.prior = None if measured is None else measured.peak_model()
         self._put_on_front(self.prior)
-        # Every block that has one under a hidden offload is checked before the first round
-        # ends (price_hidden); until then, hidden copies cost their link time.
+        # Every block that has one under a hidden offload is checked once the uniform plans
+        # are timed, or by the end of the first round where they are not (price_hidden);
+        # until then, hidden copies cost their link time.
         choice = hidden_choice(self.choices, self.options) if uniform else None
         self.unpriced = [] if choice is None else [Plan(tuple(zip(self.paths, choice)), Lean())]
         # How little a step keeps: the uniform checks say; at another size, the front's
@@ -220,7 +221,7 @@ class Planner(CompiledSteps):
             )
         if compile_plain:
             self.compile([self.plain])
-        if self.unpriced:  # traced while the checks compile; the first round waits for it
+        if self.unpriced:  # traced while the checks compile; the calibration waits for it
             self.compile_soon(firsts)
             self.compile_soon(self.unpriced, "the hidden offloads' check")
         self.compile(firsts)
@@ -293,12 +294,12 @@ class Planner(CompiledSteps):
     def _calibrate(self, uniform: Sequence[Plan]) -> None:
         """Calibrates the blocks' times to the uniform steps that compute without moving
         (:func:`~jaxoffload._src.planner.calibration.time_errors`), and their bytes to every
-        plan compiled."""
-        if self.in_flight:
-            # A compile autotunes its kernels on the device: steps timed beside it spread too
-            # far to calibrate to (docs/design.md, "Where planning's time goes").
+        plan compiled; then prices the hidden offloads, their check compiled by then."""
+        # A compile autotunes its kernels on the device: steps timed beside it spread too far
+        # to calibrate to (docs/design.md, "Where planning's time goes").
+        if any(not f.done() for f in self.in_flight.values()):
             self.say("waiting for the hidden offloads' check to compile, to time the uniform plans")
-            self.settle()
+        self.settle()
         plans = [
             p
             for p in dict.fromkeys(uniform)
@@ -313,7 +314,10 @@ class Planner(CompiledSteps):
             for line in lines:
                 self.say(line)
             self.blocks = calibrated(self.blocks, errors)
-        self._put_on_front(self.peak_model())
+        if self.unpriced:  # against the calibrated blocks, before the first round
+            self.price_hidden()
+        else:
+            self._put_on_front(self.peak_model())
 
     def price_hidden(self) -> None:
         """Charges hidden offloads what the step of :attr:`unpriced` (compiled here if it was
