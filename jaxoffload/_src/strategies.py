@@ -169,11 +169,10 @@ class Lean(Strategy):
     Where a block's lean cut is slower than jax's choice, ``max_slowdown``
     makes it take jax's choice instead, measured: each distinct block is
     compiled and timed alone, forward and backward, when a step first
-    differentiates it (once per process; an init times nothing). This cut is
-    timed beside :class:`Store`; where it is slower by more than
-    ``max_slowdown``, a cut that recomputes no convolution or matrix product
-    is timed next, and failing that the block stores. A block timed alone is
-    not the block in a step: see the README before turning it on.
+    differentiates it (once per process; an init times nothing): this cut
+    beside :class:`Store`, then, if slower by more than ``max_slowdown``, a cut
+    that recomputes no convolution or matrix product; failing both, it stores.
+    A block timed alone is not the block in a step: see the README first.
 
     Its residuals are chosen in a ``jax.custom_vjp`` rule, as :class:`Offload`'s are:
     it is differentiated in reverse mode (a gradient of a gradient too), not forward
