@@ -134,10 +134,9 @@ def plans_for(
             break
         candidates = sorted(set(candidates) | set(batch), key=by_model)
         doing = ["compiling " + " and ".join(summary(c.strategies) for c in batch)] if batch else []
-        compiling = any(c in planner.in_flight for c in unpriced)
-        doing += [f"{'finishing' if compiling else 'timing'} the hidden offloads' check"] * bool(
-            unpriced
-        )
+        if unpriced:
+            compiling = any(c in planner.in_flight for c in unpriced)
+            doing.append(("finishing" if compiling else "timing") + " the hidden offloads' check")
         planner.say(f"round {round_}: " + ", and ".join(doing))
         said.update({c: planner.peak_bytes(model, c) for c in batch})
         planner.compile([*batch, *unpriced])

@@ -296,7 +296,7 @@ class Planner(CompiledSteps):
         (:func:`~jaxoffload._src.planner.calibration.time_errors`), and their bytes to every
         plan compiled; then prices the hidden offloads, their check compiled by then."""
         # A compile autotunes its kernels on the device: steps timed beside it spread too far
-        # to calibrate to (docs/design.md, "Where planning's time goes").
+        # to calibrate to (docs/design.md, "The hidden offloads' check compiles in the background").
         if any(not f.done() for f in self.in_flight.values()):
             self.say("waiting for the hidden offloads' check to compile, to time the uniform plans")
         self.settle()
