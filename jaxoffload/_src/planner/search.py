@@ -299,7 +299,7 @@ class Planner(CompiledSteps):
         # to calibrate to (docs/design.md, "The hidden offloads' check compiles in the background").
         if any(not f.done() for f in self.in_flight.values()):
             self.say("waiting for the hidden offloads' check to compile, to time the uniform plans")
-        self.settle()
+        self.compile(list(self.in_flight))  # waited for, and a failure raised: it is needed
         plans = [
             p
             for p in dict.fromkeys(uniform)
