@@ -7,8 +7,9 @@ window of W, as in ``offload@2``), in this process: the compiled
 step's ``memory_analysis()``, its host copies (``S(5)``, ``copy-start``), and, for
 strategies that offload, the same program compiled with host placement off (the
 twin), so that the device bytes the copies free can be read. With ``--peaks``,
-XLA's live-range dump of each step is summarised too: the jax operations
-alive at the device peak. With ``--hlo``, each step's compiled program is written to
+the device peak is read from XLA's dump of each step (:func:`peak_breakdown`): the
+instruction where most of the temporaries are alive, and the jax operations whose
+buffers are alive there. With ``--hlo``, each step's compiled program is written to
 DIR/MODEL-BATCH-STRATEGY.hlo (``deviceless.py kernels`` reads it). One JSON line per
 strategy goes to stdout. Image size 224, bf16. ``deviceless.py run`` runs it for the H200
 on a machine without one.
@@ -26,17 +27,59 @@ import time
 
 
 def peak_breakdown(dump_dir):
-    """The jax operations alive at the device peak, from XLA's live-range dump."""
-    (path,) = glob.glob(f"{dump_dir}/*after_optimizations-live-range.txt")
-    lines = open(path).read().splitlines()
-    start = next(n for n, line in enumerate(lines) if "Stack trace breakdown for peak" in line)
+    """The device peak from XLA's dump: the temporaries' allocation and the jax operations
+    whose buffers in it are alive at the instruction where most of it is.
+
+    Read from the buffer assignment (each temporary's offset and size in the one
+    allocation the runtime makes) and the live ranges (from which instruction to which
+    each is alive): the union of the spans alive at each instruction. The live-range
+    dump's own "stack trace breakdown for peak usage" is not that peak: it counts fewer
+    bytes than the allocation holds at once, and puts the peak elsewhere (docs/design.md,
+    "Compiling for the H200 without it").
+    """
+    (assignment,) = glob.glob(f"{dump_dir}/*after_optimizations-buffer-assignment.txt")
+    (ranges_path,) = glob.glob(f"{dump_dir}/*after_optimizations-live-range.txt")
+    (hlo,) = glob.glob(f"{dump_dir}/*after_optimizations.txt")
+    temp = re.search(
+        r"allocation \d+: size (\d+), [^\n]*preallocated-temp:\n((?: value:[^\n]*\n)+)",
+        open(assignment).read(),
+    )
+    if temp is None:
+        return "no temporaries", []
+    values = re.findall(r"value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\)", temp.group(2))
+    lines = open(ranges_path).read().splitlines()
+    sequence = {
+        int(n): name for n, name in (re.findall(r"^\s+(\d+):(\S+)$", "\n".join(lines), re.M))
+    }
+    live = dict(re.findall(r"^\s+(\S+\{[\d,]*\}):(\d+-\d+)$", "\n".join(lines), re.M))
+    spans = []
+    for name, size, offset in values:
+        first, last = map(int, live[name if "{" in name else name + "{}"].split("-"))
+        spans.append((first, last, int(offset), int(size), name))
+    most, at = 0, 0
+    for t in range(max(s[1] for s in spans) + 1):
+        covered, end = 0, -1
+        for a, b in sorted((o, o + n) for first, last, o, n, _ in spans if first <= t <= last):
+            covered, end = covered + max(0, b - max(a, end)), max(end, b)
+        if covered > most:
+            most, at = covered, t
+    text = open(hlo).read()
+
+    def operation(name):
+        found = re.search(
+            rf"\s%?{re.escape(name.split('{')[0])} = [^\n]*op_name=\"([^\"]+)\"", text
+        )
+        return found.group(1) if found else name
+
     alive = collections.Counter()
-    for line in lines[start + 2 :]:
-        match = re.match(r"\s+[├└]── (.*) \(\d+\.\d+%, total: ([\d ]+) bytes", line)
-        if not match:
-            break
-        alive[match.group(1)] += int(match.group(2).replace(" ", ""))
-    return lines[start].strip(), alive.most_common(25)
+    for first, last, _, size, name in spans:
+        if first <= at <= last:
+            alive[operation(name)] += size
+    head = (
+        f"temporaries {int(temp.group(1)):,} bytes; most alive at once {most:,} bytes, "
+        f"at instruction {at} of {len(sequence)} ({sequence.get(at, '?')})"
+    )
+    return head, alive.most_common(25)
 
 
 def _clear(folder):
