@@ -20,6 +20,7 @@ from jaxoffload._src import transfers as transfers
 # Reading traced programs.
 from jaxoffload._src.jaxprs import equations as equations
 from jaxoffload._src.jaxprs import struct_of as struct_of
+from jaxoffload._src.jaxprs import trace_vjp as trace_vjp
 
 # The lean layers that the reference models are built from.
 from jaxoffload._src.layers import max_pool as max_pool
@@ -43,6 +44,7 @@ from jaxoffload._src.planner.costs import with_traced_caps as with_traced_caps
 from jaxoffload._src.planner.hiding import copy_timeline as copy_timeline
 from jaxoffload._src.planner.hiding import hidden_copies as hidden_copies
 from jaxoffload._src.planner.messages import summary as summary
+from jaxoffload._src.planner.peak import BACKWARD as BACKWARD
 from jaxoffload._src.planner.peak import calibrate_peak as calibrate_peak
 from jaxoffload._src.planner.peak import compiled_points as compiled_points
 from jaxoffload._src.planner.peak import live_bytes as live_bytes
@@ -79,6 +81,7 @@ from jaxoffload._src.xla_options import host_copies as host_copies
 from jaxoffload._src.xla_options import with_copy_costs as with_copy_costs
 
 __all__ = [
+    "BACKWARD",
     "BlockCost",
     "BlockCosts",
     "Planner",
@@ -119,6 +122,7 @@ __all__ = [
     "summary",
     "trace_blocks",
     "trace_step",
+    "trace_vjp",
     "traced_blocks",
     "transfers",
     "vjp_programs",
