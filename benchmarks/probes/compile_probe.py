@@ -30,9 +30,10 @@ def peak_breakdown(dump_dir):
     """The device peak from XLA's dump: the temporaries' allocation and the jax operations
     whose buffers in it are alive at the instruction where most of it is.
 
-    Read from the buffer assignment (each temporary's offset and size in the one
-    allocation the runtime makes) and the live ranges (from which instruction to which
-    each is alive): the union of the spans alive at each instruction. The live-range
+    Read from the buffer assignment (each temporary's offset and size in the one device
+    allocation the runtime makes; host memory's, ``color 5``, is left out) and the live
+    ranges (from which instruction to which each is alive): the union of the spans alive at
+    each instruction. The live-range
     dump's own "stack trace breakdown for peak usage" is not that peak: it counts fewer
     bytes than the allocation holds at once, and puts the peak elsewhere (docs/design.md,
     "Compiling for the H200 without it").
@@ -41,7 +42,7 @@ def peak_breakdown(dump_dir):
     (ranges_path,) = glob.glob(f"{dump_dir}/*after_optimizations-live-range.txt")
     (hlo,) = glob.glob(f"{dump_dir}/*after_optimizations.txt")
     temp = re.search(
-        r"allocation \d+: size (\d+), [^\n]*preallocated-temp:\n((?: value:[^\n]*\n)+)",
+        r"allocation \d+: size (\d+), (?!color)[^\n]*preallocated-temp:\n((?: value:[^\n]*\n)+)",
         open(assignment).read(),
     )
     if temp is None:
