@@ -296,3 +296,31 @@ def test_donating_an_nnx_modules_state_is_refused_by_name():
         functional(_step, model, (optimizer, X, LABELS), donate_argnums=3)
     _, arrays, donate = functional(_step, model, (optimizer, X, LABELS), donate_argnums=(1, 2))
     assert donate == (1, 2) and arrays[1] is X
+
+
+class ListNet(nnx.Module, pytree=False):  # flax's opt-out of pytree mode: blocks in a list
+    def __init__(self, rngs):
+        self.blocks = [Block(8, rngs) for _ in range(2)]
+        self.head = nnx.Linear(8, 4, rngs=rngs)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean((1, 2)))
+
+
+@pytest.mark.parametrize("wrapped", ["model", "blocks"])
+def test_a_module_out_of_pytree_mode_keeps_its_state_and_gradients_when_wrapped(wrapped):
+    x = normal(1, (2, 8, 8, 8))
+
+    def gradients(model):
+        return nnx.to_pure_dict(nnx.grad(lambda m: m(x).sum())(model))
+
+    plain = gradients(ListNet(nnx.Rngs(0, dropout=1)))
+    model = ListNet(nnx.Rngs(0, dropout=1))
+    for module in [model] if wrapped == "model" else model.blocks:
+        jaxoffload.nnx.wrap(module, Lean())
+    assert nnx.to_pure_dict(nnx.state(model)).keys() == {"blocks", "head"}
+    got = gradients(model)
+    assert jax.tree.structure(got) == jax.tree.structure(plain)
+    assert rel_err(got, plain) <= 1e-6

@@ -187,12 +187,21 @@ def wrap_instance(module, strategy, static_argnums, path=None):
                 "__module__": base.__module__,
                 "__jaxoffload_base__": base,
             },
+            **_pytree_mode(base),
         )
     module.__class__ = _WRAPPED_CLASSES[key]
     return module
 
 
 _WRAPPED_CLASSES: dict[tuple, type] = {}
+
+
+def _pytree_mode(base: type) -> dict[str, bool]:
+    """``base``'s pytree mode, for a subclass to keep: flax gives a subclass the default
+    mode, and a Module of ``pytree=False`` (which may hold its submodules in plain lists)
+    read in the other mode has no state: its gradients would come back empty."""
+    mode = getattr(base, "_pytree__is_pytree", None)
+    return {} if mode is None else {"pytree": mode}
 
 
 def _call(f, strategy, static_argnums, args, kwargs):
