@@ -324,3 +324,13 @@ def test_a_module_out_of_pytree_mode_keeps_its_state_and_gradients_when_wrapped(
     got = gradients(model)
     assert jax.tree.structure(got) == jax.tree.structure(plain)
     assert rel_err(got, plain) <= 1e-6
+
+
+def test_the_gradient_of_the_input_with_the_module_closed_over_runs_as_plain():
+    # What a wrapped call writes back is what it changed: a write of an unchanged Param
+    # would be refused here, the Module living outside jax.grad's trace.
+    x = normal(1, (2, 8, 8, 8))
+    conv = nnx.Conv(8, 8, (3, 3), rngs=nnx.Rngs(0))
+    plain = jax.grad(lambda x: conv(x).sum())(x)
+    jaxoffload.nnx.wrap(conv, Lean())
+    assert rel_err(jax.grad(lambda x: conv(x).sum())(x), plain) <= 1e-6

@@ -240,11 +240,24 @@ def _call(f, strategy, static_argnums, args, kwargs):
     out, updates = transform.wrap_with(pure, strategy, argnums)(
         variables, rest, *plain, **plain_kwargs
     )
-    new_leaves = list(old_leaves)
-    for k, value in zip(changed, updates):
-        new_leaves[k] = value
-    nnx.update((modules, module_kwargs), jax.tree.unflatten(variables_tree, new_leaves))
+    if changed:
+        new_leaves = list(old_leaves)
+        for k, value in zip(changed, updates):
+            new_leaves[k] = value
+        # Only what it changed is written back, as the plain Module writes: a write of an
+        # unchanged Param would be refused where the Module lives outside the trace
+        # (``jax.grad`` of the input, the Module closed over).
+        paths = _paths(variables)
+        written = {paths[k] for k in changed}
+        new = jax.tree.unflatten(variables_tree, new_leaves)
+        nnx.update((modules, module_kwargs), new.filter(lambda path, _: tuple(path) in written))
     return out
+
+
+def _paths(state) -> list[tuple]:
+    """The nnx path of each of ``state``'s leaves, in ``jax.tree.leaves`` order."""
+    keys = jax.tree_util.tree_flatten_with_path(state)[0]
+    return [tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)) for path, _ in keys]
 
 
 def _holds_modules(value) -> bool:
