@@ -108,6 +108,27 @@ def test_an_argument_both_static_and_on_the_device_is_refused_where_it_is_writte
         jaxoffload.linen.offload(_Block, device_argnums=-1)
 
 
+def test_a_traced_array_named_static_is_refused_by_name_before_tracing_the_block():
+    # jax said only that a tracer leaked, after tracing the block, or the forward pass ran.
+    said = "static_argnums names the argument 'x', which holds a traced array"
+    with pytest.raises(TypeError, match=said):
+        jax.grad(lambda x: offload(lambda x, n: jnp.tanh(x) * n, static_argnums=0)(x, 2).sum())(X)
+
+    class Flagged(nn.Module):
+        @nn.compact
+        def __call__(self, x, train):
+            return nn.Dense(3)(x)
+
+    block = jaxoffload.linen.wrap(Flagged, Lean(), static_argnums=1)  # 1 is x: self is 0
+    variables = Flagged().init(jax.random.key(0), X, True)
+    with pytest.raises(TypeError, match=said):
+        jax.jit(lambda x: block().apply(variables, x, True))(X)
+    dense = nnx.Linear(X.shape[-1], 3, rngs=nnx.Rngs(0))
+    jaxoffload.nnx.wrap(dense, Lean(), static_argnums=0)  # 0 is x: an instance's own numbering
+    with pytest.raises(TypeError, match=said.replace("'x'", "'inputs'")):
+        nnx.grad(lambda m, x: m(x).sum(), argnums=1)(dense, X)
+
+
 @pytest.mark.parametrize("train", [True, False])
 @pytest.mark.parametrize("strategy", [Lean(), Offload(), Remat()], ids=repr)
 def test_a_python_flag_passed_positionally_is_static_as_a_keyword_one_is(strategy, train):

@@ -65,6 +65,7 @@ class Argnums:
             check_positions(what, argnums, n, kwargs, names)
         static = {i % n for i in self.static}
         check_disjoint(static, {i % n for i in self.device})
+        check_untraced(sorted(static), args, names)
         positions = [i for i in range(n) if i not in static]
         dynamic = tuple(args[i] for i in positions)
         device = {positions.index(i % n): why for i, why in zip(self.device, self.reasons)}
@@ -86,6 +87,22 @@ class Argnums:
         named = {i % n for i in (*self.static, *self.device) if -n <= i < n}
         values = tuple(i for i in range(n) if i not in named and not holds_arrays(args[i]))
         return dataclasses.replace(self, static=(*self.static, *values)) if values else self
+
+
+def check_untraced(static: Sequence[int], args: tuple, names: Sequence[str] = ()) -> None:
+    """Raises if a static argument holds a traced value: a strategy's ``custom_vjp`` cannot
+    close over one (jax would say only that a tracer leaked, after tracing the block)."""
+    traced = [
+        i for i in static if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args[i]))
+    ]
+    if traced:
+        which = ", ".join(repr(names[i]) if i < len(names) else f"at position {i}" for i in traced)
+        raise TypeError(
+            f"static_argnums names the argument {which}, which holds a traced array here (the "
+            "call is under jit, grad or another transform). A static argument is a Python value, "
+            "such as a flag or a shape, that the block's code branches on; pass arrays as "
+            "ordinary arguments: leave it out of static_argnums."
+        )
 
 
 def check_disjoint(static: set[int], device: set[int]) -> None:

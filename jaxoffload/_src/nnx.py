@@ -21,7 +21,13 @@ import jax
 from flax import nnx
 
 from jaxoffload._src import context, flax_kinds, transform
-from jaxoffload._src.argnums import MODULE_VARIABLES, Argnums, check_argnums, named_after
+from jaxoffload._src.argnums import (
+    MODULE_VARIABLES,
+    Argnums,
+    check_argnums,
+    named_after,
+    positional_names,
+)
 from jaxoffload._src.strategies import Offload, Strategy, check_strategy
 
 __all__ = ["offload", "wrap"]
@@ -205,7 +211,8 @@ def _pytree_mode(base: type) -> dict[str, bool]:
 
 
 def _call(f, strategy, static_argnums, args, kwargs):
-    dynamic, rebuild, _ = Argnums(device=(), static=static_argnums).split(args, kwargs)
+    split = Argnums(device=(), static=static_argnums).split
+    dynamic, rebuild, _ = split(args, kwargs, positional_names(f))
     # Arguments that hold Modules are split into their variables and the rest; the others
     # pass as they are, so that jax's errors name them as the user does (``train``).
     holds = [_holds_modules(a) for a in dynamic]
