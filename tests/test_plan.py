@@ -194,6 +194,21 @@ def test_a_model_without_plannable_blocks_is_refused():
         jaxoffload.plan(Net(), step, *ARGS, budget=1.0, progress=False)
 
 
+def test_a_block_whose_work_is_all_in_its_own_nn_remat_is_refused_saying_so():
+    class Remats(nn.Module):  # every convolution inside the user's own nn.remat
+        features: int
+
+        @nn.compact
+        def __call__(self, x):
+            return x + nn.remat(Block)(self.features)(x)
+
+    variables = Net(block=Remats).init(jax.random.key(1), X)
+    args = (variables["params"], variables["batch_stats"], X, LABELS)
+    model = Net(block=jaxoffload.linen.plannable(Remats))
+    with pytest.raises(ValueError, match=r"jax.checkpoint calls of its own \(nn.remat"):
+        jaxoffload.plan(model, step, *args, budget=1.0, progress=False)
+
+
 @pytest.fixture(scope="module")
 def shared_planner():
     """One planner for the test model: its costs are measured once for every budget."""

@@ -115,8 +115,11 @@ def check_discovered(paths, calls, *, nnx_model: bool) -> None:
     if len(calls) != len(paths):
         raise ValueError(
             f"the step differentiates {len(calls)} wrapped calls but {len(paths)} plannable "
-            "blocks; a plannable block must not contain or sit beside other jaxoffload-wrapped "
-            "Modules."
+            "blocks. A plannable block must not contain or sit beside other jaxoffload-wrapped "
+            "Modules; and where all of a block's convolutions and products run inside "
+            "jax.checkpoint calls of its own (nn.remat, nn.checkpoint), which keep their own "
+            "policy, a plan has nothing left to choose for it: make the Module inside the "
+            "nn.remat plannable instead, or call it without nn.remat."
         )
 
 
