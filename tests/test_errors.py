@@ -820,3 +820,19 @@ def test_positions_and_budgets_take_numpy_numbers():
     _refused_before_compiling(  # a list of budgets as an array: bytes that no plan can fit
         ValueError, r"budget=2 bytes is less than", _plan_call(budget=np.array([0.5, 2]))
     )
+
+
+@pytest.mark.parametrize("strategy", [Lean(), Remat(), Offload()], ids=repr)
+def test_a_strategy_whose_block_runs_all_its_work_in_its_own_checkpoint_says_so(strategy):
+    # The inner jax.checkpoint keeps its policy: the strategy had nothing to apply to, and
+    # said nothing.
+    inner = jax.checkpoint(lambda w, x: jnp.tanh(x @ w))
+    all_inside = wrap(lambda w, x: x + inner(w, x), strategy)
+    with pytest.warns(jaxoffload.OffloadWarning, match="applies to nothing in this call"):
+        got = jax.grad(lambda w: all_inside(w, X).sum())(W)
+    assert rel_err(got, jax.grad(lambda w: (X + inner(w, X)).sum())(W)) <= 1e-6
+    some_outside = wrap(lambda w, x: inner(w, x) @ w, strategy)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "applies to nothing", jaxoffload.OffloadWarning)
+        warnings.filterwarnings("ignore", "offloaded calls are traced for CPU")
+        jax.grad(lambda w: some_outside(w, X).sum())(W)

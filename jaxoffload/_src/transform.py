@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, overload
 
@@ -20,6 +21,7 @@ from jax.extend import core as jex_core
 
 from jaxoffload._src import context, fallbacks, flax_kinds, jaxprs, transfers
 from jaxoffload._src.argnums import Argnums, check_argnums
+from jaxoffload._src.errors import OffloadWarning
 from jaxoffload._src.residuals import check_marked, describe, restructured, select_once
 from jaxoffload._src.strategies import Offload, Strategy, brief, check_strategy
 from jaxoffload._src.traced import CALL_NAME, TracedCall, has_inner_calls, is_inner_call, trace_call
@@ -283,9 +285,7 @@ def _run_regions(traced: TracedCall, strategy) -> list[Any]:
             [], step.invars, step.outvars, step.eqns, jaxpr.effects, jaxprs.debug_info(step.invars)
         )
         fun = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(sub, []))
-        if not any(
-            jaxprs.eqn_flops(e) or e.primitive.name.startswith("reduce_window") for e in step.eqns
-        ):
+        if not _does_work(step):
             return fun(*invals)
         device = tuple(k for k, v in enumerate(step.invars) if v in why)
         reasons = tuple(why[step.invars[k]] for k in device)
@@ -293,8 +293,32 @@ def _run_regions(traced: TracedCall, strategy) -> list[Any]:
         argnums = Argnums(device=device, static=(), reasons=reasons)
         return _wrapped_call(fun, strategy, argnums, tuple(invals), {}, check_names=False)
 
+    steps = _regions(jaxpr)
+    if not any(isinstance(r, _Region) and _does_work(r) for r in steps) and not any(
+        _is_wrapped_call(e) for e in steps if not isinstance(e, _Region)
+    ):
+        warnings.warn(
+            f"{brief(strategy)} applies to nothing in this call: its convolutions and products "
+            "all run inside jax.checkpoint calls of its own (nn.remat, nn.checkpoint), which "
+            "keep their own policy. Wrap the Module inside the nn.remat instead, or call it "
+            "without nn.remat.",
+            OffloadWarning,
+            stacklevel=2,
+        )
     flat = jax.tree.leaves((traced.dynamic, traced.kwargs))
-    return jaxprs.evaluate(jaxpr, closed.consts, flat, run, _regions(jaxpr))
+    return jaxprs.evaluate(jaxpr, closed.consts, flat, run, steps)
+
+
+def _does_work(region: _Region) -> bool:
+    """Whether a region does more than elementwise work, and so takes the strategy."""
+    return any(
+        jaxprs.eqn_flops(e) or e.primitive.name.startswith("reduce_window") for e in region.eqns
+    )
+
+
+def _is_wrapped_call(eqn) -> bool:
+    """Whether an inner call is a jaxoffload one, not a jax.checkpoint."""
+    return eqn.primitive.name.startswith("custom_vjp_call")
 
 
 def _regions(jaxpr) -> list[Any]:
