@@ -334,3 +334,11 @@ def test_the_gradient_of_the_input_with_the_module_closed_over_runs_as_plain():
     plain = jax.grad(lambda x: conv(x).sum())(x)
     jaxoffload.nnx.wrap(conv, Lean())
     assert rel_err(jax.grad(lambda x: conv(x).sum())(x), plain) <= 1e-6
+
+
+def test_a_module_with_no_call_of_its_own_is_refused_where_it_would_wrap_nothing():
+    # An nnx.List is iterated, never called: its wrap changed nothing, silently.
+    model = Net(WRAPS["plain"], nnx.Rngs(0, dropout=1))
+    with pytest.raises(TypeError, match=r"List has no __call__.*for block in model.blocks"):
+        jaxoffload.nnx.wrap(model.blocks, Remat())
+    assert jaxoffload.nnx.wrap(model.blocks, Store()) is model.blocks  # Store() wraps nothing

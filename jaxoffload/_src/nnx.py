@@ -28,7 +28,7 @@ from jaxoffload._src.argnums import (
     named_after,
     positional_names,
 )
-from jaxoffload._src.strategies import Offload, Strategy, check_strategy
+from jaxoffload._src.strategies import Offload, Strategy, brief, check_strategy
 
 __all__ = ["offload", "wrap"]
 
@@ -174,6 +174,15 @@ def wrap_instance(module, strategy, static_argnums, path=None):
     if strategy.is_identity:
         module.__class__ = base
         return module
+    if not any("__call__" in vars(k) for k in base.__mro__ if k is not object):
+        held = (
+            "the blocks it holds" if isinstance(module, nnx.List | nnx.Dict) else "its submodules"
+        )
+        raise TypeError(
+            f"jaxoffload.nnx.wrap wraps a Module's calls, and {base.__name__} has no __call__: "
+            f"under {brief(strategy)} nothing would change. Wrap {held} instead, e.g. "
+            f"for block in model.blocks: jaxoffload.nnx.wrap(block, {brief(strategy)})."
+        )
     key = (base, strategy, static_argnums, path)
     if key not in _WRAPPED_CLASSES:
         # `self` becomes the first argument of the wrapped function.
