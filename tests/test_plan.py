@@ -209,6 +209,33 @@ def test_a_block_whose_work_is_all_in_its_own_nn_remat_is_refused_saying_so():
         jaxoffload.plan(model, step, *args, budget=1.0, progress=False)
 
 
+def test_a_plannable_layer_under_nn_scan_is_refused_saying_what_to_plan_instead():
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return x + nn.relu(nn.Conv(8, (3, 3))(x)), None
+
+    class Stacked(nn.Module):
+        layer: type = Layer
+
+        @nn.compact
+        def __call__(self, x):
+            scan = nn.scan(
+                self.layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+            )
+            return scan(name="stack")(x, None)[0].mean()
+
+    x = X[..., :1].repeat(8, -1)
+    params = Stacked().init(jax.random.key(0), x)["params"]
+
+    def grad_step(model, params, x):
+        return jax.grad(lambda p: model.apply({"params": p}, x))(params)
+
+    model = Stacked(layer=jaxoffload.linen.plannable(Layer))
+    with pytest.raises(ValueError, match="holds the nn.scan the plannable block"):
+        jaxoffload.plan(model, grad_step, params, x, budget=1.0, progress=False)
+
+
 @pytest.fixture(scope="module")
 def shared_planner():
     """One planner for the test model: its costs are measured once for every budget."""

@@ -110,7 +110,9 @@ def check_discovered(paths, calls, *, nnx_model: bool) -> None:
     if twice:
         raise ValueError(
             f"blocks {twice} are called more than once per step; a plan gives each instance "
-            "one strategy, so wrap the repeated call in a Module of its own."
+            "one strategy, so wrap the repeated call in a Module of its own. A block under "
+            "nn.scan (or another transform that traces its body more than once) counts as "
+            "called each time: make the Module that holds the nn.scan the plannable block."
         )
     if len(calls) != len(paths):
         raise ValueError(
