@@ -342,3 +342,19 @@ def test_a_module_with_no_call_of_its_own_is_refused_where_it_would_wrap_nothing
     with pytest.raises(TypeError, match=r"List has no __call__.*for block in model.blocks"):
         jaxoffload.nnx.wrap(model.blocks, Remat())
     assert jaxoffload.nnx.wrap(model.blocks, Store()) is model.blocks  # Store() wraps nothing
+
+
+def test_a_module_wrapped_in_place_pickles_and_loads_wrapped():
+    import pickle
+
+    conv = jaxoffload.nnx.wrap(nnx.Conv(8, 8, (3, 3), rngs=nnx.Rngs(0)), Offload(window=2))
+    loaded = pickle.loads(pickle.dumps(conv))
+    assert type(loaded).__name__ == "Conv" and type(loaded).__mro__[1] is nnx.Conv
+    x = normal(1, (2, 8, 8, 8))
+    graphdef, state = nnx.split(loaded)
+
+    def gradient(state, x):
+        return nnx.grad(lambda m, x: m(x).sum())(nnx.merge(graphdef, state), x)
+
+    assert host_device_puts(jax.make_jaxpr(gradient)(state, x)) > 0  # Offload() still applies
+    assert rel_err(nnx.to_pure_dict(nnx.state(loaded)), nnx.to_pure_dict(nnx.state(conv))) == 0

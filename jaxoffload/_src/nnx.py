@@ -193,11 +193,19 @@ def wrap_instance(module, strategy, static_argnums, path=None):
                 context.record_path(path)
             return call(self, *args, **kwargs)
 
+        def __reduce_ex__(self, protocol):
+            # This class is made here, so pickle cannot find it by its name: the Module
+            # pickles as its own class, and is wrapped again where it is loaded.
+            plain = object.__new__(base)
+            plain.__dict__.update(self.__dict__)
+            return wrap_instance, (plain, strategy, static_argnums, path)
+
         _WRAPPED_CLASSES[key] = type(
             base.__name__,
             (base,),
             {
                 "__call__": __call__,
+                "__reduce_ex__": __reduce_ex__,
                 "__qualname__": base.__qualname__,
                 "__module__": base.__module__,
                 "__jaxoffload_base__": base,
