@@ -206,7 +206,8 @@ def test_a_block_whose_work_is_all_in_its_own_nn_remat_is_refused_saying_so():
     args = (variables["params"], variables["batch_stats"], X, LABELS)
     model = Net(block=jaxoffload.linen.plannable(Remats))
     with pytest.raises(ValueError, match=r"jax.checkpoint calls of its own \(nn.remat"):
-        jaxoffload.plan(model, step, *args, budget=1.0, progress=False)
+        with pytest.warns(jaxoffload.OffloadWarning, match="applies to nothing"):
+            jaxoffload.plan(model, step, *args, budget=1.0, progress=False)
 
 
 def test_a_plannable_layer_under_nn_scan_is_refused_saying_what_to_plan_instead():

@@ -274,7 +274,7 @@ def _call(f, strategy, static_argnums, args, kwargs):
         paths = _paths(variables)
         written = {paths[k] for k in changed}
         new = jax.tree.unflatten(variables_tree, new_leaves)
-        nnx.update((modules, module_kwargs), new.filter(lambda path, _: tuple(path) in written))
+        nnx.update((modules, module_kwargs), nnx.filter_state(new, lambda path, _: path in written))
     return out
 
 
