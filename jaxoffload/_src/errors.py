@@ -4,7 +4,7 @@ __all__ = ["NoPlanFits", "OffloadDroppedError", "OffloadWarning"]
 
 
 class OffloadWarning(UserWarning):
-    """A requested host placement had no effect, or moves bytes that free little."""
+    """A requested host placement or strategy had no effect, or moves bytes that free little."""
 
 
 class OffloadDroppedError(RuntimeError):
