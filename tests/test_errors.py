@@ -836,3 +836,17 @@ def test_a_strategy_whose_block_runs_all_its_work_in_its_own_checkpoint_says_so(
         warnings.filterwarnings("error", "applies to nothing", jaxoffload.OffloadWarning)
         warnings.filterwarnings("ignore", "offloaded calls are traced for CPU")
         jax.grad(lambda w: some_outside(w, X).sum())(W)
+
+
+@pytest.mark.parametrize(
+    "make, meant",
+    [
+        (lambda: Lean(max_recompte=0.1), "Lean has no field 'max_recompte' .*'max_recompute'"),
+        (lambda: Offload(windw=2), "Offload has no field 'windw' .*'window'"),
+        (lambda: Remat(polcy=None), "Remat has no field 'polcy' .*'policy'"),
+    ],
+)
+def test_a_misspelled_strategy_field_is_refused_with_the_field_meant(make, meant):
+    # Python said only "unexpected keyword argument", where a file's strategy suggested one.
+    with pytest.raises(TypeError, match=meant):
+        make()

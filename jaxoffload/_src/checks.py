@@ -11,13 +11,23 @@ names the argument, shows the value and says what to write instead.
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
-__all__ = ["as_number", "flag", "integer", "real", "share", "written"]
+__all__ = [
+    "as_number",
+    "flag",
+    "integer",
+    "real",
+    "share",
+    "unknown_field",
+    "written",
+]
 
 
 def as_number(value: Any) -> int | float | None:
@@ -234,3 +244,23 @@ def _is_float_text(value: Any) -> bool:
         return math.isfinite(float(value))
     except ValueError:
         return False
+
+
+def unknown_field(kind: str, known: Iterable[str], given: Iterable[str], error=TypeError) -> None:
+    """Raises ``error`` naming the first of ``given`` that ``kind`` has no field of, with the
+    field it likely meant.
+
+    Example:
+      >>> unknown_field("Lean", ["max_recompute", "max_slowdown"], ["max_recompte"])
+      Traceback (most recent call last):
+      ...
+      TypeError: Lean has no field 'max_recompte' (did you mean 'max_recompute'?); its fields are max_recompute, max_slowdown.
+    """
+    known = sorted(known)
+    unknown = [name for name in given if name not in known]
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), known, n=1)
+        meant = f" (did you mean {close[0]!r}?)" if close else ""
+        raise error(
+            f"{kind} has no field {unknown[0]!r}{meant}; its fields are {', '.join(known)}."
+        )

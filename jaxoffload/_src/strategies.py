@@ -14,7 +14,6 @@ function and :func:`jaxoffload.linen.wrap` to a Flax module:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -82,6 +81,8 @@ class Strategy:
                 "Strategy is the base class of the strategies, what each of them answers, not "
                 "a strategy to use: write Store(), Lean(), Remat() or Offload()."
             )
+        # A misspelled field is named with the one meant: Python names neither.
+        checks.unknown_field(cls.__name__, (f.name for f in dataclasses.fields(cls)), kwargs)
         return super().__new__(cls)
 
     def fallbacks(self) -> tuple[Strategy, ...]:
@@ -448,14 +449,8 @@ def strategy_from_dict(fields: dict[str, Any]) -> Strategy:
     kind = fields.pop("kind", None)
     if kind not in kinds:
         raise ValueError(f"unknown strategy kind {kind!r}; expected one of {sorted(kinds)}.")
-    known = sorted(f.name for f in dataclasses.fields(kinds[kind]))
-    unknown = [name for name in fields if name not in known]
-    if unknown:
-        close = difflib.get_close_matches(str(unknown[0]), known, n=1)
-        meant = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(
-            f"{kind} has no field {unknown[0]!r}{meant}; its fields are {', '.join(known)}."
-        )
+    known = (f.name for f in dataclasses.fields(kinds[kind]))
+    checks.unknown_field(kind, known, fields, ValueError)
     if fields.get("policy") is not None:
         name = fields["policy"]
         policy = getattr(jax.checkpoint_policies, str(name), None)
