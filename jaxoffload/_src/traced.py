@@ -16,7 +16,14 @@ from jax.extend import core as jex_core
 
 from jaxoffload._src.argnums import Argnums, holds_arrays, named_after, positional_names
 
-__all__ = ["CALL_NAME", "TracedCall", "has_inner_calls", "is_inner_call", "trace_call"]
+__all__ = [
+    "CALL_NAME",
+    "TracedCall",
+    "has_inner_calls",
+    "is_inner_call",
+    "is_wrapped_call",
+    "trace_call",
+]
 
 # The name of the custom_vjp of every wrapped call, by which an enclosing
 # wrapped call tells it apart from the code around it.
@@ -97,10 +104,12 @@ def has_inner_calls(traced: TracedCall) -> bool:
 
 def is_inner_call(eqn) -> bool:
     """Whether ``eqn`` is a wrapped call (or a ``jax.checkpoint``) with a strategy of its own."""
-    name = eqn.primitive.name
-    if name in _INNER_CALLS:
-        return True
-    if not name.startswith("custom_vjp_call"):
+    return eqn.primitive.name in _INNER_CALLS or is_wrapped_call(eqn)
+
+
+def is_wrapped_call(eqn) -> bool:
+    """Whether ``eqn`` is a wrapped call: a jaxoffload one, not a ``jax.checkpoint``."""
+    if not eqn.primitive.name.startswith("custom_vjp_call"):
         return False
     # jax names the function in the equation, or only in its jaxpr's debug info.
     called = eqn.params.get("name")

@@ -24,7 +24,14 @@ from jaxoffload._src.argnums import Argnums, check_argnums
 from jaxoffload._src.errors import OffloadWarning
 from jaxoffload._src.residuals import check_marked, describe, restructured, select_once
 from jaxoffload._src.strategies import Offload, Strategy, brief, check_strategy
-from jaxoffload._src.traced import CALL_NAME, TracedCall, has_inner_calls, is_inner_call, trace_call
+from jaxoffload._src.traced import (
+    CALL_NAME,
+    TracedCall,
+    has_inner_calls,
+    is_inner_call,
+    is_wrapped_call,
+    trace_call,
+)
 
 __all__ = ["offload", "resolved", "wrap", "wrap_with"]
 
@@ -263,6 +270,7 @@ class _Region:
     eqns: list[Any]
     invars: list[Any]
     outvars: list[Any]
+    works: bool  # more than elementwise work: it takes the strategy, or runs as it is
 
 
 def _run_regions(traced: TracedCall, strategy) -> list[Any]:
@@ -285,7 +293,7 @@ def _run_regions(traced: TracedCall, strategy) -> list[Any]:
             [], step.invars, step.outvars, step.eqns, jaxpr.effects, jaxprs.debug_info(step.invars)
         )
         fun = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(sub, []))
-        if not _does_work(step):
+        if not step.works:
             return fun(*invals)
         device = tuple(k for k, v in enumerate(step.invars) if v in why)
         reasons = tuple(why[step.invars[k]] for k in device)
@@ -294,9 +302,7 @@ def _run_regions(traced: TracedCall, strategy) -> list[Any]:
         return _wrapped_call(fun, strategy, argnums, tuple(invals), {}, check_names=False)
 
     steps = _regions(jaxpr)
-    if not any(isinstance(r, _Region) and _does_work(r) for r in steps) and not any(
-        _is_wrapped_call(e) for e in steps if not isinstance(e, _Region)
-    ):
+    if not any(s.works if isinstance(s, _Region) else is_wrapped_call(s) for s in steps):
         warnings.warn(
             f"{brief(strategy)} applies to nothing in this call: its convolutions and products "
             "all run inside jax.checkpoint calls of its own (nn.remat, nn.checkpoint), which "
@@ -307,18 +313,6 @@ def _run_regions(traced: TracedCall, strategy) -> list[Any]:
         )
     flat = jax.tree.leaves((traced.dynamic, traced.kwargs))
     return jaxprs.evaluate(jaxpr, closed.consts, flat, run, steps)
-
-
-def _does_work(region: _Region) -> bool:
-    """Whether a region does more than elementwise work, and so takes the strategy."""
-    return any(
-        jaxprs.eqn_flops(e) or e.primitive.name.startswith("reduce_window") for e in region.eqns
-    )
-
-
-def _is_wrapped_call(eqn) -> bool:
-    """Whether an inner call is a jaxoffload one, not a jax.checkpoint."""
-    return eqn.primitive.name.startswith("custom_vjp_call")
 
 
 def _regions(jaxpr) -> list[Any]:
@@ -339,7 +333,10 @@ def _regions(jaxpr) -> list[Any]:
         outputs = [
             v for v in dict.fromkeys(v for e in region for v in e.outvars) if later_uses(v, n)
         ]
-        steps.append(_Region(list(region), inputs, outputs))
+        works = any(
+            jaxprs.eqn_flops(e) or e.primitive.name.startswith("reduce_window") for e in region
+        )
+        steps.append(_Region(list(region), inputs, outputs, works))
         region.clear()
 
     for n, eqn in enumerate(jaxpr.eqns):
