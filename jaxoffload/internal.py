@@ -19,6 +19,7 @@ from jaxoffload._src import transfers as transfers
 
 # Reading traced programs.
 from jaxoffload._src.jaxprs import equations as equations
+from jaxoffload._src.jaxprs import nbytes as nbytes
 from jaxoffload._src.jaxprs import struct_of as struct_of
 from jaxoffload._src.jaxprs import trace_vjp as trace_vjp
 
@@ -109,6 +110,7 @@ __all__ = [
     "max_pool",
     "measure_link",
     "median_ms",
+    "nbytes",
     "program",
     "read_spatial_gathers",
     "relu",

@@ -17,20 +17,7 @@ from jax.extend import core as jex_core
 
 from jaxoffload.bench.planning import planning_inputs
 from jaxoffload.bench.workload import Workload
-from jaxoffload.internal import discover, struct_of, trace_vjp
-
-
-def _bytes(v) -> int:
-    aval = v.aval
-    return aval.size * aval.dtype.itemsize if hasattr(aval, "shape") else 0
-
-
-def _nested(eqn):
-    for param in eqn.params.values():
-        for p in param if isinstance(param, (list, tuple)) else [param]:
-            jaxpr = getattr(p, "jaxpr", p)
-            if hasattr(jaxpr, "eqns"):
-                yield jaxpr
+from jaxoffload.internal import discover, nbytes, struct_of, trace_vjp
 
 
 def held_at_once(jaxpr, skip=frozenset()) -> int:
@@ -43,13 +30,14 @@ def held_at_once(jaxpr, skip=frozenset()) -> int:
     for v in jaxpr.outvars:
         if isinstance(v, jex_core.Var):
             last[v] = len(jaxpr.eqns)
-    live = {v: _bytes(v) for v in jaxpr.invars if v not in skip and v in last}
+    live = {v: nbytes(v.aval) for v in jaxpr.invars if v not in skip and v in last}
     most = sum(live.values())
     for k, eqn in enumerate(jaxpr.eqns):
-        inner = max((held_at_once(j) for j in _nested(eqn)), default=0)
-        made = sum(_bytes(v) for v in eqn.outvars)
+        nested = jex_core.jaxprs_in_params(eqn.params)
+        inner = max((held_at_once(j) for j in nested), default=0)
+        made = sum(nbytes(v.aval) for v in eqn.outvars)
         most = max(most, sum(live.values()) + max(inner, made))
-        live.update({v: _bytes(v) for v in eqn.outvars if v in last})
+        live.update({v: nbytes(v.aval) for v in eqn.outvars if v in last})
         for v in {v for v in eqn.invars if isinstance(v, jex_core.Var)}:
             if last.get(v) == k:
                 live.pop(v, None)

@@ -48,11 +48,9 @@ def peak_breakdown(dump_dir):
     if temp is None:
         return "no temporaries", []
     values = re.findall(r"value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)\)", temp.group(2))
-    lines = open(ranges_path).read().splitlines()
-    sequence = {
-        int(n): name for n, name in (re.findall(r"^\s+(\d+):(\S+)$", "\n".join(lines), re.M))
-    }
-    live = dict(re.findall(r"^\s+(\S+\{[\d,]*\}):(\d+-\d+)$", "\n".join(lines), re.M))
+    ranges = open(ranges_path).read()
+    sequence = {int(n): name for n, name in re.findall(r"^\s+(\d+):(\S+)$", ranges, re.M)}
+    live = dict(re.findall(r"^\s+(\S+\{[\d,]*\}):(\d+-\d+)$", ranges, re.M))
     spans = []
     for name, size, offset in values:
         first, last = map(int, live[name if "{" in name else name + "{}"].split("-"))
