@@ -64,12 +64,7 @@ def split_times(candidates, programs):
             floats = [jax.dtypes.issubdtype(o.dtype, np.inexact) for o in outs]
 
             def backward(vjp_fun, cotangents, floats=floats, outs=outs):
-                it = iter(cotangents)
-                full = [
-                    next(it) if f else np.zeros(o.shape, jax.dtypes.float0)
-                    for f, o in zip(floats, outs)
-                ]
-                return vjp_fun(full)
+                return vjp_fun(timing.padded(cotangents, floats, outs))
 
             args = [timing.zeros(s) for s in programs.structs]
             cotangents = [timing.zeros(o) for f, o in zip(floats, outs) if f]

@@ -27,6 +27,7 @@ __all__ = [
     "link_probe_bytes",
     "measure_link",
     "median_ms",
+    "padded",
     "slower_link_gbps",
     "step_ms",
     "steps_together",
@@ -280,10 +281,12 @@ def forward_and_backward(fun, structs):
 
     def both(args, cotangents):
         out, vjp_fun = jax.vjp(fun, *args)
-        it = iter(cotangents)
-        full = [
-            next(it) if f else np.zeros(o.shape, jax.dtypes.float0) for f, o in zip(floats, out)
-        ]
-        return vjp_fun(full)
+        return vjp_fun(padded(cotangents, floats, out))
 
     return both, [o for f, o in zip(floats, out_structs) if f]
+
+
+def padded(cotangents, floats, outs) -> list[Any]:
+    """The float outputs' ``cotangents``, with float0 zeros for the others, as a vjp takes them."""
+    it = iter(cotangents)
+    return [next(it) if f else np.zeros(o.shape, jax.dtypes.float0) for f, o in zip(floats, outs)]
