@@ -164,6 +164,43 @@ def test_a_linen_flag_passed_positionally_is_static(train):
     assert rel_err(Model(lean).apply(variables, X), Model(_Flagged).apply(plain, X)) == 0.0
 
 
+class _ConvFlagged(nn.Module):
+    @nn.compact
+    def __call__(self, x, train):
+        y = jnp.where(~train, -1.0, 1.0) * nn.Conv(2, (3, 3))(x)  # NumPy's ~ is not, not -2
+        return nn.relu(y) if train else y
+
+
+class _NnxConvFlagged(nnx.Module):
+    def __init__(self):
+        self.conv = nnx.Conv(2, 2, (3, 3), rngs=nnx.Rngs(0))
+
+    def __call__(self, x, train):
+        y = jnp.where(~train, -1.0, 1.0) * self.conv(x)
+        return nnx.relu(y) if train else y
+
+
+@pytest.mark.parametrize(
+    "flag", [np.bool_(True), np.bool_(False), np.array(True), np.array(False)], ids=repr
+)
+@pytest.mark.parametrize("face", ["linen", "nnx"])
+def test_a_numpy_bool_flag_is_static_as_a_python_one_is(face, flag):
+    # Traced, `if train` raised TracerBoolConversionError where the plain block runs.
+    x = normal(5, (1, 4, 4, 2))
+    if face == "linen":
+        variables = _ConvFlagged().init(jax.random.key(0), x, True)
+        block = jaxoffload.linen.wrap(_ConvFlagged, Lean())
+        plain = functools.partial(_ConvFlagged().apply, variables)
+        ours = functools.partial(block().apply, variables)
+    else:
+        plain = _NnxConvFlagged()
+        ours = jaxoffload.nnx.wrap(_NnxConvFlagged(), Lean())
+    for call in (lambda f, x: f(x, flag), lambda f, x: f(x, train=flag)):
+        assert rel_err(call(ours, x), call(plain, x)) == 0.0
+        grad = lambda f: jax.grad(lambda x: call(f, x).sum())(x)  # noqa: B023, E731
+        assert rel_err(grad(ours), grad(plain)) <= 1e-6
+
+
 # ---- what is wrapped ----------------------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "check_argnums",
     "check_positions",
     "holds_arrays",
+    "is_static",
     "named_after",
     "positional_names",
 ]
@@ -77,7 +78,8 @@ class Argnums:
         return dynamic, rebuild, device
 
     def with_static_values(self, args: tuple) -> Argnums:
-        """These positions, and those of the positional arguments that hold no arrays, as static.
+        """These positions, and those of the positional arguments that :func:`is_static`
+        takes, as static.
 
         A Python value passed positionally (``f(x, True)``) is static, as a
         keyword one is: traced, a bool could not steer the function. Positions
@@ -85,7 +87,7 @@ class Argnums:
         """
         n = len(args)
         named = {i % n for i in (*self.static, *self.device) if -n <= i < n}
-        values = tuple(i for i in range(n) if i not in named and not holds_arrays(args[i]))
+        values = tuple(i for i in range(n) if i not in named and is_static(args[i]))
         return dataclasses.replace(self, static=(*self.static, *values)) if values else self
 
 
@@ -217,3 +219,13 @@ def holds_arrays(value) -> bool:
         isinstance(leaf, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct)
         for leaf in jax.tree.leaves(value)
     )
+
+
+def is_static(value) -> bool:
+    """Whether an argument of a wrapped call is static: it holds no arrays, or it is a concrete
+    NumPy bool (``np.bool_(True)``, or a 0-d bool ``np.ndarray``), a flag that the plain block
+    could branch on. The value is passed on as it is: ``bool()`` would make ``~train`` -2."""
+    flag = isinstance(value, np.bool_) or (
+        isinstance(value, np.ndarray) and value.shape == () and value.dtype == np.bool_
+    )
+    return flag or not holds_arrays(value)

@@ -65,7 +65,7 @@ def wrap(
         :class:`~jaxoffload.Remat` or :class:`~jaxoffload.Offload`.
       static_argnums: as in ``nn.remat``: positions of non-array arguments,
         counting ``self`` as 0. Arguments that hold no arrays (``train=True``,
-        positional or keyword) are static without being named.
+        positional or keyword), and NumPy bools, are static without being named.
       device_argnums: positions of arguments, counting ``self`` as 0, kept on
         the device anyway: for instance an input that the layer before keeps,
         so that moving it would free nothing.

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-from jaxoffload._src.argnums import Argnums, holds_arrays, named_after, positional_names
+from jaxoffload._src.argnums import Argnums, is_static, named_after, positional_names
 
 __all__ = [
     "CALL_NAME",
@@ -60,12 +60,12 @@ def trace_call(fun: Callable[..., Any], argnums: Argnums, args: tuple, kwargs: d
     A Flax Module called twice would draw its RNGs twice, and initialise other
     values: ``fun`` runs once, here.
     """
-    # Arguments that hold no arrays (``train=True``, positional or keyword) are
-    # static, as jit's static arguments are: traced, a Python bool could not
-    # steer the function.
+    # Arguments that hold no arrays (``train=True``, positional or keyword), and NumPy
+    # bools, are static, as jit's static arguments are: traced, a flag could not steer
+    # the function.
     argnums = argnums.with_static_values(args)
     dynamic, rebuild, device = argnums.split(args, kwargs, positional_names(fun))
-    static_kwargs = {k: v for k, v in kwargs.items() if not holds_arrays(v)}
+    static_kwargs = {k: v for k, v in kwargs.items() if is_static(v)}
     kwargs = {k: v for k, v in kwargs.items() if k not in static_kwargs}
 
     def call(*dynamic, **kwargs):

@@ -16,7 +16,7 @@ from flax import nnx
 from jaxoffload._src import context
 from jaxoffload._src import linen as offload_linen
 from jaxoffload._src import nnx as offload_nnx
-from jaxoffload._src.argnums import holds_arrays
+from jaxoffload._src.argnums import is_static
 from jaxoffload._src.strategies import Lean, Store, Strategy, stored_within
 
 __all__ = ["Discovery", "Strategies", "apply_plan", "check_model"]
@@ -127,9 +127,9 @@ def _apply_linen(plan: Strategies, model: nn.Module) -> nn.Module:
             if plan.outside.is_identity:
                 out = base.__call__(self, *args, **kwargs)
             else:
-                # Non-array arguments (``train=True``) are static, as nn.remat's
-                # static_argnums would make them.
-                static = tuple(n + 1 for n, a in enumerate(args) if not holds_arrays(a))
+                # Arguments that hold no arrays (``train=True``), and NumPy bools, are
+                # static, as nn.remat's static_argnums would make them.
+                static = tuple(n + 1 for n, a in enumerate(args) if is_static(a))
                 if static not in wrapped_by_static:
                     wrapped_by_static[static] = offload_linen.wrap(
                         base, plan.outside, static_argnums=static
