@@ -12,6 +12,7 @@ import pytest
 
 import jaxoffload
 from jaxoffload import Lean, Offload, Plan, Remat, Store
+from jaxoffload._src.jaxprs import format_bytes
 from jaxoffload._src.planner import (
     BlockCost,
     BlockCosts,
@@ -311,8 +312,12 @@ def test_traced_block_costs_take_their_times_from_flops_and_compile_no_block_pro
 
 def test_no_plan_fits_says_what_was_reached(shared_planner):
     made, _ = shared_planner
-    with pytest.raises(jaxoffload.NoPlanFits, match="the least compiled was"):
+    with pytest.raises(jaxoffload.NoPlanFits, match="the least compiled was") as raised:
         made.plan_for(1000, max_rounds=3)
+    # A small model's bytes in bytes: in MiB, the budget read "0.0 MiB".
+    said, least = str(raised.value), raised.value.least_bytes
+    assert least < 2**20 and "0.0 MiB" not in said
+    assert "fits 1,000 B" in said and f"the least compiled was {least:,} B" in said
 
 
 def _blocks(n=4, kept=100, lean=40, host=40):
@@ -448,19 +453,19 @@ def test_the_budget_s_share_of_the_runtime_peak_counts_what_the_process_holds_be
     for fits in (share, room):
         assert fits.held_bytes == held
         assert fits.compiled_bytes + fits.held_bytes <= fits.budget_bytes
-        assert f"for the compiled step and {held / 2**20:.1f} MiB held besides it" in str(fits)
+        assert f"for the compiled step and {format_bytes(held)} held besides it" in str(fits)
         assert Plan.from_json(fits.to_json()).held_bytes == held
     # The plain step's compiled bytes fit the plain step alone, not beside what is held.
     assert isinstance(short, jaxoffload.NoPlanFits) and short.plain_bytes == plain
-    assert f"less {held / 2**20:.1f} MiB held besides the step" in str(short)
+    assert f"less {format_bytes(held)} held besides the step" in str(short)
     said = [line for line in lines if line.startswith("budget ")]
     assert said[0].startswith(
         f"budget 1.0 of the plain step's peak as the process sees it, "
-        f"{(plain + held) / 2**20:.1f} MiB = compiled {plain / 2**20:.1f} MiB + held "
-        f"{held / 2**20:.1f} MiB besides the step's arguments"
+        f"{format_bytes(plain + held)} = compiled {format_bytes(plain)} + held "
+        f"{format_bytes(held)} besides the step's arguments"
     )
-    assert said[2].endswith(f"the compiled step within {(plain - held) / 2**20:.1f} MiB + held "
-                            f"{held / 2**20:.1f} MiB besides the step's arguments")  # fmt: skip
+    assert said[2].endswith(f"the compiled step within {format_bytes(plain - held)} + held "
+                            f"{format_bytes(held)} besides the step's arguments")  # fmt: skip
 
 
 def test_what_the_process_holds_is_its_bytes_in_use_less_the_step_s_own_arrays():

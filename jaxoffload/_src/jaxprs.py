@@ -50,7 +50,9 @@ def nbytes(aval: Any, *, per_device: bool = False) -> int:
 
 
 def format_bytes(n: float) -> str:
-    """Bytes as a person reads them: GiB from a quarter of one, MiB below."""
+    """Bytes as a person reads them: exact below a MiB, then MiB, and GiB from a quarter of one."""
+    if abs(n) < 2**20:
+        return f"{round(n):,} B"
     return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**28 else f"{n / 2**20:.1f} MiB"
 
 

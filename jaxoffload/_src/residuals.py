@@ -117,8 +117,8 @@ class OffloadedCall:
     def __repr__(self) -> str:
         n = len(self.residuals)
         return (
-            f"OffloadedCall({n} residual{'s' * (n != 1)}, {_size(self.host_bytes)} on the host, "
-            f"{_size(self.device_bytes)} on the device, {_count(self.flops)}FLOP)"
+            f"OffloadedCall({n} residual{'s' * (n != 1)}, {format_bytes(self.host_bytes)} on the host, "
+            f"{format_bytes(self.device_bytes)} on the device, {_count(self.flops)}FLOP)"
         )
 
     def __str__(self) -> str:
@@ -141,11 +141,6 @@ class OffloadedCall:
         lines = [repr(self), *(f"  {r}" for r in self.residuals)]
         lines += [f"  rewrite: {r}" for r in self.rewrites]
         return "\n".join(lines)
-
-
-def _size(nbytes: int) -> str:
-    """Bytes as a person reads them: exact below a MiB, then MiB or GiB."""
-    return f"{nbytes:,} B" if nbytes < 2**20 else format_bytes(nbytes)
 
 
 def _count(n: int) -> str:

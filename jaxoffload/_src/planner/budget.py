@@ -139,9 +139,11 @@ def check_room(budgets: Sequence[int | float], args: Sequence[Any], of: str, hel
                 else f"the step's arguments and the {format_bytes(held)} held on the device "
                 "besides them (held_bytes)"
             )
+            said = format_bytes(least)
+            if not said.endswith(" B"):  # in MiB or GiB: the exact bytes too
+                said += f" ({least:,} bytes)"
             raise ValueError(
-                f"budget={budget} bytes is less than {what}, "
-                f"{format_bytes(least)} ({least:,} bytes), so nothing can fit it{meant}"
+                f"budget={budget} bytes is less than {what}, {said}, so nothing can fit it{meant}"
             )
 
 
