@@ -427,6 +427,20 @@ def test_a_list_of_budgets_loses_the_ones_that_fit_to_none_that_does_not():
         assert fits.held_bytes == 0 and "for the compiled step alone" in str(fits)
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="what planning on a CPU says")
+def test_offloading_options_on_a_cpu_are_said_to_save_nothing_there():
+    # It said that a smaller batch was the next step down, as on a GPU.
+    least = sum(x.nbytes for x in jax.tree.leaves(ARGS)) + 1
+    with pytest.raises(jaxoffload.NoPlanFits) as raised:
+        jaxoffload.plan(
+            PLANNABLE, step, *ARGS, budget=least, options=[Offload()], runs=1,
+            block_costs="traced", progress=False,
+        )  # fmt: skip
+    said = str(raised.value)
+    assert "offloading to host memory saves nothing" in said
+    assert "host memory is the device's memory" in said and "next step down" not in said
+
+
 def _plain_compiled_bytes():
     """The plain step's compiled bytes (arguments and temporaries), compiled here."""
     plain = Plan(tuple((p, Store()) for p in PATHS))

@@ -14,14 +14,21 @@ from jaxoffload._src.strategies import brief
 __all__ = ["note", "progress_printer", "summary", "where_it_stops"]
 
 
-def where_it_stops(link, share: float) -> str:
-    """What the least share reached means, and what might go lower."""
-    if link is None and jax.default_backend() == "cpu":
+def where_it_stops(offloads: bool, share: float) -> str:
+    """What the least share reached means, and what might go lower; ``offloads`` says
+    whether an option moves residuals to host memory."""
+    if jax.default_backend() != "cpu":
+        return " A smaller batch, or a smaller image, is the next step down."
+    if offloads:
         return (
-            " On CPU, compiled memory barely moves with the strategy (XLA:CPU keeps what it "
-            "keeps, and nothing can move to a host): plan on a GPU."
+            " On CPU, offloading to host memory saves nothing: host memory is the device's "
+            "memory, so Offload() frees none of it, and XLA:CPU keeps what it keeps whatever "
+            "the strategy: plan on a GPU."
         )
-    return " A smaller batch, or a smaller image, is the next step down."
+    return (
+        " On CPU, compiled memory barely moves with the strategy (XLA:CPU keeps what it "
+        "keeps, and nothing can move to a host): plan on a GPU."
+    )
 
 
 def note(cost: BlockCost) -> str:
