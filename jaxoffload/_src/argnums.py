@@ -20,7 +20,6 @@ __all__ = [
     "Argnums",
     "check_argnums",
     "check_positions",
-    "holds_arrays",
     "is_static",
     "named_after",
     "positional_names",

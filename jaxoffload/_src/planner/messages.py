@@ -14,9 +14,9 @@ from jaxoffload._src.strategies import brief
 __all__ = ["note", "progress_printer", "summary", "where_it_stops"]
 
 
-def where_it_stops(offloads: bool, share: float) -> str:
-    """What the least share reached means, and what might go lower; ``offloads`` says
-    whether an option moves residuals to host memory."""
+def where_it_stops(offloads: bool) -> str:
+    """What might go below the least plan reached; ``offloads`` says whether an option
+    moves residuals to host memory."""
     if jax.default_backend() != "cpu":
         return " A smaller batch, or a smaller image, is the next step down."
     if offloads:

@@ -328,7 +328,7 @@ def _best_fit(planner, candidates, budget_bytes: int) -> Plan | NoPlanFits:
         f"{besides}: "
         f"the least compiled was {format_bytes(least)}, {least / plain_bytes:.0%} of the "
         f"plain step's {format_bytes(plain_bytes)}."
-        + where_it_stops(any(s.to_host for s in planner.options), least / plain_bytes),
+        + where_it_stops(any(s.to_host for s in planner.options)),
         least_bytes=least,
         plain_bytes=plain_bytes,
     )
