@@ -523,8 +523,8 @@ def _plan_call(**kwargs):
 
 
 def _fit_call(**kwargs):
-    options = {"budget": 10**9, "progress": False, **kwargs}
-    return lambda: jaxoffload.largest_size(Net(), step, _args_at, **options)
+    options = {"budget": 10**9, "progress": False, "args_at": _args_at, **kwargs}
+    return lambda: jaxoffload.largest_size(Net(), step, **options)
 
 
 def _args_at(batch):
@@ -620,6 +620,17 @@ def test_largest_size_says_what_args_at_must_return(returns, got):
     )
     with pytest.raises(TypeError, match="args_at must be a function of the size"):
         jaxoffload.largest_size(Net(), step, (X,), budget=10**9, progress=False)
+
+
+def test_largest_size_refuses_an_args_at_whose_arguments_do_not_grow_with_the_size():
+    # Arguments built once and closed over compiled alike at every size: the search
+    # answered its limit, as if every size fitted.
+    match = (
+        r"args_at gives arguments of the same shapes at sizes 1 and 8, so the step would "
+        r"compile alike at every size.*args_at\(size\) must build the batch at that size"
+    )
+    fixed = lambda n: _args_at(4)  # noqa: E731
+    _refused_before_compiling(ValueError, match, _fit_call(args_at=fixed))
 
 
 def test_a_size_search_that_fits_nothing_says_so_and_takes_numbers_of_any_kind():

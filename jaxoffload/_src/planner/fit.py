@@ -215,6 +215,7 @@ def largest_size(
     first = -(-smallest // multiple_of) * multiple_of
     check_room([budget], steps.args(first), "the device's memory")
     check_donated(donate_argnums, steps.args(first))
+    _check_grows(steps, first, start if start != first else first + multiple_of, limit)
 
     def bytes_at(size: int) -> int:
         got = steps.compiled_bytes(size)
@@ -278,6 +279,24 @@ def largest_size(
         )  # fmt: skip
     finally:
         steps.settle()  # no compile outlives the search
+
+
+def _check_grows(steps: SizeSteps, first: int, other: int, limit: int) -> None:
+    """Raises if ``args_at`` gives arguments of the same shapes at ``first`` and ``other``:
+    the step would compile alike at every size, and the search would answer ``limit``."""
+    if other > limit:
+        return
+
+    def shapes(size):
+        return [(a.shape, a.dtype) for a in jax.tree.leaves(steps.args(size))]
+
+    if shapes(first) == shapes(other):
+        raise ValueError(
+            f"args_at gives arguments of the same shapes at sizes {first} and {other}, so the "
+            "step would compile alike at every size and the search would answer limit: "
+            "args_at(size) must build the batch at that size, such as "
+            "jnp.zeros((size, 224, 224, 3)) for a batch, not close over one built beforehand."
+        )
 
 
 def _fit(steps: SizeSteps, size, peak, confirmed, step_ms, stopped) -> Fit:
