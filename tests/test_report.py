@@ -178,3 +178,22 @@ def test_the_twin_is_the_program_without_host_placement():
     # The same ordering barriers: only the placement changes.
     plain = jax.make_jaxpr(jax.grad(lambda w, x: f(w, x).sum()))(*args)
     assert str(twin).count("optimization_barrier") == str(plain).count("optimization_barrier")
+
+
+def test_a_step_under_nnx_jit_is_reported_as_one_under_jax_jit(monkeypatch):
+    # nnx.jit's trace wraps jax's: the report asked it for a jaxpr it does not hold, and
+    # an NNX user's memory_report(nnx.jit(step), model, x) ended in an AttributeError.
+    from flax import nnx
+
+    module = jaxoffload.nnx.wrap(nnx.Linear(16, 16, rngs=nnx.Rngs(0)), jaxoffload.Offload())
+    step = nnx.jit(nnx.grad(lambda m, x: jnp.tanh(m(x)).sum()))
+    x = normal(1, (4, 16))
+    report = jaxoffload.memory_report(step, module, x, on_dropped="ignore")
+    assert report.platform == "cpu" and report.requested_transfers >= 1
+    # Where something moves (here, as a GPU's program reads), the twin compiles too.
+    read = report_lib.read_host_transfers
+    monkeypatch.setattr(
+        report_lib, "read_host_transfers", lambda text: {**read(text), "device_to_host": 1}
+    )
+    twinned = jaxoffload.memory_report(step, module, x, on_dropped="ignore")
+    assert twinned.moved and twinned.twin_temp_bytes is not None

@@ -146,8 +146,8 @@ def memory_report(
     moving them then costs transfers for little.
 
     Args:
-      jitted: a function wrapped in :func:`jax.jit` (or anything with
-        ``.trace``, ``.lower`` and ``.compile``).
+      jitted: a function wrapped in :func:`jax.jit` or :func:`flax.nnx.jit`
+        (or anything with ``.trace``, ``.lower`` and ``.compile``).
       *args: its arguments, as arrays or :class:`jax.ShapeDtypeStruct`.
       on_dropped: what to do when host placement was requested but nothing
         moves: ``"warn"`` (an :class:`OffloadWarning`), ``"raise"`` (an
@@ -180,11 +180,13 @@ def memory_report(
     report = analyze(traced, traced.lower().compile(), on_dropped=on_dropped)
     if twin and report.moved:
         # jit caches traces by argument types alone: clear it on both sides
-        # of the twin's trace, so that neither reuses the other's.
-        jitted.clear_cache()
+        # of the twin's trace, so that neither reuses the other's. nnx.jit's
+        # wrapper has no cache of its own: its jax.jit (jitted_fn) holds it.
+        cached = getattr(jitted, "jitted_fn", jitted)
+        cached.clear_cache()
         with without_host_placement():
             twin_compiled = jitted.trace(*args, **kwargs).lower().compile()
-        jitted.clear_cache()
+        cached.clear_cache()
         report = with_twin(report, twin_compiled, on_dropped=on_dropped)
     return report
 
@@ -226,7 +228,8 @@ def analyze(traced: Any, compiled: Any, *, on_dropped: str = "warn") -> MemoryRe
     """
     _check_on_dropped(on_dropped)
     analysis = compiled.memory_analysis()
-    requested = requested_host_transfers(traced.jaxpr)
+    # nnx.jit's trace wraps jax's, which holds the jaxpr.
+    requested = requested_host_transfers(getattr(traced, "traced", traced).jaxpr)
     report = MemoryReport(
         platform=jax.default_backend(),
         temp_bytes=int(analysis.temp_size_in_bytes),
