@@ -43,6 +43,10 @@ REQUIRED = {
     [
         (["--model", "alexnet"], "Unknown model 'alexnet'; choose one of flax-resnet18"),
         (["--strategies", "none,swap"], "unknown strategies ['swap']"),
+        (["--strategies", "none,lean,lean"],
+         "--strategies names lean more than once: each strategy is measured once"),
+        (["--budget", "0.5,0.35,0.50"],
+         "argument --budget: 0.5 given more than once: each budget is planned and measured once"),
         (["--batch", "0"], "batch must be at least 1"),
         (["--image-size", "16"], "image_size must be at least 32"),
         (["--steps", "0"], "--steps must be at least 1"),

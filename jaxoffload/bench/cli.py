@@ -263,6 +263,12 @@ def parse_budgets(text: str) -> tuple[float, ...]:
     bad = [b for b in budgets if not 0 < b <= 1]
     if bad:
         raise argparse.ArgumentTypeError(f"budgets are shares of 'none's peak in (0, 1], got {bad}")
+    repeated = list(dict.fromkeys(b for b in budgets if budgets.count(b) > 1))
+    if repeated:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(f'{b:g}' for b in repeated)} given more than once: each budget is planned "
+            "and measured once; --repeat N times each plan in N processes"
+        )
     return budgets
 
 

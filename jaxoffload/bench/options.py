@@ -85,6 +85,13 @@ def checked_strategies(args: argparse.Namespace) -> list[str]:
         raise BenchError(
             f"unknown strategies {unknown or strategies}; choose from {', '.join(STRATEGY_FLAGS)}"
         )
+    # Each would be measured again in a process of its own, into a second record of one name.
+    repeated = list(dict.fromkeys(s for s in strategies if strategies.count(s) > 1))
+    if repeated:
+        raise BenchError(
+            f"--strategies names {', '.join(repeated)} more than once: each strategy is measured "
+            "once; --repeat N times each in N processes"
+        )
     if args.steps < 1:
         raise BenchError(f"--steps must be at least 1, got {args.steps}")
     if args.repeat < 1:
