@@ -267,6 +267,14 @@ def test_plan_says_how_to_select_an_nnx_models_blocks():
         jaxoffload.plan(model, _step, X, LABELS, budget=1.0, blocks=nnx.Embed, progress=False)
     with pytest.raises(ValueError, match="does not have; its submodules are"):
         jaxoffload.Plan((("blocks/7", Lean()),)).apply(model)
+    # A block where its class is meant, and a selection of one argument, were called as
+    # blocks(path, module), and Python's arity error named the block's __call__ or the lambda.
+    with pytest.raises(TypeError, match=r"blocks= takes the blocks' class, not a block: got a "
+                       r"Block instance; write blocks=Block"):  # fmt: skip
+        jaxoffload.plan(model, _step, X, LABELS, budget=1.0, blocks=model.blocks[0])
+    with pytest.raises(TypeError, match=r"called as blocks\(path, module\).*'<lambda>'\(path\) "
+                       r"cannot take those two"):  # fmt: skip
+        jaxoffload.plan(model, _step, X, LABELS, budget=1.0, blocks=lambda path: "blocks" in path)
 
 
 def test_blocks_are_found_in_call_order_not_graph_order():

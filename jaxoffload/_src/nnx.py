@@ -302,6 +302,22 @@ def submodules(model: nnx.Module) -> dict[str, nnx.Module]:
     }
 
 
+def _check_selects(blocks: Callable) -> None:
+    """Raises unless ``blocks`` can be called as ``blocks(path, module)``."""
+    try:
+        signature = inspect.signature(blocks)
+    except (TypeError, ValueError):  # a builtin, say: no signature to check
+        return
+    try:
+        signature.bind("blocks/0", None)
+    except TypeError:
+        raise TypeError(
+            f"blocks= as a function is called as blocks(path, module), with a path such as "
+            f"'blocks/0', but {getattr(blocks, '__name__', blocks)!r}{signature} cannot take "
+            "those two: write blocks=lambda path, module: isinstance(module, MyBlock)."
+        ) from None
+
+
 def block_paths(model: nnx.Module, blocks: Any) -> list[str]:
     """The paths of ``model``'s submodules that ``blocks`` selects, for :func:`jaxoffload.plan`.
 
@@ -329,7 +345,14 @@ def block_paths(model: nnx.Module, blocks: Any) -> list[str]:
         def select(path, module):
             return isinstance(module, classes)
 
+    elif isinstance(blocks, nnx.Module):  # callable too, but its __call__ is the block's
+        name = type(blocks).__name__
+        raise TypeError(
+            f"blocks= takes the blocks' class, not a block: got a {name} instance; write "
+            f"blocks={name}, or a function (path, module) -> bool."
+        )
     elif callable(blocks):
+        _check_selects(blocks)
         select = blocks
     else:
         raise TypeError(
