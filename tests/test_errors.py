@@ -523,8 +523,9 @@ def _plan_call(**kwargs):
 
 
 def _fit_call(**kwargs):
+    the_step = kwargs.pop("step", step)
     options = {"budget": 10**9, "progress": False, "args_at": _args_at, **kwargs}
-    return lambda: jaxoffload.largest_size(Net(), step, **options)
+    return lambda: jaxoffload.largest_size(Net(), the_step, **options)
 
 
 def _args_at(batch):
@@ -563,7 +564,13 @@ def _args_at(batch):
      ({"step": jax.jit(step)}, TypeError,
       r"jaxoffload\.plan takes the training step unjitted, but got a jitted one "
       r"\(jax\.jit\(step\) or nnx\.jit\(step\)\).*Pass step itself, and jit it"),
-     ({"step": "step"}, TypeError, r"takes the training step as a function step\(model, \*args\)")],
+     ({"step": "step"}, TypeError, r"takes the training step as a function step\(model, \*args\)"),
+     # Python's arity error came from inside the first trace, naming only the user's step.
+     pytest.param({"step": lambda model, params, x: x}, TypeError,
+      r"jaxoffload\.plan calls step\(model, \*args\), here with the model and the 4 arguments "
+      r"given after the step, but <lambda>\(model, params, x\) cannot be called so \(too many "
+      r"positional arguments\): give the step's other arguments after the step",
+      id="step of the wrong arity")],
     ids=lambda v: repr(v)[:40],
 )  # fmt: skip
 def test_plan_refuses_what_it_is_given_wrong_before_it_compiles(kwargs, error, match):
@@ -598,7 +605,15 @@ def test_plan_refuses_what_it_is_given_wrong_before_it_compiles(kwargs, error, m
      ({"budget": 100}, ValueError, r"budget=100 bytes is less than the step's arguments alone.*"
       r"a share of the device's memory is a float: did you mean budget=1\.0\?"),
      ({"budget": "80%"}, TypeError, r"got the string '80%'; write budget=0\.8, a share"),
-     ({"donate_argnums": 4}, ValueError, r"donate_argnums=\(4,\) names positions \[4\]")],
+     ({"donate_argnums": 4}, ValueError, r"donate_argnums=\(4,\) names positions \[4\]"),
+     pytest.param({"args_at": lambda size, dtype: _args_at(size)}, TypeError,
+      r"largest_size calls args_at\(size\), here args_at\(1\), but <lambda>\(size, dtype\) "
+      r"cannot be called so \(missing a required argument: 'dtype'\): args_at takes the size",
+      id="args_at of two parameters"),
+     pytest.param({"step": lambda model, params, x: x}, TypeError,
+      r"largest_size calls step\(model, \*args_at\(size\)\), here with the model and the 4 "
+      r"arguments that args_at\(1\) returns, but <lambda>\(model, params, x\) cannot be called",
+      id="step of the wrong arity")],
     ids=lambda v: repr(v)[:40],
 )  # fmt: skip
 def test_largest_size_refuses_what_it_is_given_wrong_before_it_compiles(kwargs, error, match):

@@ -8,6 +8,7 @@ result.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,7 +29,15 @@ __all__ = [
     "check_progress",
     "check_search",
     "check_step",
+    "check_takes",
 ]
+
+# How the planners call the training step, and what to write where it cannot take that.
+_STEP_CALL = "step(model, *args), here with the model and the {} arguments given after the step"
+_STEP_FIX = (
+    "give the step's other arguments after the step, as in jaxoffload.plan(model, step, *state, "
+    "x, labels, budget=...); the step takes the model first, as step(model, *args)."
+)
 
 # How a planner costs its blocks: each distinct block program compiled and timed alone, or
 # its traced FLOPs at the plain step's measured ms per FLOP.
@@ -50,6 +59,22 @@ def check_step(step: Any, called: str) -> None:
             f"{called} takes the training step as a function step(model, *args), got "
             f"{checks.written(step)}."
         )
+
+
+def check_takes(fun: Callable, args: Sequence[Any], called: str, how: str, fix: str) -> None:
+    """Raises unless ``fun``'s signature takes ``args``, as ``called`` calls it (``how``):
+    Python's own error would come from inside a trace, and name only the user's function."""
+    try:
+        signature = inspect.signature(fun)
+    except (TypeError, ValueError):  # a builtin, say: no signature to check
+        return
+    try:
+        signature.bind(*args)
+    except TypeError as e:
+        name = getattr(fun, "__name__", type(fun).__name__)
+        raise TypeError(
+            f"{called} calls {how}, but {name}{signature} cannot be called so ({e}): {fix}"
+        ) from None
 
 
 def check_planning(
@@ -105,6 +130,8 @@ def check_planning(
     if block_costs not in BLOCK_COSTS:
         raise ValueError(f"block_costs is one of {BLOCK_COSTS}, got {block_costs!r}.")
     check_progress(progress)
+    if args is not None:  # each argument alone first, then how they meet
+        check_takes(step, (model, *args), called, _STEP_CALL.format(len(args)), _STEP_FIX)
     return options, runs
 
 

@@ -31,6 +31,7 @@ from jaxoffload._src.planner.arguments import (
     check_min_speed,
     check_planning,
     check_search,
+    check_takes,
 )
 from jaxoffload._src.planner.bracket import largest_fitting
 from jaxoffload._src.planner.budget import check_room, device_budget
@@ -205,6 +206,11 @@ def largest_size(
             f"args_at must be a function of the size that returns the step's other arguments, "
             f"got {checks.written(args_at)}; write args_at=lambda n: (state, batch_of(n))."
         )
+    first = -(-smallest // multiple_of) * multiple_of
+    check_takes(
+        args_at, (first,), "jaxoffload.largest_size", f"args_at(size), here args_at({first})",
+        "args_at takes the size alone, as args_at=lambda size: (state, batch_of(size)).",
+    )  # fmt: skip
     say = progress_printer(progress, "fit")
     began = time.perf_counter()
     steps = SizeSteps(model, step, args_at, budget, plan, dict(
@@ -212,7 +218,13 @@ def largest_size(
     ), min_speed)  # fmt: skip
     # The arguments at the smallest size, abstractly: what args_at gives is checked, and a
     # budget below them is refused, before any step compiles.
-    first = -(-smallest // multiple_of) * multiple_of
+    check_takes(
+        step, (model, *steps.args(first)), "jaxoffload.largest_size",
+        f"step(model, *args_at(size)), here with the model and the {len(steps.args(first))} "
+        f"arguments that args_at({first}) returns",
+        "args_at(size) returns the step's arguments after the model, as (state, batch), and the "
+        "step takes the model first, as step(model, *args).",
+    )  # fmt: skip
     check_room([budget], steps.args(first), "the device's memory")
     check_donated(donate_argnums, steps.args(first))
     _check_grows(steps, first, start if start != first else first + multiple_of, limit)
