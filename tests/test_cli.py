@@ -43,6 +43,7 @@ REQUIRED = {
     [
         (["--model", "alexnet"], "Unknown model 'alexnet'; choose one of flax-resnet18"),
         (["--strategies", "none,swap"], "unknown strategies ['swap']"),
+        (["--strategies", ","], "--strategies ',' names no strategy; choose from none, lean"),
         (["--strategies", "none,lean,lean"],
          "--strategies names lean more than once: each strategy is measured once"),
         (["--budget", "0.5,0.35,0.50"],

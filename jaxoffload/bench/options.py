@@ -81,10 +81,13 @@ def checked_strategies(args: argparse.Namespace) -> list[str]:
     """``--strategies`` as a list, checked with ``--steps`` and the flags that depend on it."""
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGY_FLAGS]
-    if unknown or not strategies:
+    if not strategies:
         raise BenchError(
-            f"unknown strategies {unknown or strategies}; choose from {', '.join(STRATEGY_FLAGS)}"
+            f"--strategies {args.strategies!r} names no strategy; choose from "
+            f"{', '.join(STRATEGY_FLAGS)}"
         )
+    if unknown:
+        raise BenchError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGY_FLAGS)}")
     # Each would be measured again in a process of its own, into a second record of one name.
     repeated = list(dict.fromkeys(s for s in strategies if strategies.count(s) > 1))
     if repeated:
