@@ -12,6 +12,7 @@ names the argument, shows the value and says what to write instead.
 from __future__ import annotations
 
 import difflib
+import inspect
 import math
 import numbers
 from collections.abc import Iterable
@@ -21,6 +22,7 @@ import numpy as np
 
 __all__ = [
     "as_number",
+    "cannot_take",
     "flag",
     "integer",
     "real",
@@ -264,3 +266,21 @@ def unknown_field(kind: str, known: Iterable[str], given: Iterable[str], error=T
         raise error(
             f"{kind} has no field {unknown[0]!r}{meant}; its fields are {', '.join(known)}."
         )
+
+
+def cannot_take(fun: Any, args: tuple) -> str | None:
+    """Why ``fun`` cannot be called with ``args``, as ``name(signature) ...: Python's reason``,
+    or ``None`` where it can, or has no signature to check (a builtin, say).
+
+    Checked before a trace calls ``fun``, where Python's own error would name only it."""
+    try:
+        signature = inspect.signature(fun)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*args)
+    except TypeError as e:
+        return (
+            f"{getattr(fun, '__name__', type(fun).__name__)}{signature} cannot be called so ({e})"
+        )
+    return None

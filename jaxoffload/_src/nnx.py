@@ -20,7 +20,7 @@ from typing import Any, TypeVar, overload
 import jax
 from flax import nnx
 
-from jaxoffload._src import context, flax_kinds, transform
+from jaxoffload._src import checks, context, flax_kinds, transform
 from jaxoffload._src.argnums import (
     MODULE_VARIABLES,
     Argnums,
@@ -304,18 +304,12 @@ def submodules(model: nnx.Module) -> dict[str, nnx.Module]:
 
 def _check_selects(blocks: Callable) -> None:
     """Raises unless ``blocks`` can be called as ``blocks(path, module)``."""
-    try:
-        signature = inspect.signature(blocks)
-    except (TypeError, ValueError):  # a builtin, say: no signature to check
-        return
-    try:
-        signature.bind("blocks/0", None)
-    except TypeError:
+    why = checks.cannot_take(blocks, ("blocks/0", None))
+    if why:
         raise TypeError(
             f"blocks= as a function is called as blocks(path, module), with a path such as "
-            f"'blocks/0', but {getattr(blocks, '__name__', blocks)!r}{signature} cannot take "
-            "those two: write blocks=lambda path, module: isinstance(module, MyBlock)."
-        ) from None
+            f"'blocks/0', but {why}: write blocks=lambda path, module: isinstance(module, MyBlock)."
+        )
 
 
 def block_paths(model: nnx.Module, blocks: Any) -> list[str]:

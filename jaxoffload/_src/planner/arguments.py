@@ -8,7 +8,6 @@ result.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -62,19 +61,10 @@ def check_step(step: Any, called: str) -> None:
 
 
 def check_takes(fun: Callable, args: Sequence[Any], called: str, how: str, fix: str) -> None:
-    """Raises unless ``fun``'s signature takes ``args``, as ``called`` calls it (``how``):
-    Python's own error would come from inside a trace, and name only the user's function."""
-    try:
-        signature = inspect.signature(fun)
-    except (TypeError, ValueError):  # a builtin, say: no signature to check
-        return
-    try:
-        signature.bind(*args)
-    except TypeError as e:
-        name = getattr(fun, "__name__", type(fun).__name__)
-        raise TypeError(
-            f"{called} calls {how}, but {name}{signature} cannot be called so ({e}): {fix}"
-        ) from None
+    """Raises unless ``fun`` takes ``args``, as ``called`` calls it (``how``)."""
+    why = checks.cannot_take(fun, tuple(args))
+    if why:
+        raise TypeError(f"{called} calls {how}, but {why}: {fix}")
 
 
 def check_planning(
