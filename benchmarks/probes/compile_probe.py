@@ -133,6 +133,7 @@ def _probe(name, args, dump):
         "compile_s": round(time.perf_counter() - start, 1),
     }  # fmt: skip
     if args.hlo:
+        os.makedirs(args.hlo, exist_ok=True)
         with open(os.path.join(args.hlo, f"{args.model}-{args.batch}-{name}.hlo"), "w") as f:
             f.write(compiled.as_text())
     if dump:

@@ -35,6 +35,7 @@ __all__ = [
     "move_out",
     "packed",
     "put_back",
+    "recompute_after",
     "say_if_nothing_moves",
     "scalar_of",
     "unpacked",
@@ -191,6 +192,17 @@ def fetch(host, cotangent, fetch_cotangent, anchors, fetch_window):
         host, fetch_cotangent = barrier_arrays((host, fetch_cotangent))
         anchors = [*anchors, fetch_cotangent]
     return [_put(value, _DEVICE) for value in host.arrays], cotangent, anchors
+
+
+def recompute_after(cotangent, saved, fetched):
+    """``saved`` and ``fetched`` (:func:`fetch`'s arrays) once ``cotangent`` has arrived, for the
+    backward pass's recomputation to read: as ``jax.checkpoint`` recomputes, since XLA would
+    otherwise merge the recomputation with the forward pass's.
+
+    Returns ``(saved, fetched, cotangent)``.
+    """
+    (saved, fetched), cotangent = barrier_arrays(((saved, fetched), cotangent))
+    return saved, fetched, cotangent
 
 
 def put_back(saved, host, fetched):

@@ -396,9 +396,7 @@ def _custom_call(traced: TracedCall, strategy: Strategy, fun) -> Any:
                 host, cotangent, fetch_cotangent, anchors, fetch_window
             )
         if kept.recomputes:
-            # Recomputed after the cotangent arrives, as jax.checkpoint does:
-            # otherwise XLA merges the recomputation with the forward pass's.
-            (saved, fetched), cotangent = transfers.barrier_arrays(((saved, fetched), cotangent))
+            saved, fetched, cotangent = transfers.recompute_after(cotangent, saved, fetched)
         saved = transfers.put_back(saved, host, fetched)
         vjp_fun = jax.tree.unflatten(kept.vjp_tree, kept.backward(saved))
         # Each gate's cotangent exists once this call's backward pass starts:
