@@ -787,6 +787,15 @@ def test_a_damaged_plan_file_says_which_file_what_and_where(tmp_path, text, matc
     assert jaxoffload.Plan.load(_damaged(tmp_path, _SAVED.to_json())) == _SAVED
 
 
+def test_plan_from_json_given_a_path_says_to_load_it(tmp_path):
+    # A path was parsed as JSON text, and the error said the JSON was damaged at line 1.
+    path = _damaged(tmp_path, _SAVED.to_json())
+    for named in (str(path), "plan.json"):
+        with pytest.raises(ValueError, match=r"names a file: write Plan\.load\("):
+            jaxoffload.Plan.from_json(named)
+    assert jaxoffload.Plan.from_json(_SAVED.to_json()) == _SAVED
+
+
 def test_forward_mode_through_lean_or_offload_names_the_block_and_what_works():
     lean = wrap(_layer, Lean(), device_argnums=0)
     message = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -201,6 +202,12 @@ class Plan:
             raise TypeError(
                 f"Plan.from_json takes the text that Plan.to_json wrote, got {text!r}; for a "
                 "file, write Plan.load(path)."
+            )
+        named = text.strip() if isinstance(text, str) else ""
+        if named.endswith(".json") or (named and os.path.isfile(named)):
+            raise ValueError(
+                f"Plan.from_json takes the text that Plan.to_json wrote, got {named!r}, which "
+                f"names a file: write Plan.load({named!r})."
             )
         return cls._read(_parsed(text, "the JSON text"), "the JSON text")
 
