@@ -10,8 +10,9 @@ twin), so that the device bytes the copies free can be read. With ``--peaks``,
 the device peak is read from XLA's dump of each step (:func:`peak_breakdown`): the
 instruction where most of the temporaries are alive, and the jax operations whose
 buffers are alive there. With ``--hlo``, each step's compiled program is written to
-DIR/MODEL-BATCH-STRATEGY.hlo (``deviceless.py kernels`` reads it). One JSON line per
-strategy goes to stdout. Image size 224, bf16. ``deviceless.py run`` runs it for the H200
+DIR/MODEL-BATCH-STRATEGY.hlo (``deviceless.py kernels`` reads it). With ``--options``,
+each step compiles with :func:`jaxoffload.compiler_options` (the bench's), else with XLA's
+defaults. One JSON line per strategy goes to stdout. Image size 224, bf16. ``deviceless.py run`` runs it for the H200
 on a machine without one.
 """
 
@@ -94,6 +95,9 @@ def main():
     parser.add_argument("--peaks", action="store_true")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--hlo", metavar="DIR", help="write each compiled program here")
+    parser.add_argument(
+        "--options", action="store_true", help="compile with jaxoffload.compiler_options()"
+    )
     args = parser.parse_args()
     dump = tempfile.mkdtemp()
     if args.peaks:
@@ -109,6 +113,7 @@ def main():
 
 def _probe(name, args, dump):
     """One strategy's record: the compiled step, its twin if it asks for host copies, their peaks."""
+    from jaxoffload import compiler_options
     from jaxoffload.bench.measure import compile_twin
     from jaxoffload.bench.step import train_step
     from jaxoffload.bench.workload import Workload
@@ -121,7 +126,7 @@ def _probe(name, args, dump):
     start = time.perf_counter()
     step, state, batch, _ = train_step(workload, abstract=True)
     traced = step.trace(state, batch)
-    compiled = traced.lower().compile()
+    compiled = traced.lower().compile(compiler_options() if args.options else None)
     report = analyze(traced, compiled, on_dropped="ignore")
     record = {
         "model": args.model, "batch": args.batch, "strategy": name,
