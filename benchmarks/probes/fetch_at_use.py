@@ -21,24 +21,13 @@ import re
 import runpy
 import sys
 
-from jaxoffload.internal import transfers
+from jaxoffload.internal import device_bytes_of, transfers
 
 
 def recompute_after(cotangent, saved, fetched):
     """``transfers.recompute_after`` with the fetched values left out of the barrier."""
     saved, cotangent = transfers.barrier_arrays((saved, cotangent))
     return saved, fetched, cotangent
-
-
-def _bytes(shape: str) -> int:
-    sizes = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
-    total = 0
-    for dtype, dims in re.findall(r"\b(bf16|f16|f32|s32|u32|pred|s8|u8)\[([0-9,]*)\]", shape):
-        n = sizes[dtype]
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n
-    return total
 
 
 def overlaps(path: str) -> list[tuple[int, int, int, int]]:
@@ -58,8 +47,9 @@ def overlaps(path: str) -> list[tuple[int, int, int, int]]:
             starts[name] = k
         elif op == "copy-done":
             start = starts.get(operands.split(",")[0].strip())
-            if start is not None and "S(5)" not in shape and _bytes(shape) >= 2**20:
-                found.append((_bytes(shape), start, k))
+            n = device_bytes_of(shape)  # 0 for a copy to the host, whose result is there
+            if start is not None and n >= 2**20:
+                found.append((n, start, k))
         else:
             kernels.append((k, op == "custom-call"))
     return [
